@@ -1,0 +1,356 @@
+"""ShardedArray: an immutable torch.Tensor wrapper holding the shards of a global value."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import optree
+import torch
+
+from . import layout as _lay
+from .backends import backend_for, execute
+from .errors import ShardingError
+from .layout import Layout, describe
+from .mesh import Mesh, current_mesh
+from .plan import plan_layouts
+from .spec import NamedSharding, P, Placement, Sharding, layout_placements, layout_to_spec, to_layout
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class ShardedArray(torch.Tensor):
+    """A global tensor laid out over a mesh. Its ``shape``/``dtype`` are global; the
+    shards live in ``_local`` (the mesh backend's storage). Immutable: in-place ops raise
+    :class:`~shardfn.ImmutableError`."""
+
+    _local: Any
+    _layout: Layout
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
+                *, requires_grad: bool = False, stride: Sequence[int] | None = None) -> ShardedArray:
+        like = local[0] if isinstance(local, tuple) else local
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride if stride is not None else _contiguous_strides(shape),
+            dtype=dtype, device=like.device, requires_grad=requires_grad,
+        )
+        r._local = local
+        r._layout = layout
+        return r
+
+    # -- metadata ------------------------------------------------------------------------
+    @property
+    def mesh(self) -> Mesh:
+        return self._layout.mesh
+
+    @property
+    def sharding(self) -> NamedSharding:
+        return _named(self._layout)
+
+    @property
+    def spec(self) -> P:
+        return layout_to_spec(self._layout)
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return layout_placements(self._layout)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        rg = ", requires_grad=True" if self.requires_grad else ""
+        return f"ShardedArray({describe(tuple(self.shape), self.dtype, self._layout)}, mesh={self.mesh!r}{rg})"
+
+    # -- shards ----------------------------------------------------------------------------
+    def local_shards(self) -> list[torch.Tensor]:
+        """The shards this process holds, one per device (row-major); no autograd."""
+        if self.mesh.backend == "local":
+            from .backends.local import parts
+
+            return list(parts(self._local, self.mesh))
+        return [self._local]
+
+    def to_local(self, grad_sharding: Sharding | None = None) -> Any:
+        """The local shards, differentiable: a list (one per device) on the local backend,
+        this rank's tensor on dist. The gradient flowing back is read with
+        ``grad_sharding`` (default: this layout, with pending reductions as replicated)."""
+        grad_layout = (
+            self._layout.without_partial() if grad_sharding is None
+            else to_layout(grad_sharding, self.ndim, self.mesh, arg="grad_sharding")
+        )
+        out = _ToLocal.apply(self, grad_layout)
+        return list(out) if self.mesh.backend == "local" else out[0]
+
+    def full_tensor(self) -> torch.Tensor:
+        """The global value as a plain tensor, ready to use (differentiable)."""
+        return _FullTensor.apply(self)
+
+    def redistribute(self, sharding: Sharding) -> ShardedArray:
+        """Same value, new layout (see :func:`shardfn.reshard`)."""
+        return reshard(self, sharding)
+
+    @classmethod
+    def from_local(cls, local: Any, sharding: Sharding, *, mesh: Mesh | None = None,
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> ShardedArray:
+        """Build a ShardedArray from shards: a list, one per device (local backend), or
+        this rank's tensor (dist). Shard shapes are checked against the layout."""
+        return _from_local(local, sharding, mesh, shape, stride)
+
+    # -- torch integration ---------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from .dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        if isinstance(self._local, tuple):
+            return [f"_part_{i}" for i in range(len(self._local))], (self._layout, True)
+        return ["_local"], (self._layout, False)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_part_"):
+            return self._local[int(name[6:])]
+        raise AttributeError(name)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> ShardedArray:
+        layout, is_parts = ctx
+        local = tuple(inner[f"_part_{i}"] for i in range(len(inner))) if is_parts else inner["_local"]
+        like = local[0] if is_parts else local
+        return ShardedArray(local, layout, outer_size, like.dtype, stride=outer_stride)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
+
+
+@functools.lru_cache(maxsize=4096)
+def _named(layout: Layout) -> NamedSharding:
+    return NamedSharding(layout.mesh, layout_to_spec(layout))
+
+
+def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:
+    return ShardedArray(local, layout, tuple(shape), dtype, requires_grad=requires_grad)
+
+
+def _mesh_of(x: Any, mesh: Mesh | None) -> Mesh | None:
+    if isinstance(x, ShardedArray):
+        if mesh is not None and mesh != x.mesh:
+            raise ShardingError(f"mesh={mesh!r} differs from the array's mesh {x.mesh!r}")
+        return x.mesh
+    return mesh if mesh is not None else current_mesh()
+
+
+# -- public functions -------------------------------------------------------------------
+
+
+def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = None) -> ShardedArray:
+    """Lay out a full tensor over the mesh (each device keeps only its shard).
+
+    A Partial sharding puts the value on the first device of each reduction group (sum)
+    or on all of them (avg/max/min). On dist every rank must pass the same tensor.
+    """
+    if isinstance(tensor, ShardedArray):
+        return reshard(tensor, sharding)
+    if not isinstance(tensor, torch.Tensor):
+        raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
+    layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
+    return _Distribute.apply(tensor, layout)
+
+
+device_put = distribute
+
+
+def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
+    """The same global value in a new layout, moved with the cheapest plan; the gradient
+    is resharded back."""
+    if not isinstance(x, ShardedArray):
+        if isinstance(x, torch.Tensor):
+            return distribute(x, sharding)
+        raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
+    dst = to_layout(sharding, x.ndim, x.mesh)
+    if dst == x._layout:
+        return x
+    return _Reshard.apply(x, dst)
+
+
+def gather(x: ShardedArray) -> torch.Tensor:
+    """The global value as a plain tensor (= ``x.full_tensor()``)."""
+    if not isinstance(x, ShardedArray):
+        raise ShardingError(f"gather takes a ShardedArray, got {type(x).__name__}")
+    return x.full_tensor()
+
+
+# -- raw (autograd-free) helpers shared with dispatch --------------------------------------
+
+
+def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
+    """The backend value of ``x`` laid out as ``dst`` (no autograd)."""
+    if dst == x._layout:
+        return x._local
+    return execute(plan_layouts(x._layout, dst, tuple(x.shape), x.dtype), x._local)
+
+
+def raw_full(x: ShardedArray) -> torch.Tensor:
+    value = raw_reshard(x, Layout(x.mesh, ((),) * x.ndim))
+    return backend_for(x.mesh).one_replica(value, x.mesh)
+
+
+def raw_distribute(t: torch.Tensor, layout: Layout) -> Any:
+    backend = backend_for(layout.mesh)
+    rep = backend.replicated(t, layout.mesh)
+    full = Layout(layout.mesh, ((),) * t.dim())
+    return execute(plan_layouts(full, layout, tuple(t.shape), t.dtype), rep)
+
+
+# -- autograd functions -------------------------------------------------------------------
+
+
+class _Reshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ShardedArray, dst: Layout) -> ShardedArray:
+        ctx.src = x._layout
+        return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return reshard(_as_sharded(g, ctx.src), ctx.src.without_partial()), None
+
+
+class _Distribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, layout: Layout) -> ShardedArray:
+        return wrap(raw_distribute(t.detach(), layout), layout, t.shape, t.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return (g.full_tensor() if isinstance(g, ShardedArray) else g), None
+
+
+class _FullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ShardedArray) -> torch.Tensor:
+        ctx.layout = x._layout
+        return raw_full(x).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        rep = Layout(ctx.layout.mesh, ((),) * g.dim())
+        return reshard(_Distribute.apply(g, rep), ctx.layout.without_partial())
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: ShardedArray, grad_layout: Layout) -> tuple:
+        ctx.meta = (grad_layout, tuple(x.shape), x.dtype)
+        shards = x.local_shards()
+        ctx.mark_non_differentiable(*[s for s in shards if not s.is_floating_point() and not s.is_complex()])
+        return tuple(shards)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        layout, shape, dtype = ctx.meta
+        shapes = _lay.local_shapes(layout, shape) if layout.mesh.backend == "local" else None
+        grads = [
+            torch.zeros(shapes[i] if shapes else shape, dtype=dtype) if g is None else g
+            for i, g in enumerate(grads)
+        ]
+        local = grads if layout.mesh.backend == "local" else grads[0]
+        return _from_local(local, layout, layout.mesh, shape, None), None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, layout: Layout, shape: tuple, stride: Any, *shards: torch.Tensor) -> ShardedArray:
+        ctx.meta = (layout, shape)
+        backend = backend_for(layout.mesh)
+        local = backend.from_shards([s.detach() for s in shards], layout, shape)
+        return ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        layout, shape = ctx.meta
+        grad = reshard(_as_sharded(g, layout), layout.without_partial())
+        shards = [s for s in grad.local_shards()]
+        avg = math.prod(layout.mesh.axis_size(a) for a, op in layout.partial if op == "avg")
+        if avg > 1:
+            shards = [s / avg for s in shards]
+        return (None, None, None, *shards)
+
+
+def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
+    if isinstance(g, ShardedArray):
+        return g
+    return distribute(g, Layout(layout.mesh, ((),) * g.dim()))
+
+
+def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequence[int] | None,
+                stride: Sequence[int] | None) -> ShardedArray:
+    if mesh is None and not isinstance(sharding, NamedSharding | Layout):
+        mesh = current_mesh()
+    shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
+    ndim = shards[0].dim()
+    layout = to_layout(sharding, ndim, mesh, arg="sharding")
+    backend = backend_for(layout.mesh)
+    shape = backend.global_shape(shards, layout, shape)
+    return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
+
+
+def _sharding_mesh(sharding: Any) -> Mesh:
+    return sharding.mesh
+
+
+def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:
+    if mesh is None:
+        raise ShardingError("from_local needs a mesh: pass mesh=, a NamedSharding, or enter `with mesh:`")
+    if mesh.backend == "dist":
+        if not isinstance(local, torch.Tensor):
+            raise ShardingError(f"from_local on the dist backend takes this rank's tensor, got {type(local).__name__}")
+        return [local]
+    if isinstance(local, torch.Tensor) and not isinstance(local, ShardedArray):
+        if local.dim() >= 1 and local.shape[0] == mesh.size:
+            local = list(local.unbind(0))
+        else:
+            raise ShardingError(
+                f"from_local on the local backend takes a list of {mesh.size} tensors (one per "
+                f"device of {mesh!r}), got a single tensor of shape {tuple(local.shape)}"
+            )
+    local = list(local)
+    if len(local) != mesh.size:
+        raise ShardingError(
+            f"from_local got {len(local)} local shards but {mesh!r} has {mesh.size} devices; "
+            f"pass one tensor per device, row-major"
+        )
+    for i, t in enumerate(local):
+        if not isinstance(t, torch.Tensor) or isinstance(t, ShardedArray):
+            raise ShardingError(f"from_local: shard {i} is {type(t).__name__}, not a plain torch.Tensor")
+        if t.dim() != local[0].dim() or t.dtype != local[0].dtype:
+            raise ShardingError(
+                f"from_local: shard {i} is {t.dtype}[{tuple(t.shape)}] but shard 0 is "
+                f"{local[0].dtype}[{tuple(local[0].shape)}]; all shards need one rank and dtype"
+            )
+    return local
+
+
+# -- pytree registration -------------------------------------------------------------------
+
+
+def _flatten(x: ShardedArray) -> tuple:
+    children = list(x._local) if isinstance(x._local, tuple) else [x._local]
+    return children, (x._layout, tuple(x.shape), isinstance(x._local, tuple))
+
+
+def _unflatten(aux: tuple, children: Any) -> ShardedArray:
+    layout, shape, is_parts = aux
+    local = tuple(children) if is_parts else children[0]
+    return wrap(local, layout, shape, (local[0] if is_parts else local).dtype)
+
+
+optree.register_pytree_node(ShardedArray, _flatten, _unflatten, namespace="shardfn")

@@ -1,0 +1,282 @@
+"""The local backend: every device of the mesh simulated in this process.
+
+A value is either *stacked*, one tensor of shape ``(*mesh.shape, *local_shape)`` when
+every shard has the same shape (collectives are then reshapes/reductions over the mesh
+dims and an op runs once for the whole mesh), or a tuple of per-device shards
+(row-major) for uneven layouts. Replicated values are stacked as expanded views, which
+is safe because shards are never written in place.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence, Union
+
+import torch
+
+from ..layout import Layout, is_even, local_shapes
+from ..mesh import Mesh
+from ..plan import Step, _exchange
+
+Value = Union[torch.Tensor, tuple]
+
+
+# -- conversions between the two forms ----------------------------------------------------
+
+
+def parts(value: Value, mesh: Mesh) -> tuple[torch.Tensor, ...]:
+    """Per-device shards (row-major), as views when the value is stacked."""
+    if isinstance(value, tuple):
+        return value
+    out = [value]
+    for _ in range(mesh.ndim):
+        out = [t for v in out for t in v.unbind(0)]
+    return tuple(out)
+
+
+def stack(shards: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
+    return torch.stack(list(shards)).view(*mesh.shape, *shards[0].shape)
+
+
+def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
+    """Store shards in the preferred form for this layout."""
+    if is_even(layout, shape):
+        return stack(shards, layout.mesh)
+    return tuple(shards)
+
+
+def replicated(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """A stacked value in which every device holds ``full`` (an expanded view)."""
+    return full.view((1,) * mesh.ndim + tuple(full.shape)).expand(*mesh.shape, *full.shape)
+
+
+def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:
+    if isinstance(value, tuple):
+        return value[device]
+    return value[mesh.coords(device)]
+
+
+# -- reductions -----------------------------------------------------------------------
+
+
+def _reduce(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
+    if op == "sum":
+        return x.sum(dim, keepdim=True, dtype=x.dtype)
+    if op == "avg":
+        if x.is_floating_point() or x.is_complex():
+            return x.mean(dim, keepdim=True)
+        return torch.div(x.sum(dim, keepdim=True, dtype=x.dtype), x.shape[dim], rounding_mode="floor")
+    if op == "max":
+        return x.amax(dim, keepdim=True)
+    return x.amin(dim, keepdim=True)
+
+
+def reduce_parts(shards: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce a list of same-shape parts (used by the uneven path and by gathers)."""
+    return _reduce(torch.stack(list(shards)), 0, op).squeeze(0)
+
+
+# -- step implementations -------------------------------------------------------------------
+
+
+def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtype) -> Value:
+    mesh = step.src.mesh
+    if not isinstance(value, tuple) and step.routes is None and is_even(step.dst, shape):
+        return _STACKED[step.kind](step, value, mesh)
+    shards = parts(value, mesh)
+    if step.kind in ("all_reduce", "reduce_local"):
+        return from_parts(_reduce_uneven(step, shards, mesh), step.dst, shape)
+    src = step.src
+    if step.kind == "reduce_scatter":
+        shards = _reduce_uneven(step, shards, mesh)
+        src = src.with_partial(step.dst.partial_ops)
+    routes = step.routes if step.routes is not None else _routes(src, step.dst, shape)
+    return _run_routes(routes, shards, step.dst, shape)
+
+
+def _ai(step: Step, mesh: Mesh) -> tuple[int, int]:
+    return mesh.axis_index(step.axis), mesh.ndim
+
+
+def _split(x: torch.Tensor, pos: int, g: int) -> torch.Tensor:
+    """Split dim ``pos`` of ``x`` into (g, size // g)."""
+    n = x.shape[pos]
+    return x.reshape(*x.shape[:pos], g, n // g, *x.shape[pos + 1:])
+
+
+def _all_gather(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    ai, m = _ai(step, mesh)
+    order = [i for i in range(x.dim()) if i != ai]
+    pos = order.index(m + step.dim)
+    order.insert(pos, ai)
+    y = x.permute(order)
+    shape = list(y.shape)
+    shape[pos:pos + 2] = [shape[pos] * shape[pos + 1]]
+    y = y.reshape(shape).unsqueeze(ai)
+    return y.expand(*mesh.shape, *y.shape[m:])
+
+
+def _all_to_all(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    ai, m = _ai(step, mesh)
+    g = mesh.shape[ai]
+    d, e = step.dim, step.dim2
+    x2 = _split(x, m + e, g)  # local dim e -> (chunk j, c)
+    chunk = m + e
+    local = lambda k: m + k + (1 if k > e else 0)  # noqa: E731  position of local dim k in x2
+    order = list(range(m))
+    order[ai] = chunk
+    for k in range(x.dim() - m):
+        if k == d:
+            order.append(ai)
+        order.append(local(k) if k != e else chunk + 1)
+    y = x2.permute(order)
+    pos = m + d
+    shape = list(y.shape)
+    shape[pos:pos + 2] = [shape[pos] * shape[pos + 1]]
+    return y.reshape(shape)
+
+
+def _slice(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    ai, m = _ai(step, mesh)
+    x2 = _split(x, m + step.dim, mesh.shape[ai])
+    return x2.diagonal(dim1=ai, dim2=m + step.dim).movedim(-1, ai)
+
+
+def _all_reduce(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    ai, _ = _ai(step, mesh)
+    return _reduce(x, ai, step.op).expand(x.shape)
+
+
+def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    ai, m = _ai(step, mesh)
+    r = _split(_reduce(x, ai, step.op), m + step.dim, mesh.shape[ai])
+    return r.squeeze(ai).movedim(m - 1 + step.dim, ai)
+
+
+def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    if step.op != "sum":
+        return x
+    ai, _ = _ai(step, mesh)
+    keep = torch.zeros(mesh.shape[ai], dtype=torch.bool, device=x.device)
+    keep[0] = True
+    keep = keep.view([-1 if i == ai else 1 for i in range(x.dim())])
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+_STACKED = {
+    "all_gather": _all_gather,
+    "all_to_all": _all_to_all,
+    "slice": _slice,
+    "all_reduce": _all_reduce,
+    "reduce_scatter": _reduce_scatter,
+    "reduce_local": _reduce_local,
+}
+
+
+def _groups(mesh: Mesh, axis: str) -> list[list[int]]:
+    """Devices grouped by all coordinates but ``axis``, each group in axis order."""
+    ai = mesh.axis_index(axis)
+    groups: dict[tuple, list[int]] = {}
+    for dev in range(mesh.size):
+        c = mesh.coords(dev)
+        groups.setdefault(c[:ai] + c[ai + 1:], []).append(dev)
+    return list(groups.values())
+
+
+def _reduce_uneven(step: Step, shards: tuple, mesh: Mesh) -> tuple:
+    """all_reduce / reduce_local on per-device shards (the reduce half of reduce_scatter)."""
+    out = list(shards)
+    for group in _groups(mesh, step.axis):
+        if step.kind == "reduce_local":
+            if step.op == "sum":
+                for dev in group[1:]:
+                    out[dev] = torch.zeros_like(shards[dev])
+            continue
+        reduced = reduce_parts([shards[d] for d in group], step.op)
+        for dev in group:
+            out[dev] = reduced
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _routes(src: Layout, dst: Layout, shape: tuple[int, ...]):
+    return _exchange(src, dst, shape, 1).routes
+
+
+def _run_routes(routes, shards: tuple, dst: Layout, shape: tuple[int, ...]) -> Value:
+    mesh = dst.mesh
+    like = shards[0]
+    shapes = local_shapes(dst, shape)
+    if is_even(dst, shape):
+        out = torch.empty(*mesh.shape, *shapes[0], dtype=like.dtype, device=like.device)
+        views = parts(out, mesh)
+        for r in routes:
+            views[r.dst][r.dst_slices] = shards[r.src][r.src_slices]
+        return out
+    by_dst: dict[int, list] = {}
+    for r in routes:
+        by_dst.setdefault(r.dst, []).append(r)
+    result = []
+    for t, local_shape in enumerate(shapes):
+        mine = by_dst.get(t, ())
+        if len(mine) == 1 and shards[mine[0].src][mine[0].src_slices].shape == local_shape:
+            result.append(shards[mine[0].src][mine[0].src_slices])
+            continue
+        buf = torch.empty(local_shape, dtype=like.dtype, device=like.device)
+        for r in mine:
+            buf[r.dst_slices] = shards[r.src][r.src_slices]
+        result.append(buf)
+    return tuple(result)
+
+
+# -- protocol used by ShardedArray ----------------------------------------------------------
+
+
+def one_replica(value: Value, mesh: Mesh) -> torch.Tensor:
+    """The shard of device 0 (for a fully replicated value: the whole value)."""
+    return value[0] if isinstance(value, tuple) else value[(0,) * mesh.ndim]
+
+
+def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
+    return from_parts(shards, layout, shape)
+
+
+def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None) -> tuple[int, ...]:
+    """The global shape the shards describe (or ``shape``), checked against the layout."""
+    from ..errors import ShardingError
+    from ..layout import describe
+
+    mesh = layout.mesh
+    actual = tuple(tuple(s.shape) for s in shards)
+    if shape is None:
+        dims = []
+        for d, axes in enumerate(layout.dims):
+            idx = [mesh.axis_index(a) for a in axes]
+            total = 0
+            for dev in range(mesh.size):
+                c = mesh.coords(dev)
+                if all(c[i] == 0 for i in range(mesh.ndim) if i not in idx):
+                    total += actual[dev][d]
+            dims.append(total)
+        shape = tuple(dims)
+    shape = tuple(int(n) for n in shape)
+    if len(shape) != len(actual[0]):
+        raise ShardingError(f"from_local: shape={shape} has rank {len(shape)} but the shards have rank {len(actual[0])}")
+    expected = local_shapes(layout, shape)
+    for dev, (want, got) in enumerate(zip(expected, actual)):
+        if want != got:
+            raise ShardingError(
+                f"from_local: shard {dev} (mesh coords {mesh.coords(dev)}) has shape {got}, but "
+                f"{describe(shape, shards[0].dtype, layout)} on {mesh!r} puts a shard of shape "
+                f"{want} there; expected shard shapes {list(expected)}; pass shape= if the "
+                f"global shape differs"
+            )
+    return shape
+
+
+def shard_list(value: Value, mesh: Mesh) -> tuple:
+    return parts(value, mesh)
+
+
+def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
+    return all(flags)

@@ -1,0 +1,332 @@
+"""Sharding propagation for every aten op on ShardedArrays.
+
+``dispatch`` is called from ``ShardedArray.__torch_dispatch__``. The hot path is one cache
+lookup keyed on the op, the input layouts/shapes/dtypes and the static arguments (floats
+excluded, so a new scalar each step still hits). On a miss the rule table proposes
+candidate strategies, each costed by the bytes its input redistributions move; the
+cheapest is compiled into an :class:`_Entry` that reshards inputs, runs the local op
+once for the whole mesh (stacked) or once per device, and wraps the outputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from . import rules as _rules
+from .array import ShardedArray, raw_full, raw_reshard, wrap
+from .backends import backend_for
+from .errors import FallbackWarning, ImmutableError, ShardingError
+from .layout import Layout, describe, is_even, local_shapes
+from .plan import plan_layouts
+from .rules.base import Candidate, OpCall
+
+aten = torch.ops.aten
+
+_cache: dict[tuple, "_Entry"] = {}
+_warned: set[str] = set()
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(func, args, kwargs)
+    if func._schema.is_mutable:
+        return _mutating(func, args, kwargs)
+    leaves = _leaves(args, kwargs)
+    key = _key(func, leaves)
+    entry = _cache.get(key)
+    if entry is None:
+        entry = _cache[key] = _compile(func, args, kwargs, leaves)
+    return entry.run(args, kwargs, leaves)
+
+
+# -- call analysis -----------------------------------------------------------------------------
+
+
+def _leaves(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
+    """(path, value) of every argument, lists flattened one level."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            out.extend(((i, j), b) for j, b in enumerate(a))
+            out.append(((i, "len"), len(a)))
+        else:
+            out.append((i, a))
+    for k, v in kwargs.items():
+        out.append((k, v))
+    return out
+
+
+def _key(func: Any, leaves: list) -> tuple:
+    parts: list[Any] = [func]
+    for path, v in leaves:
+        if isinstance(v, ShardedArray):
+            parts.append((path, v._layout, v.shape, v.dtype))
+        elif isinstance(v, torch.Tensor):
+            parts.append((path, "T", v.shape, v.dtype, v.device))
+        elif isinstance(v, float):
+            parts.append((path, "f"))
+        elif isinstance(v, complex):
+            parts.append((path, "c"))
+        else:
+            parts.append((path, v))
+    return tuple(parts)
+
+
+def _replace(args: tuple, kwargs: dict, fn: Callable[[Any, Any], Any]) -> tuple[tuple, dict]:
+    """Rebuild args/kwargs with ``fn(path, value)`` applied to every leaf."""
+    new_args = []
+    for i, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            new_args.append(type(a)(fn((i, j), b) for j, b in enumerate(a)))
+        else:
+            new_args.append(fn(i, a))
+    return tuple(new_args), {k: fn(k, v) for k, v in kwargs.items()}
+
+
+def _to_meta(path: Any, v: Any) -> Any:
+    if isinstance(v, ShardedArray):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    if isinstance(v, torch.Tensor):
+        return v.to("meta")
+    return v
+
+
+def _describe_call(func: Any, leaves: list) -> str:
+    arrays = [v for _, v in leaves if isinstance(v, ShardedArray)]
+    return f"{_op_name(func)}: " + " x ".join(describe(tuple(a.shape), a.dtype, a._layout) for a in arrays)
+
+
+def _op_name(func: Any) -> str:
+    return f"aten.{func.overloadpacket.__name__}" if func.namespace == "aten" else str(func)
+
+
+# -- compilation -----------------------------------------------------------------------------------
+
+
+def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
+    arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
+    meshes = {v.mesh for _, v in arrays}
+    if len(meshes) > 1:
+        raise ShardingError(
+            f"{_describe_call(func, leaves)}: inputs live on different meshes "
+            f"{sorted(map(repr, meshes))}; reshard them onto one mesh first"
+        )
+    mesh = next(iter(meshes))
+    try:
+        with torch.no_grad():
+            margs, mkwargs = _replace(args, kwargs, _to_meta)
+            out_meta = func(*margs, **mkwargs)
+    except NotImplementedError:
+        out_meta = None  # data-dependent output shape: only the fallback can run it
+    except (RuntimeError, IndexError, ValueError, TypeError) as e:
+        raise ShardingError(f"{_describe_call(func, leaves)}: invalid arguments: {e}") from None
+    call = OpCall(func, args, kwargs, arrays, out_meta, mesh)
+    rule = _rules.lookup(func)
+    cands = rule.candidates(call) if rule is not None and out_meta is not None else []
+    if not cands:
+        return _fallback_entry(func, call, warn=rule is None)
+    best = min(cands, key=lambda c: _cost(c, arrays))
+    return _Entry(func, call, best)
+
+
+def _cost(c: Candidate, arrays: list) -> int:
+    return sum(
+        plan_layouts(v._layout, want, tuple(v.shape), v.dtype).bytes_per_device
+        for (_, v), want in zip(arrays, c.in_layouts)
+    )
+
+
+def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:
+    if isinstance(out, (tuple, list)):
+        return list(out), (lambda xs, t=type(out): t(xs))
+    return [out], (lambda xs: xs[0])
+
+
+@attrs.define
+class _Entry:
+    """A compiled strategy for one cache key."""
+
+    func: Any
+    call: OpCall
+    cand: Candidate
+    out_shapes: list = attrs.field(init=False)
+    out_dtypes: list = attrs.field(init=False)
+    rebuild: Callable = attrs.field(init=False)
+    stacked: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        metas, self.rebuild = _flat_outputs(self.call.out_meta)
+        self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
+        self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
+        c = self.cand
+        self.stacked = (
+            self.call.mesh.backend == "local"
+            and c.stacked_args is not None
+            and all(is_even(l, tuple(v.shape)) for (_, v), l in zip(self.call.arrays, c.in_layouts))
+            and all(
+                l is None or is_even(l, s) for l, s in zip(c.out_layouts, self.out_shapes)
+            )
+        )
+
+    def run(self, args: tuple, kwargs: dict, leaves: list) -> Any:
+        arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
+        values = {p: raw_reshard(v, want) for (p, v), want in zip(arrays, self.cand.in_layouts)}
+        mesh = self.call.mesh
+        if self.stacked:
+            a, k = _replace(args, kwargs, lambda p, v: values.get(p, v) if isinstance(v, ShardedArray) else v)
+            a, k = self.cand.stacked_args(a, k, mesh.ndim)
+            outs, _ = _flat_outputs(self.func(*a, **k))
+            locals_ = outs
+        else:
+            locals_ = self._per_device(args, kwargs, values)
+        results = []
+        for local, layout, shape, dtype in zip(locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes):
+            results.append(local if layout is None else wrap(local, layout, shape, dtype))
+        return self.rebuild(results)
+
+    def _per_device(self, args: tuple, kwargs: dict, values: dict) -> list:
+        mesh = self.call.mesh
+        backend = backend_for(mesh)
+        if mesh.backend != "local":
+            a, k = _replace(args, kwargs, lambda p, v: values[p] if isinstance(v, ShardedArray) else v)
+            if self.cand.device_args is not None:
+                a, k = self.cand.device_args(a, k, backend.rank_of(mesh))
+            outs, _ = _flat_outputs(self.func(*a, **k))
+            return outs
+        from .backends.local import device_view, from_parts
+
+        per_dev = []
+        for dev in range(mesh.size):
+            a, k = _replace(args, kwargs, lambda p, v: device_view(values[p], mesh, dev) if isinstance(v, ShardedArray) else v)
+            if self.cand.device_args is not None:
+                a, k = self.cand.device_args(a, k, dev)
+            per_dev.append(_flat_outputs(self.func(*a, **k))[0])
+        out = []
+        for i, (layout, shape) in enumerate(zip(self.cand.out_layouts, self.out_shapes)):
+            col = [o[i] for o in per_dev]
+            out.append(col[0] if layout is None else from_parts(col, layout, shape))
+        return out
+
+
+# -- fallback: replicate, run once, replicate the result ------------------------------------------
+
+
+def _fallback_entry(func: Any, call: OpCall, *, warn: bool) -> Any:
+    name = _op_name(func)
+    if warn and name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"{name} has no sharding rule: its inputs are replicated and it runs on the full "
+            f"tensors; add a rule with sf.register_sharding({name.replace('aten.', 'torch.ops.aten.')}, ...)",
+            FallbackWarning,
+            stacklevel=4,
+        )
+    return _Fallback(func, call.mesh)
+
+
+@attrs.define
+class _Fallback:
+    func: Any
+    mesh: Any
+
+    def run(self, args: tuple, kwargs: dict, leaves: list) -> Any:
+        a, k = _replace(args, kwargs, lambda p, v: raw_full(v) if isinstance(v, ShardedArray) else v)
+        out = self.func(*a, **k)
+        backend = backend_for(self.mesh)
+        outs, rebuild = _flat_outputs(out)
+        res = []
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                layout = Layout(self.mesh, ((),) * o.dim())
+                res.append(wrap(backend.replicated(o, self.mesh), layout, o.shape, o.dtype))
+            else:
+                res.append(o)
+        return rebuild(res)
+
+
+# -- in-place ops and special cases -------------------------------------------------------------------
+
+
+def _mutating(func: Any, args: tuple, kwargs: dict) -> Any:
+    name = func.overloadpacket.__name__
+    target = args[0] if args else None
+    functional = _functional_variant(func)
+    if (
+        isinstance(target, ShardedArray)
+        and functional is not None
+        and torch._C._current_graph_task_id() != -1
+    ):
+        # The autograd engine accumulating into an existing .grad: rebind, never write shards.
+        result = dispatch(functional, args, kwargs)
+        target._local, target._layout = result._local, result._layout
+        return target
+    base = name[:-1] if name.endswith("_") else name
+    hint = {
+        "copy": "sf.reshard(x, sharding) to change a layout, or build a new array",
+        "index_put": "x.index_put(indices, values) or torch.where(mask, values, x)",
+        "fill": "torch.full_like(x, value) or x.masked_fill(mask, value)",
+        "zero": "torch.zeros_like(x)",
+    }.get(base, f"torch.{base}(...) / x.{base}(...)" if hasattr(torch, base) else "the functional form of the op")
+    raise ImmutableError(
+        f"aten.{name} would modify a ShardedArray in place, but ShardedArrays are immutable; "
+        f"use the out-of-place form {hint} and rebind the result"
+    )
+
+
+def _functional_variant(func: Any) -> Any:
+    name = func.overloadpacket.__name__
+    if not name.endswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, func._overloadname, None) if packet is not None else None
+
+
+def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    return wrap(x._local, x._layout, x.shape, x.dtype)
+
+
+def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
+    a, b = args
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if not isinstance(a, ShardedArray):
+        a, b = b, a
+    layout = a._layout.without_partial()
+    if isinstance(b, ShardedArray) and b.mesh != a.mesh:
+        raise ShardingError(f"aten.equal: operands live on different meshes {a.mesh!r} and {b.mesh!r}")
+    from .array import raw_distribute
+
+    va = raw_reshard(a, layout)
+    vb = raw_reshard(b, layout) if isinstance(b, ShardedArray) else raw_distribute(b, layout)
+    return backend_for(a.mesh).all_true(
+        [torch.equal(x, y) for x, y in zip(_shards(va, a.mesh), _shards(vb, a.mesh))], a.mesh
+    )
+
+
+def _shards(value: Any, mesh: Any) -> tuple:
+    return backend_for(mesh).shard_list(value, mesh)
+
+
+def _scalar(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(raw_full(args[0]))
+
+
+_SPECIAL: dict[Any, Callable] = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.clone.default: _alias,
+    aten.lift_fresh.default: _alias,
+    aten.is_same_size.default: _is_same_size,
+    aten.equal.default: _equal,
+    aten._local_scalar_dense.default: _scalar,
+}

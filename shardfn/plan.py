@@ -1,0 +1,251 @@
+"""Redistribution plans: the cheapest sequence of collectives from one layout to another.
+
+``plan_redistribute`` is a pure, cached function of (src, dst, shape, dtype). It runs a
+shortest-path search over layouts whose edges are per-axis collectives (all_gather,
+all_to_all, slice, all_reduce, reduce_scatter, reduce_local) plus one direct exchange to
+the destination (a permute or an all_to_all over several axes), each costed in the
+bytes the busiest device sends (ring algorithm costs; see ``Step.bytes``).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from typing import Sequence
+
+import attrs
+import torch
+
+from .errors import ShardingError
+from .layout import (
+    Box,
+    Layout,
+    all_boxes,
+    box_intersection,
+    box_numel,
+    describe,
+    max_local_numel,
+)
+from .mesh import Mesh
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute", "slice", "reduce_local")
+COMM_KINDS = frozenset(KINDS[:5])
+
+
+@attrs.frozen
+class Route:
+    """One piece of an exchange: device ``dst`` copies ``src_box`` of device ``src``'s
+    shard into ``dst_box`` of its own (both relative to the local shards)."""
+
+    src: int
+    dst: int
+    src_slices: tuple[slice, ...]
+    dst_slices: tuple[slice, ...]
+
+
+@attrs.frozen(repr=False)
+class Step:
+    """One transition. ``axis`` is a mesh axis name, or a tuple of names for an exchange
+    over several axes. ``dim``/``dim2`` are the tensor dims involved (gather/split dim),
+    ``op`` the reduction; ``bytes`` the most bytes any device sends in this step."""
+
+    kind: str
+    axis: str | tuple[str, ...]
+    src: Layout
+    dst: Layout
+    bytes: int
+    group_size: int
+    dim: int | None = None
+    dim2: int | None = None
+    op: str | None = None
+    routes: tuple[Route, ...] | None = None
+
+    def __repr__(self) -> str:
+        return f"Step({self.kind}, axis={self.axis!r}, {self.src.spec_str()} -> {self.dst.spec_str()})"
+
+    def explain(self) -> str:
+        ax = self.axis if isinstance(self.axis, str) else "+".join(self.axis)
+        what = {
+            "all_gather": f"all_gather dim {self.dim} over '{ax}'",
+            "all_to_all": (
+                f"all_to_all over '{ax}': split dim {self.dim2}, gather dim {self.dim}"
+                if self.dim is not None else f"all_to_all over '{ax}' (direct exchange of pieces)"
+            ),
+            "slice": f"slice dim {self.dim} by '{ax}' (local, no communication)",
+            "all_reduce": f"all_reduce({self.op}) over '{ax}'",
+            "reduce_scatter": f"reduce_scatter({self.op}) over '{ax}' onto dim {self.dim}",
+            "reduce_local": f"mark pending {self.op} over '{ax}' (local, no communication)",
+            "permute": f"permute shards over '{ax}' (each device sends its shard to one peer)",
+        }[self.kind]
+        return f"{what}: {self.src.spec_str()} -> {self.dst.spec_str()}, {self.bytes} B/device"
+
+
+@attrs.frozen(repr=False)
+class Plan:
+    """A cached sequence of steps taking ``src`` to ``dst`` for one shape and dtype."""
+
+    src: Layout
+    dst: Layout
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    steps: tuple[Step, ...]
+
+    @property
+    def bytes_per_device(self) -> int:
+        return sum(s.bytes for s in self.steps)
+
+    def __str__(self) -> str:
+        head = (
+            f"Plan {describe(self.shape, self.dtype, self.src)} -> {self.dst.spec_str()} "
+            f"on {self.src.mesh!r}: {len(self.steps)} step(s), {self.bytes_per_device} B/device"
+        )
+        if not self.steps:
+            return head + "\n  (no-op: the layouts already agree)"
+        return head + "".join(f"\n  {i + 1}. {s.explain()}" for i, s in enumerate(self.steps))
+
+    __repr__ = __str__
+
+
+def plan_redistribute(src, dst, shape: Sequence[int], *, dtype: torch.dtype = torch.float32, mesh: Mesh | None = None) -> Plan:
+    """The cheapest plan moving a value of global ``shape`` from sharding ``src`` to ``dst``.
+
+    Both shardings may be NamedShardings, P specs or placement tuples.
+    """
+    from .spec import to_layout
+
+    shape = tuple(int(n) for n in shape)
+    src_l = to_layout(src, len(shape), mesh, arg="src")
+    dst_l = to_layout(dst, len(shape), src_l.mesh, arg="dst")
+    return plan_layouts(src_l, dst_l, shape, dtype)
+
+
+@functools.lru_cache(maxsize=8192)
+def plan_layouts(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Plan:
+    """``plan_redistribute`` on canonical layouts; the cache key holds mesh, shape and dtype."""
+    if src.mesh != dst.mesh:
+        raise ShardingError(
+            f"cannot redistribute between meshes {src.mesh!r} and {dst.mesh!r}; "
+            f"values on different meshes cannot be combined"
+        )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    a, b = _drop_trivial(src), _drop_trivial(dst)
+    steps = () if a == b else _search(a, b, shape, itemsize)
+    return Plan(src, dst, shape, dtype, steps)
+
+
+def _drop_trivial(layout: Layout) -> Layout:
+    """Forget mesh axes of size 1: sharding or reducing over them changes nothing."""
+    mesh = layout.mesh
+    if all(n > 1 for n in mesh.shape):
+        return layout
+    keep = {a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1}
+    dims = tuple(tuple(a for a in axes if a in keep) for axes in layout.dims)
+    return Layout(mesh, dims, tuple(p for p in layout.partial if p[0] in keep))
+
+
+# -- the search ---------------------------------------------------------------------------
+
+
+def _search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> tuple[Step, ...]:
+    """Dijkstra over layouts; ties prefer standard collectives, then fewer steps."""
+    counter = itertools.count()
+    best: dict[Layout, tuple] = {src: (0, 0, 0)}
+    heap = [((0, 0, 0), next(counter), src, ())]
+    while heap:
+        cost, _, state, path = heapq.heappop(heap)
+        if state == dst:
+            return path
+        if best.get(state, cost) < cost:
+            continue
+        for step in _edges(state, dst, shape, itemsize):
+            exch = 1 if step.routes is not None else 0
+            new = (cost[0] + step.bytes, cost[1] + exch, cost[2] + 1)
+            if new < best.get(step.dst, (math.inf,)):
+                best[step.dst] = new
+                heapq.heappush(heap, (new, next(counter), step.dst, path + (step,)))
+    raise ShardingError(f"no redistribution from {src.spec_str()} to {dst.spec_str()}")  # unreachable
+
+
+def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
+    mesh = s.mesh
+    ndim = len(shape)
+    goal_ops = goal.partial_ops
+    n_src = max_local_numel(s, shape) * itemsize
+    for a, g in zip(mesh.axis_names, mesh.shape):
+        if g == 1:
+            continue
+        if a in s.partial_ops:
+            op = s.partial_ops[a]
+            rest = {k: v for k, v in s.partial if k != a}
+            freed = s.with_partial(rest)
+            yield Step("all_reduce", a, s, freed, 2 * (g - 1) * n_src // g, g, op=op)
+            if op == "sum" or op == "avg":
+                for d in range(ndim):
+                    t = freed.with_dims(d, s.dims[d] + (a,))
+                    n_pad = g * max_local_numel(t, shape) * itemsize
+                    yield Step("reduce_scatter", a, s, t, (g - 1) * n_pad // g, g, dim=d, op=op)
+        elif a in s.axis_dim:
+            d = s.axis_dim[a]
+            if s.dims[d][-1] != a:
+                continue
+            base = s.with_dims(d, s.dims[d][:-1])
+            yield Step("all_gather", a, s, base, (g - 1) * n_src, g, dim=d)
+            for e in range(ndim):
+                if e != d:
+                    t = base.with_dims(e, base.dims[e] + (a,))
+                    yield Step("all_to_all", a, s, t, (g - 1) * n_src // g, g, dim=d, dim2=e)
+        else:
+            for d in range(ndim):
+                yield Step("slice", a, s, s.with_dims(d, s.dims[d] + (a,)), 0, g, dim=d)
+            if a in goal_ops:
+                t = s.with_partial({**s.partial_ops, a: goal_ops[a]})
+                yield Step("reduce_local", a, s, t, 0, g, op=goal_ops[a])
+    if s.partial == goal.partial and s != goal:
+        yield _exchange(s, goal, shape, itemsize)
+
+
+def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> Step:
+    """Move every piece straight to the device that needs it, within groups of devices
+    that differ only on the mesh axes whose role changes."""
+    mesh = src.mesh
+    changed = {a for d in range(len(shape)) if src.dims[d] != dst.dims[d] for a in src.dims[d] + dst.dims[d]}
+    axes = tuple(a for a in mesh.axis_names if a in changed)
+    src_axes = [mesh.axis_index(a) for a in axes if a in src.axis_dim]
+    sb, db = all_boxes(src, shape), all_boxes(dst, shape)
+    routes, sent = [], [0] * mesh.size
+    for t in range(mesh.size):
+        coords = list(mesh.coords(t))
+        for combo in itertools.product(*(range(mesh.shape[i]) for i in src_axes)):
+            for i, c in zip(src_axes, combo):
+                coords[i] = c
+            s = _device(mesh.shape, coords)
+            inter = box_intersection(db[t], sb[s])
+            if inter is None or box_numel(inter) == 0:
+                continue
+            routes.append(Route(s, t, _rel(inter, sb[s]), _rel(inter, db[t])))
+            if s != t:
+                sent[s] += box_numel(inter) * itemsize
+    moved = [r for r in routes if r.src != r.dst]
+    whole = all(
+        _covers(r.src_slices, sb[r.src]) and _covers(r.dst_slices, db[r.dst]) for r in moved
+    ) and len({r.src for r in moved}) == len(moved)
+    kind = "permute" if whole else "all_to_all"
+    group = math.prod(mesh.axis_size(a) for a in axes)
+    return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, max(sent), group, routes=tuple(routes))
+
+
+def _device(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
+    d = 0
+    for n, c in zip(mesh_shape, coords):
+        d = d * n + c
+    return d
+
+
+def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo - olo, hi - olo) for (lo, hi), (olo, _) in zip(inner, outer))
+
+
+def _covers(slices: tuple[slice, ...], box: Box) -> bool:
+    return all(s.start == 0 and s.stop == hi - lo for s, (lo, hi) in zip(slices, box))

@@ -1,0 +1,54 @@
+"""The declarative rule table: aten op -> sharding rule.
+
+Rules are data (see the family modules: ``pointwise``, ...); each rule object turns an
+:class:`~shardfn.rules.base.OpCall` into candidate strategies that dispatch costs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Rule
+
+_TABLE: dict[Any, Rule] = {}
+_loaded = False
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from . import pointwise
+
+    for table in (pointwise.TABLE,):
+        for op, rule in table.items():
+            _TABLE.setdefault(op, rule)
+
+
+def lookup(func: Any) -> Rule | None:
+    """The rule for an op overload (an exact overload beats its overload packet)."""
+    _load()
+    rule = _TABLE.get(func)
+    if rule is None:
+        rule = _TABLE.get(func.overloadpacket)
+    if rule is None and _is_pointwise(func):
+        from .pointwise import POINTWISE
+
+        rule = POINTWISE
+    return rule
+
+
+def register(op: Any, rule: Rule) -> None:
+    """Install ``rule`` for ``op`` (overload or packet), replacing any built-in one."""
+    _load()
+    _TABLE[op] = rule
+    from ..dispatch import _cache
+
+    _cache.clear()
+
+
+def _is_pointwise(func: Any) -> bool:
+    import torch
+
+    return torch.Tag.pointwise in func.tags and not func._schema.is_mutable

@@ -1,0 +1,154 @@
+"""Pointwise ops: the output follows one input's layout, broadcasting dims stay whole.
+
+Pending reductions (Partial) pass through ops that are linear in their sharded
+operands (add/sub of partials, scaling a partial by a replicated factor); anything else
+reduces first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from ..layout import Layout
+from .base import Candidate, OpCall
+
+aten = torch.ops.aten
+
+# Ops linear in all tensor operands jointly: sum over devices commutes with them.
+_LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.positive.default}
+# Ops linear in each operand separately: a Partial operand may meet replicated ones;
+# the value is the index of the only operand allowed to be Partial, or None for any.
+_MULTILINEAR = {aten.mul.Tensor: None, aten.mul.Scalar: 0, aten.div.Tensor: 0, aten.div.Scalar: 0}
+_LINEAR_PARTIAL_OPS = {"sum", "avg"}
+
+
+def _map_dims(base: Layout, out_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple:
+    """The dims of an operand of ``shape`` broadcast into an output laid out as ``base``."""
+    off = len(out_shape) - len(shape)
+    return tuple(base.dims[k + off] if shape[k] == out_shape[k + off] else () for k in range(len(shape)))
+
+
+def _keeps_partial(call: OpCall, partial: tuple) -> set[int]:
+    """Indices (into call.arrays) of operands that may stay Partial with ``partial``."""
+    func = call.func
+    if not partial or any(op not in _LINEAR_PARTIAL_OPS for _, op in partial):
+        return set()
+    n = len(call.arrays)
+    if func in _LINEAR:
+        if call.kwargs.get("alpha", 1) is not None and n == sum(
+            1 for _, v in call.arrays if v._layout.partial == partial
+        ) and not _scalar_operands(call):
+            return set(range(n))
+        return set()
+    if func in _MULTILINEAR:
+        only = _MULTILINEAR[func]
+        paths = [p for p, _ in call.arrays]
+        allowed = [i for i, p in enumerate(paths) if only is None or p == only]
+        return set(allowed[:1]) if allowed else set()
+    return set()
+
+
+def _scalar_operands(call: OpCall) -> bool:
+    """Whether a plain tensor or number takes part besides the sharded operands."""
+    return any(
+        isinstance(a, (int, float, complex, torch.Tensor)) and not hasattr(a, "_layout")
+        for a in call.args[:2]
+    )
+
+
+@attrs.frozen
+class Pointwise:
+    """Elementwise ops with broadcasting and type promotion."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        metas = [m for m in call.out_metas if isinstance(m, torch.Tensor)]
+        if not metas:
+            return []
+        out_shape = tuple(metas[0].shape)
+        mesh = call.mesh
+        shapes = call.shapes
+        seen, cands = set(), []
+        for i, (_, v) in enumerate(call.arrays):
+            if shapes[i] != out_shape:
+                continue
+            base = v._layout
+            keep = _keeps_partial(call, base.partial)
+            partial = base.partial if keep else ()
+            key = (base.dims, partial)
+            if key in seen:
+                continue
+            seen.add(key)
+            ins = tuple(
+                Layout(mesh, _map_dims(base, out_shape, s), partial if j in keep else ())
+                for j, s in enumerate(shapes)
+            )
+            if partial and len(keep) < len(shapes):
+                # a Partial operand is scaled by the others, which must be replicated on its axes
+                axes = {a for a, _ in partial}
+                ins = tuple(l if j in keep else _clear_axes(l, axes) for j, l in enumerate(ins))
+            out = Layout(mesh, base.dims, partial)
+            cands.append(Candidate(ins, tuple(out if isinstance(m, torch.Tensor) else None for m in call.out_metas),
+                                   stacked_args=_aligner(call, len(out_shape), mesh.ndim)))
+        if not cands:
+            # every sharded operand is broadcast: lay the output out like the largest one
+            _, v = max(call.arrays, key=lambda pv: pv[1].numel())
+            base = Layout(mesh, ((),) * (len(out_shape) - v.ndim) + v._layout.dims)
+            ins = tuple(Layout(mesh, _map_dims(base, out_shape, s)) for s in shapes)
+            cands.append(Candidate(ins, tuple(base if isinstance(m, torch.Tensor) else None for m in call.out_metas),
+                                   stacked_args=_aligner(call, len(out_shape), mesh.ndim)))
+        return cands
+
+
+def _clear_axes(layout: Layout, axes: set) -> Layout:
+    return Layout(layout.mesh, tuple(tuple(a for a in d if a not in axes) for d in layout.dims))
+
+
+def _aligner(call: OpCall, out_rank: int, m: int):
+    """Stacked operands are (*mesh, *local): pad lower-rank ones with singleton dims
+    after the mesh dims so broadcasting lines up the local dims."""
+    ranks = {p: v.ndim for p, v in call.arrays}
+
+    def align(args: tuple, kwargs: dict, mesh_ndim: int) -> tuple[tuple, dict]:
+        def fix(path: Any, x: Any) -> Any:
+            r = ranks.get(path)
+            if r is None or r == out_rank:
+                return x
+            return x.reshape(*x.shape[:m], *([1] * (out_rank - r)), *x.shape[m:])
+
+        new = list(args)
+        for path in ranks:
+            if isinstance(path, int):
+                new[path] = fix(path, new[path])
+            elif isinstance(path, str):
+                kwargs = {**kwargs, path: fix(path, kwargs[path])}
+        return tuple(new), kwargs
+
+    if all(r == out_rank for r in ranks.values()):
+        return lambda a, k, n: (a, k)
+    return align
+
+
+@attrs.frozen
+class Like:
+    """``*_like`` factories: the output takes the input's layout (pending reductions
+    dropped) and each device makes its own shard."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, v), *_ = call.arrays
+        layout = v._layout
+        return [Candidate((layout,) + tuple(x._layout for _, x in call.arrays[1:]),
+                          (layout.without_partial(),), stacked_args=lambda a, k, n: (a, k))]
+
+
+POINTWISE = Pointwise()
+LIKE = Like()
+
+TABLE = {
+    aten.zeros_like: LIKE,
+    aten.ones_like: LIKE,
+    aten.empty_like: LIKE,
+    aten.full_like: LIKE,
+}
