@@ -269,20 +269,34 @@ class _ToLocal(torch.autograd.Function):
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, layout: Layout, shape: tuple, stride: Any, *shards: torch.Tensor) -> ShardedArray:
-        ctx.meta = (layout, shape)
         backend = backend_for(layout.mesh)
         local = backend.from_shards([s.detach() for s in shards], layout, shape)
-        return ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
+        out = ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
+        ctx.meta = (layout, shape, out if _selects(layout) else None)
+        return out
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
-        layout, shape = ctx.meta
+        layout, shape, value = ctx.meta
         grad = reshard(_as_sharded(g, layout), layout.without_partial())
-        shards = [s for s in grad.local_shards()]
+        shards = grad.local_shards()
         avg = math.prod(layout.mesh.axis_size(a) for a, op in layout.partial if op == "avg")
         if avg > 1:
             shards = [s / avg for s in shards]
+        if value is not None:
+            # max/min: the gradient flows to the parts that attain the reduced value
+            reduced = _shards_of(raw_reshard(value, layout.without_partial()), layout.mesh)
+            parts = value.local_shards()
+            shards = [s * (p == r) for s, p, r in zip(shards, parts, reduced)]
         return (None, None, None, *shards)
+
+
+def _selects(layout: Layout) -> bool:
+    return any(op in ("max", "min") for _, op in layout.partial)
+
+
+def _shards_of(value: Any, mesh: Mesh) -> tuple:
+    return tuple(backend_for(mesh).shard_list(value, mesh))
 
 
 def _as_sharded(g: Any, layout: Layout) -> ShardedArray:

@@ -178,6 +178,8 @@ def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
             continue
         if a in s.partial_ops:
             op = s.partial_ops[a]
+            if not _reducible(s, a):
+                continue
             rest = {k: v for k, v in s.partial if k != a}
             freed = s.with_partial(rest)
             yield Step("all_reduce", a, s, freed, 2 * (g - 1) * n_src // g, g, op=op)
@@ -204,6 +206,22 @@ def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
                 yield Step("reduce_local", a, s, t, 0, g, op=goal_ops[a])
     if s.partial == goal.partial and s != goal:
         yield _exchange(s, goal, shape, itemsize)
+
+
+_COMMUTE = {"sum": "linear", "avg": "linear", "max": "max", "min": "min"}
+
+
+def _reducible(s: Layout, axis: str) -> bool:
+    """Pending reductions apply in mesh-axis order; ``axis`` may go first only if every
+    earlier pending reduction commutes with it (sum and avg commute; max/min only with
+    themselves)."""
+    op = _COMMUTE[s.partial_ops[axis]]
+    for a, other in s.partial:
+        if a == axis:
+            return True
+        if _COMMUTE[other] != op:
+            return False
+    return True
 
 
 def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> Step:

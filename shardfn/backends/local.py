@@ -244,10 +244,10 @@ def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int
 def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None) -> tuple[int, ...]:
     """The global shape the shards describe (or ``shape``), checked against the layout."""
     from ..errors import ShardingError
-    from ..layout import describe
 
     mesh = layout.mesh
     actual = tuple(tuple(s.shape) for s in shards)
+    given = shape is not None
     if shape is None:
         dims = []
         for d, axes in enumerate(layout.dims):
@@ -263,14 +263,18 @@ def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence
     if len(shape) != len(actual[0]):
         raise ShardingError(f"from_local: shape={shape} has rank {len(shape)} but the shards have rank {len(actual[0])}")
     expected = local_shapes(layout, shape)
-    for dev, (want, got) in enumerate(zip(expected, actual)):
-        if want != got:
-            raise ShardingError(
-                f"from_local: shard {dev} (mesh coords {mesh.coords(dev)}) has shape {got}, but "
-                f"{describe(shape, shards[0].dtype, layout)} on {mesh!r} puts a shard of shape "
-                f"{want} there; expected shard shapes {list(expected)}; pass shape= if the "
-                f"global shape differs"
-            )
+    bad = [dev for dev, (want, got) in enumerate(zip(expected, actual)) if want != got]
+    if bad:
+        dev = bad[0]
+        where = (
+            f"the global shape {shape}" if given
+            else f"the global shape {shape} (inferred by adding shard sizes along the sharded axes)"
+        )
+        raise ShardingError(
+            f"from_local: shard {dev} (mesh coords {mesh.coords(dev)}) has shape {actual[dev]}, but "
+            f"{layout.spec_str()} on {mesh!r} with {where} puts a shard of shape {expected[dev]} "
+            f"there; expected shard shapes {list(expected)}; pass shape= to state the global shape"
+        )
     return shape
 
 

@@ -1,0 +1,96 @@
+import torch
+
+import shardfn as sf
+from shardfn import P, Partial, Replicate, Shard
+from shardfn.debug import CommCounter
+
+
+def kinds(plan):
+    return [(s.kind, s.axis) for s in plan.steps]
+
+
+def test_noop_moves_nothing(mesh24):
+    plan = sf.plan_redistribute(P("x", "y"), (Shard(0), Shard(1)), (8, 8), mesh=mesh24)
+    assert plan.steps == () and plan.bytes_per_device == 0
+    assert "no-op" in str(plan)
+
+
+def test_shard_to_shard_is_one_all_to_all(mesh24):
+    plan = sf.plan_redistribute(P("y", None), P(None, "y"), (8, 16), mesh=mesh24)
+    assert kinds(plan) == [("all_to_all", "y")]
+    n = 2 * 16 * 4  # local buffer bytes: f32[2,16]
+    assert plan.bytes_per_device == 3 * n // 4
+
+
+def test_partial_to_shard_is_one_reduce_scatter(mesh24):
+    plan = sf.plan_redistribute(P(partial="x"), P("x"), (8, 4), mesh=mesh24)
+    assert kinds(plan) == [("reduce_scatter", "x")]
+    assert plan.steps[0].op == "sum"
+
+
+def test_partial_to_replicate_is_one_all_reduce(mesh24):
+    plan = sf.plan_redistribute((Partial("max"), Replicate()), P(), (8, 4), mesh=mesh24)
+    assert kinds(plan) == [("all_reduce", "x")] and plan.steps[0].op == "max"
+
+
+def test_replicate_to_shard_is_a_local_slice(mesh24):
+    plan = sf.plan_redistribute(P(), P("x", "y"), (8, 8), mesh=mesh24)
+    assert {s.kind for s in plan.steps} == {"slice"} and plan.bytes_per_device == 0
+
+
+def test_shard_to_replicate_gathers(mesh24):
+    plan = sf.plan_redistribute(P("x"), P(), (8, 3), mesh=mesh24)
+    assert kinds(plan) == [("all_gather", "x")]
+    assert plan.bytes_per_device == (2 - 1) * 4 * 3 * 4
+
+
+def test_swapping_axes_moves_no_more_than_one_all_to_all_per_axis(mesh24):
+    # DTensor takes three collective steps (all_gather + two all_to_alls) for this.
+    for shape in [(7, 5, 3), (1024, 1024), (8, 8)]:
+        plan = sf.plan_redistribute(P("x", "y"), P("y", "x"), shape, mesh=mesh24)
+        src_buffer = max(s.numel() for s in sf.distribute(torch.zeros(shape), P("x", "y"), mesh=mesh24).local_shards()) * 4
+        bound = (2 - 1) * src_buffer // 2 + (4 - 1) * src_buffer // 4
+        assert plan.bytes_per_device <= bound, str(plan)
+        x = sf.distribute(torch.randn(shape), P("x", "y"), mesh=mesh24)
+        with CommCounter() as c:
+            y = sf.reshard(x, P("y", "x"))
+        assert c.bytes == plan.bytes_per_device and c.total == len(plan.steps) == 1
+        torch.testing.assert_close(y.full_tensor(), x.full_tensor())
+
+
+def test_reversing_the_axis_order_of_one_dim_is_a_permute(mesh24):
+    plan = sf.plan_redistribute(P(("x", "y")), P(("y", "x")), (16,), mesh=mesh24)
+    assert [s.kind for s in plan.steps] == ["permute"]
+    assert plan.bytes_per_device == 2 * 4
+
+
+def test_square_mesh_transpose_is_a_permute(mesh22):
+    plan = sf.plan_redistribute(P("x", "y"), P("y", "x"), (4, 6), mesh=mesh22)
+    assert [s.kind for s in plan.steps] == ["permute"]
+
+
+def test_plans_are_cached_per_shape_mesh_and_dtype(mesh24):
+    a = sf.plan_redistribute(P("x"), P(), (8, 4), mesh=mesh24)
+    assert sf.plan_redistribute(P("x"), P(), (8, 4), mesh=mesh24) is a
+    b = sf.plan_redistribute(P("x"), P(), (16, 4), mesh=mesh24)
+    c = sf.plan_redistribute(P("x"), P(), (8, 4), mesh=mesh24, dtype=torch.float64)
+    other = sf.Mesh((4, 2), ("x", "y"))
+    d = sf.plan_redistribute(P("x"), P(), (8, 4), mesh=other)
+    assert b.bytes_per_device == 2 * a.bytes_per_device
+    assert c.bytes_per_device == 2 * a.bytes_per_device and c.dtype == torch.float64
+    assert d.bytes_per_device == 3 * 2 * 4 * 4 and d.src.mesh == other
+
+
+def test_plan_str_explains_each_step(mesh24):
+    text = str(sf.plan_redistribute(P("x", partial="y"), P("y", "x"), (8, 8), mesh=mesh24))
+    assert "f32[8,8] P('x', None, partial='y')" in text
+    assert "1. reduce_scatter(sum) over 'y'" in text and "B/device" in text
+
+
+def test_reshard_executes_exactly_its_plan(mesh24):
+    x = sf.distribute(torch.randn(6, 10), P("x", "y"), mesh=mesh24)
+    plan = sf.plan_redistribute(x.sharding, P(None, ("y", "x")), x.shape)
+    with CommCounter() as c:
+        sf.reshard(x, P(None, ("y", "x")))
+    comm = [s for s in plan.steps if s.kind in sf.plan.COMM_KINDS]
+    assert c.steps == comm and c.bytes == plan.bytes_per_device
