@@ -81,8 +81,10 @@ def reduce_parts(shards: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 
 def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtype) -> Value:
     mesh = step.src.mesh
-    if not isinstance(value, tuple) and step.routes is None and is_even(step.dst, shape):
-        return _STACKED[step.kind](step, value, mesh)
+    if not isinstance(value, tuple) and is_even(step.dst, shape):
+        out = _STACKED[step.kind](step, value, mesh, shape)
+        if out is not None:
+            return out
     shards = parts(value, mesh)
     if step.kind in ("all_reduce", "reduce_local"):
         return from_parts(_reduce_uneven(step, shards, mesh), step.dst, shape)
@@ -104,56 +106,120 @@ def _split(x: torch.Tensor, pos: int, g: int) -> torch.Tensor:
     return x.reshape(*x.shape[:pos], g, n // g, *x.shape[pos + 1:])
 
 
-def _all_gather(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    ai, m = _ai(step, mesh)
-    order = [i for i in range(x.dim()) if i != ai]
-    pos = order.index(m + step.dim)
-    order.insert(pos, ai)
-    y = x.permute(order)
-    shape = list(y.shape)
-    shape[pos:pos + 2] = [shape[pos] * shape[pos + 1]]
-    y = y.reshape(shape).unsqueeze(ai)
-    return y.expand(*mesh.shape, *y.shape[m:])
+def _regrid_step(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor | None:
+    return _regrid(step.src, step.dst, shape, x)
 
 
-def _all_to_all(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    ai, m = _ai(step, mesh)
-    g = mesh.shape[ai]
-    d, e = step.dim, step.dim2
-    x2 = _split(x, m + e, g)  # local dim e -> (chunk j, c)
-    chunk = m + e
-    local = lambda k: m + k + (1 if k > e else 0)  # noqa: E731  position of local dim k in x2
-    order = list(range(m))
-    order[ai] = chunk
-    for k in range(x.dim() - m):
-        if k == d:
-            order.append(ai)
-        order.append(local(k) if k != e else chunk + 1)
-    y = x2.permute(order)
-    pos = m + d
-    shape = list(y.shape)
-    shape[pos:pos + 2] = [shape[pos] * shape[pos + 1]]
-    return y.reshape(shape)
+def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor | None:
+    """Move a stacked value between two even layouts with one reshape/permute.
+
+    Each tensor dim is cut into "digits" (a mixed-radix refinement of both layouts'
+    splits); source digits sit on mesh dims or in the local dim, and are permuted to where
+    the destination wants them. Returns None when the two splits have no common
+    refinement (e.g. a dim split 2 ways by one layout and 3 ways by the other).
+    """
+    plan = _regrid_plan(src, dst, shape)
+    if plan is None:
+        return None
+    if plan == "empty":
+        return x.new_empty(*src.mesh.shape, *local_shapes(dst, shape)[0])
+    split_shape, drops, order, bcast, final = plan
+    y = x.reshape(split_shape)
+    for pos in drops:
+        y = y.select(pos, 0)
+    y = y.permute(order)
+    for pos, g in bcast:
+        y = y.unsqueeze(pos)
+    if bcast:
+        sizes = list(y.shape)
+        for pos, g in bcast:
+            sizes[pos] = g
+        y = y.expand(sizes)
+    return y.reshape(final)
 
 
-def _slice(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    ai, m = _ai(step, mesh)
-    x2 = _split(x, m + step.dim, mesh.shape[ai])
-    return x2.diagonal(dim1=ai, dim2=m + step.dim).movedim(-1, ai)
+@functools.lru_cache(maxsize=4096)
+def _regrid_plan(src: Layout, dst: Layout, shape: tuple[int, ...]):
+    mesh = src.mesh
+    if any(n == 0 for n in shape):
+        return "empty"
+    digits = {}
+    for d, n in enumerate(shape):
+        cs, ct = _cuts(mesh, src.dims[d], n), _cuts(mesh, dst.dims[d], n)
+        merged = sorted(set(cs) | set(ct) | {n})
+        prev, sizes = 1, []
+        for c in merged:
+            if c % prev:
+                return None
+            sizes.append(c // prev)
+            prev = c
+        digits[d] = (merged, sizes)
+
+    def owned(d: int, lo: int, hi: int) -> list:
+        merged, sizes = digits[d]
+        return [(("dig", d, j), sizes[j]) for j, c in enumerate(merged) if lo < c <= hi]
+
+    def layout_labels(layout: Layout, source: bool) -> list:
+        out = []
+        for a, g in zip(mesh.axis_names, mesh.shape):
+            if g == 1:
+                out.append((("pass", a), 1))
+            elif a in layout.axis_dim:
+                d = layout.axis_dim[a]
+                axes = [b for b in layout.dims[d] if mesh.axis_size(b) > 1]
+                i = axes.index(a)
+                lo = _prod(mesh, axes[:i])
+                out.extend(owned(d, lo, lo * g))
+            elif a in (dst.axis_dim if source else src.axis_dim):
+                out.append((("drop" if source else "bcast", a), g))
+            else:
+                out.append((("pass", a), g))
+        for d, n in enumerate(shape):
+            axes = [b for b in layout.dims[d] if mesh.axis_size(b) > 1]
+            out.extend(owned(d, _prod(mesh, axes), n))
+        return out
+
+    src_labels = layout_labels(src, True)
+    dst_labels = layout_labels(dst, False)
+    split_shape = tuple(size for _, size in src_labels)
+    drops = [i for i, (lab, _) in enumerate(src_labels) if lab[0] == "drop"]
+    kept = [lab for lab, _ in src_labels if lab[0] != "drop"]
+    drops = sorted(drops, reverse=True)
+    order = [kept.index(lab) for lab, _ in dst_labels if lab[0] != "bcast"]
+    bcast = [(i, g) for i, (lab, g) in enumerate(dst_labels) if lab[0] == "bcast"]
+    final = (*mesh.shape, *local_shapes(dst, shape)[0])
+    return split_shape, tuple(drops), tuple(order), tuple(bcast), final
 
 
-def _all_reduce(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def _cuts(mesh: Mesh, axes: tuple[str, ...], n: int) -> list[int]:
+    out, acc = [], 1
+    for a in axes:
+        g = mesh.axis_size(a)
+        if g > 1:
+            acc *= g
+            out.append(acc)
+    return out
+
+
+def _prod(mesh: Mesh, axes: Sequence[str]) -> int:
+    p = 1
+    for a in axes:
+        p *= mesh.axis_size(a)
+    return p
+
+
+def _all_reduce(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     ai, _ = _ai(step, mesh)
     return _reduce(x, ai, step.op).expand(x.shape)
 
 
-def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     ai, m = _ai(step, mesh)
     r = _split(_reduce(x, ai, step.op), m + step.dim, mesh.shape[ai])
     return r.squeeze(ai).movedim(m - 1 + step.dim, ai)
 
 
-def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     if step.op != "sum":
         return x
     ai, _ = _ai(step, mesh)
@@ -164,9 +230,10 @@ def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 
 _STACKED = {
-    "all_gather": _all_gather,
-    "all_to_all": _all_to_all,
-    "slice": _slice,
+    "all_gather": _regrid_step,
+    "all_to_all": _regrid_step,
+    "slice": _regrid_step,
+    "permute": _regrid_step,
     "all_reduce": _all_reduce,
     "reduce_scatter": _reduce_scatter,
     "reduce_local": _reduce_local,
