@@ -215,9 +215,12 @@ def raw_distribute(t: torch.Tensor, layout: Layout) -> Any:
 
 class _Reshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: ShardedArray, dst: Layout) -> ShardedArray:
-        ctx.src = x._layout
+    def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
         return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.src = inputs[0]._layout
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
@@ -226,8 +229,12 @@ class _Reshard(torch.autograd.Function):
 
 class _Distribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, layout: Layout) -> ShardedArray:
+    def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
         return wrap(raw_distribute(t.detach(), layout), layout, t.shape, t.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
@@ -236,9 +243,12 @@ class _Distribute(torch.autograd.Function):
 
 class _FullTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: ShardedArray) -> torch.Tensor:
-        ctx.layout = x._layout
+    def forward(x: ShardedArray) -> torch.Tensor:
         return raw_full(x).contiguous()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.layout = inputs[0]._layout
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -248,11 +258,14 @@ class _FullTensor(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: ShardedArray, grad_layout: Layout) -> tuple:
+    def forward(x: ShardedArray, grad_layout: Layout) -> tuple:
+        return tuple(x.local_shards())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        x, grad_layout = inputs
         ctx.meta = (grad_layout, tuple(x.shape), x.dtype)
-        shards = x.local_shards()
-        ctx.mark_non_differentiable(*[s for s in shards if not s.is_floating_point() and not s.is_complex()])
-        return tuple(shards)
+        ctx.mark_non_differentiable(*[s for s in output if not s.is_floating_point() and not s.is_complex()])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -268,12 +281,15 @@ class _ToLocal(torch.autograd.Function):
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, layout: Layout, shape: tuple, stride: Any, *shards: torch.Tensor) -> ShardedArray:
+    def forward(layout: Layout, shape: tuple, stride: Any, *shards: torch.Tensor) -> ShardedArray:
         backend = backend_for(layout.mesh)
         local = backend.from_shards([s.detach() for s in shards], layout, shape)
-        out = ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
-        ctx.meta = (layout, shape, out if _selects(layout) else None)
-        return out
+        return ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        layout, shape = inputs[0], inputs[1]
+        ctx.meta = (layout, shape, output.detach() if _selects(layout) else None)
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:

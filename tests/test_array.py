@@ -56,7 +56,7 @@ def test_from_local_rejects_shards_that_do_not_fit(mesh24):
         ShardedArray.from_local(shards, P("x", "y"), mesh=mesh24, shape=(7, 5))
     shards = [s.clone() for s in sf.distribute(torch.zeros(7, 5), P("x", "y"), mesh=mesh24).local_shards()]
     shards[3] = torch.zeros(4, 3)
-    with pytest.raises(ShardingError, match="shard 2 .*\(4, 1\).*inferred.*pass shape="):
+    with pytest.raises(ShardingError, match=r"shard 2 .*\(4, 1\).*inferred.*pass shape="):
         ShardedArray.from_local(shards, P("x", "y"), mesh=mesh24)
     # replicated dims must agree across devices
     bad = [torch.zeros(2, 3) for _ in range(7)] + [torch.zeros(2, 4)]
