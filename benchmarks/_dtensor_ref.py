@@ -55,6 +55,7 @@ __all__ = [
     "time_dtensor_op",
     "time_torch_op",
     "OP_NAMES",
+    "median_time",
 ]
 
 OP_NAMES: tuple[str, ...] = ("add", "mul_scalar", "addmm", "sum")
@@ -127,7 +128,7 @@ def _place(global_t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placem
     )
 
 
-def _median_time(fn: Callable[[], Any], repeat: int, warmup: int = _WARMUP) -> float:
+def median_time(fn: Callable[[], Any], repeat: int, warmup: int = _WARMUP) -> float:
     """Median ``time.perf_counter`` seconds of ``repeat`` calls to ``fn`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
@@ -178,7 +179,7 @@ def time_dtensor_redistribute(
     g = torch.randn(shape, dtype=torch.float32)
     with LocalTensorMode(mesh.size()):
         d = _place(g, mesh, src_placements)
-        return _median_time(lambda: d.redistribute(mesh, dst), repeat)
+        return median_time(lambda: d.redistribute(mesh, dst), repeat)
 
 
 def _op_inputs(
@@ -235,10 +236,10 @@ def time_dtensor_op(
     fn, globals_, placements = _op_inputs(mesh.ndim, op_name)
     with LocalTensorMode(mesh.size()):
         args = [_place(g, mesh, p) for g, p in zip(globals_, placements)]
-        return _median_time(lambda: fn(*args), repeat)
+        return median_time(lambda: fn(*args), repeat)
 
 
 def time_torch_op(op_name: str, *, repeat: int = 200) -> float:
     """Median seconds per plain-torch ``op_name`` call on the same global inputs."""
     fn, args, _ = _op_inputs(1, op_name)
-    return _median_time(lambda: fn(*args), repeat)
+    return median_time(lambda: fn(*args), repeat)

@@ -9,9 +9,7 @@ Run: python benchmarks/bench_local.py
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,17 +24,6 @@ from shardfn import P  # noqa: E402
 SHAPES = [(7, 5, 3), (1024, 1024)]
 
 
-def _median(fn, repeat: int) -> float:
-    for _ in range(5):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def time_shardfn(shape: tuple[int, ...], repeat: int) -> float:
     mesh = sf.Mesh((2, 4), ("x", "y"), backend="local")
     full = torch.randn(shape)
@@ -44,7 +31,7 @@ def time_shardfn(shape: tuple[int, ...], repeat: int) -> float:
     y = sf.reshard(x, P("y", "x"))
     assert torch.equal(y.full_tensor(), full), "shardfn reshard is wrong"
     with torch.no_grad():
-        return _median(lambda: sf.reshard(x, P("y", "x")), repeat)
+        return ref.median_time(lambda: sf.reshard(x, P("y", "x")), repeat)
 
 
 def main() -> None:
