@@ -45,7 +45,7 @@ class Route:
     dst_slices: tuple[slice, ...]
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, slots=False)
 class Step:
     """One transition. ``axis`` is a mesh axis name, or a tuple of names for an exchange
     over several axes. ``dim``/``dim2`` are the tensor dims involved (gather/split dim),
@@ -60,7 +60,14 @@ class Step:
     dim: int | None = None
     dim2: int | None = None
     op: str | None = None
-    routes: tuple[Route, ...] | None = None
+    pieces: tuple | None = attrs.field(default=None, eq=False)
+
+    @functools.cached_property
+    def routes(self) -> tuple[Route, ...] | None:
+        """For an exchange: every piece a device copies from a peer (or itself)."""
+        if self.pieces is None:
+            return None
+        return tuple(Route(s, t, _rel(box, so), _rel(box, to)) for s, t, box, so, to in self.pieces)
 
     def __repr__(self) -> str:
         return f"Step({self.kind}, axis={self.axis!r}, {self.src.spec_str()} -> {self.dst.spec_str()})"
@@ -160,7 +167,7 @@ def _search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> 
         if best.get(state, cost) < cost:
             continue
         for step in _edges(state, dst, shape, itemsize):
-            exch = 1 if step.routes is not None else 0
+            exch = 1 if step.pieces is not None else 0
             new = (cost[0] + step.bytes, cost[1] + exch, cost[2] + 1)
             if new < best.get(step.dst, (math.inf,)):
                 best[step.dst] = new
@@ -199,7 +206,10 @@ def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
                     t = base.with_dims(e, base.dims[e] + (a,))
                     yield Step("all_to_all", a, s, t, (g - 1) * n_src // g, g, dim=d, dim2=e)
         else:
-            for d in range(ndim):
+            # slicing is free, so only slice towards the goal: otherwise the search would
+            # wander through every free layout before paying for anything
+            d = goal.axis_dim.get(a)
+            if d is not None:
                 yield Step("slice", a, s, s.with_dims(d, s.dims[d] + (a,)), 0, g, dim=d)
             if a in goal_ops:
                 t = s.with_partial({**s.partial_ops, a: goal_ops[a]})
@@ -232,7 +242,8 @@ def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
     axes = tuple(a for a in mesh.axis_names if a in changed)
     src_axes = [mesh.axis_index(a) for a in axes if a in src.axis_dim]
     sb, db = all_boxes(src, shape), all_boxes(dst, shape)
-    routes, sent = [], [0] * mesh.size
+    pieces, sent = [], [0] * mesh.size
+    whole = True
     for t in range(mesh.size):
         coords = list(mesh.coords(t))
         for combo in itertools.product(*(range(mesh.shape[i]) for i in src_axes)):
@@ -242,16 +253,14 @@ def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
             inter = box_intersection(db[t], sb[s])
             if inter is None or box_numel(inter) == 0:
                 continue
-            routes.append(Route(s, t, _rel(inter, sb[s]), _rel(inter, db[t])))
+            pieces.append((s, t, inter, sb[s], db[t]))
             if s != t:
                 sent[s] += box_numel(inter) * itemsize
-    moved = [r for r in routes if r.src != r.dst]
-    whole = all(
-        _covers(r.src_slices, sb[r.src]) and _covers(r.dst_slices, db[r.dst]) for r in moved
-    ) and len({r.src for r in moved}) == len(moved)
-    kind = "permute" if whole else "all_to_all"
+                whole = whole and inter == sb[s] == db[t]
+    moved = [p[0] for p in pieces if p[0] != p[1]]
+    kind = "permute" if whole and len(set(moved)) == len(moved) else "all_to_all"
     group = math.prod(mesh.axis_size(a) for a in axes)
-    return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, max(sent), group, routes=tuple(routes))
+    return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, max(sent), group, pieces=tuple(pieces))
 
 
 def _device(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
@@ -263,7 +272,3 @@ def _device(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
 
 def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
     return tuple(slice(lo - olo, hi - olo) for (lo, hi), (olo, _) in zip(inner, outer))
-
-
-def _covers(slices: tuple[slice, ...], box: Box) -> bool:
-    return all(s.start == 0 and s.stop == hi - lo for s, (lo, hi) in zip(slices, box))
