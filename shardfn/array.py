@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import optree
 import torch
 
+from . import _functorch as _ft
 from . import layout as _lay
 from .backends import backend_for, execute
 from .errors import ShardingError
@@ -75,7 +76,7 @@ class ShardedArray(torch.Tensor):
             from .backends.local import parts
 
             return list(parts(self._local, self.mesh))
-        return [self._local]
+        return [self._local.view(self._local.shape)]  # a fresh alias: autograd Functions may return it
 
     def to_local(self, grad_sharding: Sharding | None = None) -> Any:
         """The local shards, differentiable: a list (one per device) on the local backend,
@@ -95,6 +96,12 @@ class ShardedArray(torch.Tensor):
     def redistribute(self, sharding: Sharding) -> ShardedArray:
         """Same value, new layout (see :func:`shardfn.reshard`)."""
         return reshard(self, sharding)
+
+    def to_dtensor(self) -> Any:
+        """This value as a torch DTensor sharing this rank's shard (dist backend only)."""
+        from .interop import to_dtensor
+
+        return to_dtensor(self)
 
     @classmethod
     def from_local(cls, local: Any, sharding: Sharding, *, mesh: Mesh | None = None,
@@ -125,7 +132,25 @@ class ShardedArray(torch.Tensor):
         layout, is_parts = ctx
         local = tuple(inner[f"_part_{i}"] for i in range(len(inner))) if is_parts else inner["_local"]
         like = local[0] if is_parts else local
+        # Sharding propagation needs concrete global shapes: a symbolic size is specialised.
+        outer_size = tuple(_ft.static_int(n) for n in outer_size)
+        outer_stride = None if outer_stride is None else tuple(_ft.static_int(n) for n in outer_stride)
         return ShardedArray(local, layout, outer_size, like.dtype, stride=outer_stride)
+
+    # torch.compile: a compiled backward guesses its tangents' layouts from the forward
+    # outputs (pending reductions read as replicated); real tangents are resharded to it.
+    def __coerce_tangent_metadata__(self) -> ShardedArray:
+        return reshard(self, self._layout.without_partial()) if self._layout.partial else self
+
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec: Any, expected_type: Any = None) -> Any:
+        if expected_type is not None:
+            return None
+        return reshard(self, flatten_spec[0])
+
+    def _stable_hash_for_caching(self) -> str:
+        from ._dynamo import stable_hash
+
+        return stable_hash(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
@@ -157,7 +182,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     A Partial sharding puts the value on the first device of each reduction group (sum)
     or on all of them (avg/max/min). On dist every rank must pass the same tensor.
     """
-    if isinstance(tensor, ShardedArray):
+    if isinstance(tensor, ShardedArray) or _ft.base_array(tensor) is not None:
         return reshard(tensor, sharding)
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
@@ -171,21 +196,22 @@ device_put = distribute
 def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     """The same global value in a new layout, moved with the cheapest plan; the gradient
     is resharded back."""
-    if not isinstance(x, ShardedArray):
+    base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
+    if base is None:
         if isinstance(x, torch.Tensor):
             return distribute(x, sharding)
         raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
-    dst = to_layout(sharding, x.ndim, x.mesh)
-    if dst == x._layout:
+    dst = to_layout(sharding, x.ndim, base.mesh)
+    if dst == _ft.layout_of(x):
         return x
     return _Reshard.apply(x, dst)
 
 
 def gather(x: ShardedArray) -> torch.Tensor:
     """The global value as a plain tensor (= ``x.full_tensor()``)."""
-    if not isinstance(x, ShardedArray):
+    if not isinstance(x, ShardedArray) and _ft.base_array(x) is None:
         raise ShardingError(f"gather takes a ShardedArray, got {type(x).__name__}")
-    return x.full_tensor()
+    return _FullTensor.apply(x)
 
 
 # -- raw (autograd-free) helpers shared with dispatch --------------------------------------
@@ -220,11 +246,16 @@ class _Reshard(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.src = inputs[0]._layout
+        ctx.src = _ft.layout_of(inputs[0])
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
         return reshard(_as_sharded(g, ctx.src), ctx.src.without_partial()), None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any, dst: Layout) -> tuple:
+        b = in_dims[0]
+        return _Reshard.apply(x, dst if b is None else _ft.insert_dim(dst, b)), b
 
 
 class _Distribute(torch.autograd.Function):
@@ -238,7 +269,12 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
-        return (g.full_tensor() if isinstance(g, ShardedArray) else g), None
+        return (_FullTensor.apply(g) if _ft.base_array(g) is not None else g), None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, t: Any, layout: Layout) -> tuple:
+        b = in_dims[0]
+        return _Distribute.apply(t, layout if b is None else _ft.insert_dim(layout, b)), b
 
 
 class _FullTensor(torch.autograd.Function):
@@ -248,12 +284,16 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.layout = inputs[0]._layout
+        ctx.layout = _ft.layout_of(inputs[0])
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         rep = Layout(ctx.layout.mesh, ((),) * g.dim())
         return reshard(_Distribute.apply(g, rep), ctx.layout.without_partial())
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any) -> tuple:
+        return _FullTensor.apply(x), in_dims[0]
 
 
 class _ToLocal(torch.autograd.Function):
@@ -270,11 +310,9 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, shape, dtype = ctx.meta
-        shapes = _lay.local_shapes(layout, shape) if layout.mesh.backend == "local" else None
-        grads = [
-            torch.zeros(shapes[i] if shapes else shape, dtype=dtype) if g is None else g
-            for i, g in enumerate(grads)
-        ]
+        shapes = _lay.local_shapes(layout, shape)
+        devices = range(len(grads)) if layout.mesh.backend == "local" else [backend_for(layout.mesh).rank_of(layout.mesh)]
+        grads = [torch.zeros(shapes[d], dtype=dtype) if g is None else g for d, g in zip(devices, grads)]
         local = grads if layout.mesh.backend == "local" else grads[0]
         return _from_local(local, layout, layout.mesh, shape, None), None
 
@@ -316,7 +354,7 @@ def _shards_of(value: Any, mesh: Mesh) -> tuple:
 
 
 def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
-    if isinstance(g, ShardedArray):
+    if isinstance(g, ShardedArray) or _ft.base_array(g) is not None:
         return g
     return distribute(g, Layout(layout.mesh, ((),) * g.dim()))
 

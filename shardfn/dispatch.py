@@ -10,6 +10,8 @@ once for the whole mesh (stacked) or once per device, and wraps the outputs.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any, Callable
 
@@ -37,6 +39,10 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if func._schema.is_mutable:
         return _mutating(func, args, kwargs)
     leaves = _leaves(args, kwargs)
+    if any(type(v) is torch.Tensor or (isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray))
+           for _, v in leaves):
+        args, kwargs = _lift_plain(args, kwargs, leaves)
+        leaves = _leaves(args, kwargs)
     key = _key(func, leaves)
     entry = _cache.get(key)
     if entry is None:
@@ -59,6 +65,20 @@ def _leaves(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
     for k, v in kwargs.items():
         out.append((k, v))
     return out
+
+
+def _lift_plain(args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict]:
+    """Plain tensors next to ShardedArrays take part as replicated values."""
+    mesh = next(v.mesh for _, v in leaves if isinstance(v, ShardedArray))
+    from .array import raw_distribute
+
+    def lift(path: Any, v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+            layout = Layout(mesh, ((),) * v.dim())
+            return wrap(raw_distribute(v, layout), layout, v.shape, v.dtype)
+        return v
+
+    return _replace(args, kwargs, lift)
 
 
 def _key(func: Any, leaves: list) -> tuple:
@@ -124,14 +144,27 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
-        raise ShardingError(f"{_describe_call(func, leaves)}: invalid arguments: {e}") from None
+        raise ShardingError(
+            f"{_describe_call(func, leaves)}: shape mismatch or invalid arguments (the op rejects "
+            f"these global shapes, whatever the sharding): {e}"
+        ) from None
     call = OpCall(func, args, kwargs, arrays, out_meta, mesh)
     rule = _rules.lookup(func)
     cands = rule.candidates(call) if rule is not None and out_meta is not None else []
     if not cands:
-        return _fallback_entry(func, call, warn=rule is None)
+        why = "has no sharding rule" if rule is None else (
+            "has a sharding rule that does not cover this call" if out_meta is not None else None)
+        return _fallback_entry(func, call, why)
     best = min(cands, key=lambda c: _cost(c, arrays))
+    _check_ranks(func, call, best)
     return _Entry(func, call, best)
+
+
+def _check_ranks(func: Any, call: OpCall, cand: Candidate) -> None:
+    """A rule's layouts must fit the values they describe (a bug in the rule otherwise)."""
+    for l, m in zip(cand.out_layouts, call.out_metas):
+        if l is not None and (not isinstance(m, torch.Tensor) or l.ndim != m.dim()):
+            raise RuntimeError(f"{_op_name(func)}: sharding rule gave output layout {l!r} for {m!r}")
 
 
 def _cost(c: Candidate, arrays: list) -> int:
@@ -180,7 +213,7 @@ class _Entry:
         if self.stacked:
             a, k = _replace(args, kwargs, lambda p, v: values.get(p, v) if isinstance(v, ShardedArray) else v)
             a, k = self.cand.stacked_args(a, k, mesh.ndim)
-            outs, _ = _flat_outputs(self.func(*a, **k))
+            outs, _ = _flat_outputs((self.cand.stacked_fn or self.func)(*a, **k))
             locals_ = outs
         else:
             locals_ = self._per_device(args, kwargs, values)
@@ -196,7 +229,7 @@ class _Entry:
             a, k = _replace(args, kwargs, lambda p, v: values[p] if isinstance(v, ShardedArray) else v)
             if self.cand.device_args is not None:
                 a, k = self.cand.device_args(a, k, backend.rank_of(mesh))
-            outs, _ = _flat_outputs(self.func(*a, **k))
+            outs, _ = _flat_outputs((self.cand.device_fn or self.func)(*a, **k))
             return outs
         from .backends.local import device_view, from_parts
 
@@ -205,7 +238,7 @@ class _Entry:
             a, k = _replace(args, kwargs, lambda p, v: device_view(values[p], mesh, dev) if isinstance(v, ShardedArray) else v)
             if self.cand.device_args is not None:
                 a, k = self.cand.device_args(a, k, dev)
-            per_dev.append(_flat_outputs(self.func(*a, **k))[0])
+            per_dev.append(_flat_outputs((self.cand.device_fn or self.func)(*a, **k))[0])
         out = []
         for i, (layout, shape) in enumerate(zip(self.cand.out_layouts, self.out_shapes)):
             col = [o[i] for o in per_dev]
@@ -216,12 +249,13 @@ class _Entry:
 # -- fallback: replicate, run once, replicate the result ------------------------------------------
 
 
-def _fallback_entry(func: Any, call: OpCall, *, warn: bool) -> Any:
+def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
+    """Replicate-run-replicate; ``why`` (if any) is warned about once per op."""
     name = _op_name(func)
-    if warn and name not in _warned:
+    if why is not None and name not in _warned:
         _warned.add(name)
         warnings.warn(
-            f"{name} has no sharding rule: its inputs are replicated and it runs on the full "
+            f"{_describe_call(func, call.arrays)} {why}: its inputs are replicated and it runs on the full "
             f"tensors; add a rule with sf.register_sharding({name.replace('aten.', 'torch.ops.aten.')}, ...)",
             FallbackWarning,
             stacklevel=4,
@@ -259,12 +293,16 @@ def _mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     if (
         isinstance(target, ShardedArray)
         and functional is not None
-        and torch._C._current_graph_task_id() != -1
+        and (torch._C._current_graph_task_id() != -1 or getattr(target, "_scratch", False)
+             or _inside_torch_functional())
     ):
-        # The autograd engine accumulating into an existing .grad: rebind, never write shards.
+        # The autograd engine accumulating into an existing .grad, a private scratch
+        # array (rules/random_ops.py), or a torch.nn.functional composite (F.rms_norm)
+        # updating its own temporary: rebind, never write shards.
         result = dispatch(functional, args, kwargs)
-        target._local, target._layout = result._local, result._layout
-        return target
+        if isinstance(result, ShardedArray) and result.shape == target.shape and result.dtype == target.dtype:
+            target._local, target._layout = result._local, result._layout
+            return target
     base = name[:-1] if name.endswith("_") else name
     hint = {
         "copy": "sf.reshard(x, sharding) to change a layout, or build a new array",
@@ -276,6 +314,21 @@ def _mutating(func: Any, args: tuple, kwargs: dict) -> Any:
         f"aten.{name} would modify a ShardedArray in place, but ShardedArrays are immutable; "
         f"use the out-of-place form {hint} and rebind the result"
     )
+
+
+_FUNCTIONAL_PY = os.path.join("torch", "nn", "functional.py")
+
+
+def _inside_torch_functional() -> bool:
+    """Whether the nearest Python caller outside shardfn is ``torch.nn.functional``
+    (whose C++ composites update their own temporaries in place)."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.endswith(_FUNCTIONAL_PY)
+
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _functional_variant(func: Any) -> Any:
@@ -293,6 +346,12 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
     return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+def _same_storage_numel(func: Any, args: tuple, kwargs: dict) -> bool:
+    # forward AD (jvp) asks before reusing a tangent; a ShardedArray's "storage" is its
+    # global extent (wrappers are always contiguous)
+    return args[0].numel() == args[1].numel()
 
 
 def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -327,6 +386,16 @@ _SPECIAL: dict[Any, Callable] = {
     aten.clone.default: _alias,
     aten.lift_fresh.default: _alias,
     aten.is_same_size.default: _is_same_size,
+    aten._has_same_storage_numel.default: _same_storage_numel,
     aten.equal.default: _equal,
     aten._local_scalar_dense.default: _scalar,
 }
+
+
+def _install_random_ops() -> None:
+    from .rules.random_ops import SPECIAL
+
+    _SPECIAL.update(SPECIAL)
+
+
+_install_random_ops()

@@ -11,6 +11,7 @@ from typing import Any
 from .base import Rule
 
 _TABLE: dict[Any, Rule] = {}
+_FAMILIES = ("pointwise", "matrix", "reductions", "views", "indexing", "nn", "random_ops")
 _loaded = False
 
 
@@ -19,9 +20,10 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    from . import pointwise
+    import importlib
 
-    for table in (pointwise.TABLE,):
+    for name in _FAMILIES:
+        table = importlib.import_module(f"{__name__}.{name}").TABLE
         for op, rule in table.items():
             _TABLE.setdefault(op, rule)
 

@@ -143,10 +143,39 @@ class Like:
                           (layout.without_partial(),), stacked_args=lambda a, k, n: (a, k))]
 
 
+@attrs.frozen
+class StackedAs:
+    """A rule whose candidates run ``fn`` instead of the op on stacked shards."""
+
+    rule: Any
+    fn: Any
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return [attrs.evolve(c, stacked_fn=self.fn) for c in self.rule.candidates(call)]
+
+
+def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """masked_fill with a stacked (per-device) value tensor."""
+    value = value.reshape(*value.shape, *([1] * (x.dim() - value.dim())))
+    return torch.where(mask, value.to(x.dtype), x)
+
+
 POINTWISE = Pointwise()
 LIKE = Like()
 
+# Elementwise ops that torch does not tag as pointwise.
+_UNTAGGED = (
+    "_to_copy", "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
+    "softplus_backward", "hardswish_backward", "hardsigmoid_backward", "log_sigmoid_backward",
+    "mish_backward", "rrelu_with_noise_backward", "_conj", "conj_physical", "resolve_conj",
+    "resolve_neg", "_neg_view", "relu6", "hardtanh", "elu", "leaky_relu", "softplus",
+    "hardswish", "hardsigmoid", "mish", "logit_backward", "threshold", "celu", "selu",
+    "silu_backward", "gelu_backward", "lift_fresh_copy", "masked_fill", "polar",
+)
+
 TABLE = {
+    **{getattr(aten, n): POINTWISE for n in _UNTAGGED if hasattr(aten, n)},
+    aten.masked_fill.Tensor: StackedAs(POINTWISE, _masked_fill),
     aten.zeros_like: LIKE,
     aten.ones_like: LIKE,
     aten.empty_like: LIKE,

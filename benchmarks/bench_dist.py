@@ -1,0 +1,188 @@
+"""Reshard on the dist backend vs torch's functional collectives and DTensor.
+
+4 gloo processes on 127.0.0.1, a float32 (4096, 1024) value on Mesh((4,), ('x',)), for
+S0->S1, S0->R, P->S0 and P->R. Compared with:
+
+  (a)  the functional collectives shardfn's plan issues, called directly (same calls,
+       same buffers: what shardfn costs over hand-written code);
+  (a') the textbook collective for the transition (all_reduce / reduce_scatter), called
+       directly, where it differs from (a);
+  (b)  DTensor's redistribute of the same value.
+
+Every variant's result is waited on inside the timed region. Times are the median over
+rounds of the slowest rank's time. Run ``python benchmarks/bench_dist.py`` (spawns 4
+processes) or under ``torchrun --nproc-per-node 4 benchmarks/bench_dist.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+WORLD = 4
+SHAPE = (4096, 1024)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(t)
+
+
+def _cases(mesh, pg, dm) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+    import shardfn as sf
+    from shardfn import P
+    from shardfn.backends import dist as backend
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    g = WORLD
+    torch.manual_seed(dist.get_rank())
+    part = torch.randn(SHAPE)  # this rank's term of a pending sum
+    shard = part[: SHAPE[0] // g].clone()  # this rank's rows
+    x_s0 = sf.ShardedArray.from_local(shard, P("x"), mesh=mesh)
+    x_p = sf.ShardedArray.from_local(part, P(partial="x"), mesh=mesh)
+    dt_s0 = DTensor.from_local(shard, dm, [Shard(0)], run_check=False)
+    dt_p = DTensor.from_local(part, dm, [Partial()], run_check=False)
+
+    def dtensor(dt, placement):
+        def run():
+            out = dt.redistribute(dm, [placement]).to_local()
+            return _wait(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
+        return run
+
+    def a2a_s0_s1():
+        send = torch.cat([c.reshape(-1) for c in shard.chunk(g, 1)])
+        return _wait(funcol.all_to_all_single(send, None, None, pg)).view(SHAPE[0], SHAPE[1] // g)
+
+    def ordered_scatter():  # all_to_all, then the sum in rank order
+        pieces = _wait(funcol.all_to_all_single(part.view(-1), None, None, pg))
+        return pieces.view(g, SHAPE[0] // g, SHAPE[1]).sum(0)
+
+    def ordered_all_reduce():
+        mine = _wait(funcol.all_to_all_single(part.view(-1), None, None, pg)).view(g, -1).sum(0)
+        return _wait(funcol.all_gather_single(mine, 0, pg)).view(SHAPE)
+
+    def native(fn):
+        def run():
+            backend.configure(ordered_reductions=False)
+            try:
+                return fn()
+            finally:
+                backend.configure(ordered_reductions=True)
+        return run
+
+    return {
+        "S0->S1": {
+            "shardfn": lambda: sf.reshard(x_s0, P(None, "x"))._local,
+            "(a) same funcol": a2a_s0_s1,
+            "(b) DTensor": dtensor(dt_s0, Shard(1)),
+        },
+        "S0->R": {
+            "shardfn": lambda: sf.reshard(x_s0, P())._local,
+            "(a) same funcol": lambda: _wait(funcol.all_gather_single(shard, 0, pg)),
+            "(b) DTensor": dtensor(dt_s0, Replicate()),
+        },
+        "P->S0": {
+            "shardfn": lambda: sf.reshard(x_p, P("x"))._local,
+            "(a) same funcol": ordered_scatter,
+            "(a') reduce_scatter": lambda: _wait(funcol.reduce_scatter_single(part, "sum", 0, pg)),
+            "shardfn native": native(lambda: sf.reshard(x_p, P("x"))._local),
+            "(b) DTensor": dtensor(dt_p, Shard(0)),
+        },
+        "P->R": {
+            "shardfn": lambda: sf.reshard(x_p, P())._local,
+            "(a) same funcol": ordered_all_reduce,
+            "(a') all_reduce": lambda: _wait(funcol.all_reduce(part, "sum", pg)),
+            "shardfn native": native(lambda: sf.reshard(x_p, P())._local),
+            "(b) DTensor": dtensor(dt_p, Replicate()),
+        },
+    }
+
+
+def _time(fns: dict[str, Callable], rounds: int, warmup: int) -> dict[str, float]:
+    """Median over rounds of the slowest rank's time, variants interleaved per round."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t)
+    out = {}
+    for k, ts in samples.items():
+        worst = torch.tensor(ts, dtype=torch.float64)
+        dist.all_reduce(worst, dist.ReduceOp.MAX)
+        out[k] = statistics.median(worst.tolist())
+    return out
+
+
+def _check(cases: dict) -> None:
+    """Every variant of a case computes the same local result."""
+    for name, fns in cases.items():
+        ref = fns["shardfn"]()
+        for k, fn in fns.items():
+            got = fn()
+            if not torch.allclose(got, ref, rtol=1e-5, atol=1e-4):
+                raise AssertionError(f"{name}: {k} disagrees with shardfn")
+
+
+def main(rounds: int, warmup: int) -> None:
+    import shardfn as sf
+    from shardfn.backends import dist as backend
+    from shardfn.interop import device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = sf.Mesh((WORLD,), ("x",), backend="dist")
+    pg = backend.axis_group(mesh, ("x",)).pg
+    cases = _cases(mesh, pg, device_mesh(mesh))
+    _check(cases)
+    rows = []
+    for name, fns in cases.items():
+        times = _time(fns, rounds, warmup)
+        rows.append((name, times))
+    if dist.get_rank() == 0:
+        _report(rows, rounds)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _report(rows: list, rounds: int) -> None:
+    print(f"reshard of float32{SHAPE} on Mesh(x={WORLD}), {WORLD} gloo processes, median of {rounds} rounds")
+    print(f"{'case':8} {'variant':22} {'ms':>9} {'shardfn/this':>13}")
+    for name, times in rows:
+        ours = times["shardfn"]
+        for k, t in times.items():
+            ratio = "" if k == "shardfn" else f"{ours / t:13.2f}"
+            print(f"{name:8} {k:22} {t * 1e3:9.2f} {ratio}")
+    print("targets: shardfn/(a) <= 1.15, shardfn/(b) <= 1.0")
+
+
+def _spawned(rank: int, port: int, rounds: int, warmup: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    main(rounds, warmup)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if "RANK" in os.environ:  # under torchrun
+        main(args.rounds, args.warmup)
+    else:
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_spawned, args=(port, args.rounds, args.warmup), nprocs=WORLD)

@@ -1,0 +1,279 @@
+"""shard_map bodies on the dist backend: each rank runs the body on plain tensors.
+
+Collectives are torch functional collectives on the per-axis process groups that
+``backends/dist.py`` creates (``_group_of`` is the hook). Each is an autograd Function
+whose backward is its transpose over the group (psum <-> psum, all_gather <->
+psum_scatter, all_to_all <-> all_to_all, ppermute <-> inverse ppermute); with the
+boundary conventions of ``_boundary`` this makes gradients those of the unsharded
+computation. No tensor subclass and no mode is active in the body, so each op costs what
+plain torch costs; ``check_vma`` is inferred once per signature by tracing the body on
+meta tensors with the local backend's vmap machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from . import _boundary as B
+from .array import ShardedArray, distribute, reshard
+from .errors import ShardingError
+from .layout import Layout
+from .mesh import Mesh
+
+
+def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
+    """Hook into backends/dist.py: the process group over ``axes`` containing this rank,
+    and ``order[i]``: the group-order position (row-major over ``axes`` in mesh order)
+    of the member ranked ``i`` row-major over ``axes`` as given."""
+    from .backends import dist
+
+    mesh_order = tuple(a for a in mesh.axis_names if a in axes)
+    group = dist._state(mesh).groups[mesh_order]
+    sizes = {a: mesh.axis_size(a) for a in axes}
+    order = []
+    for i in range(group.size):
+        coord, rest = {}, i
+        for a in reversed(axes):
+            rest, coord[a] = divmod(rest, sizes[a])
+        pos = 0
+        for a in mesh_order:
+            pos = pos * sizes[a] + coord[a]
+        order.append(pos)
+    return group.pg, order
+
+
+def _rank_in(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    from .backends import dist
+
+    c = mesh.coords(dist.rank_of(mesh))
+    r = 0
+    for a in axes:
+        r = r * mesh.axis_size(a) + c[mesh.axis_index(a)]
+    return r
+
+
+def _chunks_to(x: torch.Tensor, dim: int, order: list[int], inverse: bool = False) -> torch.Tensor:
+    """Reorder the ``len(order)`` equal chunks of ``dim`` between given and mesh order."""
+    if order == sorted(order):
+        return x
+    parts = x.chunk(len(order), dim)
+    if inverse:  # mesh-order chunks -> given order
+        return torch.cat([parts[order[i]] for i in range(len(order))], dim)
+    out = [None] * len(order)
+    for i, pos in enumerate(order):
+        out[pos] = parts[i]
+    return torch.cat(out, dim)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(t)
+
+
+# -- raw collectives (no autograd), in given-axes order ------------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, mesh: Mesh, axes: tuple, op: str) -> torch.Tensor:
+    pg, _ = _group_of(mesh, axes)
+    return _wait(funcol.all_reduce(x.contiguous(), op, pg))
+
+
+def _all_gather(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
+    pg, order = _group_of(mesh, axes)
+    y = _wait(funcol.all_gather_single(x.contiguous(), dim, pg))
+    return _chunks_to(y, dim, order, inverse=True)
+
+
+def _reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
+    pg, order = _group_of(mesh, axes)
+    return _wait(funcol.reduce_scatter_single(_chunks_to(x, dim, order).contiguous(), "sum", dim, pg))
+
+
+def _all_to_all(x: torch.Tensor, mesh: Mesh, axes: tuple, split: int, concat: int) -> torch.Tensor:
+    pg, order = _group_of(mesh, axes)
+    g = len(order)
+    send = _chunks_to(x, split, order).movedim(split, 0).contiguous()
+    recv = _wait(funcol.all_to_all_single(send, None, None, pg)).movedim(0, split)
+    pieces = recv.chunk(g, split)
+    return torch.cat([pieces[order[i]] for i in range(g)], concat)
+
+
+def _ppermute(x: torch.Tensor, mesh: Mesh, axes: tuple, perm: tuple) -> torch.Tensor:
+    pg, order = _group_of(mesh, axes)
+    if len(perm) == len(order):  # a full permutation, in group (mesh-order) positions
+        dst_of = [0] * len(order)
+        for s, d in perm:
+            dst_of[order[s]] = order[d]
+        return _wait(funcol.permute_tensor(x.contiguous().flatten(), dst_of, pg)).view(x.shape)
+    gathered = _all_gather(x.unsqueeze(0), mesh, axes, 0)  # a partial permutation
+    src = {d: s for s, d in perm}
+    me = _rank_in(mesh, axes)
+    return gathered[src[me]] if me in src else torch.zeros_like(x)
+
+
+# -- differentiable collectives -------------------------------------------------------------------------------
+
+
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple) -> torch.Tensor:
+        return _all_reduce(x, mesh, axes, "sum")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.meta = inputs[1:]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        return _all_reduce(ct, *ctx.meta, "sum"), None, None
+
+
+class _Pextreme(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple, op: str) -> torch.Tensor:
+        return _all_reduce(x, mesh, axes, op)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        x, mesh, axes, _ = inputs
+        hit = (x == output).to(x.dtype)
+        ctx.save_for_backward(hit, _all_reduce(hit, mesh, axes, "sum"))
+        ctx.meta = (mesh, axes)
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        hit, count = ctx.saved_tensors
+        return _all_reduce(ct, *ctx.meta, "sum") * hit / count, None, None, None
+
+
+class _Move(torch.autograd.Function):
+    """all_gather / psum_scatter / all_to_all / ppermute, each with its transpose."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, kind: str, mesh: Mesh, axes: tuple, a: Any, b: Any) -> torch.Tensor:
+        return _MOVES[kind](x, mesh, axes, a, b)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.meta = inputs[1:]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        kind, mesh, axes, a, b = ctx.meta
+        back, a2, b2 = _TRANSPOSE[kind](a, b)
+        return (_MOVES[back](ct, mesh, axes, a2, b2),) + (None,) * 5
+
+
+_MOVES: dict[str, Callable] = {
+    "all_gather": lambda x, mesh, axes, dim, _: _all_gather(x, mesh, axes, dim),
+    "psum_scatter": lambda x, mesh, axes, dim, _: _reduce_scatter(x, mesh, axes, dim),
+    "all_to_all": _all_to_all,
+    "ppermute": lambda x, mesh, axes, perm, _: _ppermute(x, mesh, axes, perm),
+}
+_TRANSPOSE: dict[str, Callable] = {
+    "all_gather": lambda dim, _: ("psum_scatter", dim, None),
+    "psum_scatter": lambda dim, _: ("all_gather", dim, None),
+    "all_to_all": lambda split, concat: ("all_to_all", concat, split),
+    "ppermute": lambda perm, _: ("ppermute", tuple((d, s) for s, d in perm), None),
+}
+
+
+class DistBody:
+    """The lax implementation on the dist backend (plain tensors, one rank)."""
+
+    leader = True
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
+        if op == "sum":
+            return _Psum.apply(x, self.mesh, axes)
+        return _Pextreme.apply(x, self.mesh, axes, op)
+
+    def all_gather(self, x: torch.Tensor, axes: tuple[str, ...], axis: int) -> torch.Tensor:
+        return _Move.apply(x, "all_gather", self.mesh, axes, axis, None)
+
+    def psum_scatter(self, x: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+        return _Move.apply(x, "psum_scatter", self.mesh, axes, dim, None)
+
+    def all_to_all(self, x: torch.Tensor, axes: tuple[str, ...], split_axis: int, concat_axis: int) -> torch.Tensor:
+        return _Move.apply(x, "all_to_all", self.mesh, axes, split_axis, concat_axis)
+
+    def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple) -> torch.Tensor:
+        return _Move.apply(x, "ppermute", self.mesh, axes, perm, None)
+
+    def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
+        return torch.tensor(_rank_in(self.mesh, axes), device=self.mesh.device_type)
+
+
+# -- shard_map on dist ---------------------------------------------------------------------------------------
+
+
+def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+    """One rank's part of a shard_map call (see ``transforms._shard_map``)."""
+    from .lax import _entered
+    from .transforms import _match, assemble_parts
+
+    mesh = inputs.mesh
+    leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
+    with mesh, _entered(DistBody(mesh)):
+        out = f(*inputs.rebuild(leaves), **kwargs)
+    flat, treespec = optree.tree_flatten(out, none_is_leaf=True)
+    out_tree = optree.tree_unflatten(treespec, list(range(len(flat))))
+    paths, idx, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
+    vma = _traced_vma(f, inputs, leaves, kwargs) if check_vma else None
+    return optree.tree_unflatten(treespec, [
+        assemble_parts(p, [flat[i]], s, mesh, vma is not None, (lambda o, i=i: vma[i]) if vma else None)
+        for p, i, s in zip(paths, idx, specs)
+    ])
+
+
+def _local_input(v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's local tensor of argument ``v``. A plain tensor (the same on every rank)
+    is distributed first, so its gradient is gathered from every rank's part."""
+    v = reshard(v, layout) if isinstance(v, ShardedArray) else distribute(v, layout)
+    return B.EnterParts.apply(v, B.summed_grad_layout(layout), True)[0]
+
+
+_traces: dict[tuple, list[frozenset[str]] | None] = {}
+
+
+def _traced_vma(f: Callable, inputs: Any, leaves: list, kwargs: dict) -> list[frozenset[str]] | None:
+    """Varying axes of each output, from one vmap trace of the body on meta tensors of
+    this rank's local shapes (cached per signature); None if the trace fails."""
+    sig = tuple(
+        (tuple(x.shape), x.dtype, l) if l is not None else None for x, l in zip(leaves, inputs.layouts)
+    )
+    key = (f, inputs.mesh, sig, inputs.treespec, tuple(sorted(kwargs)))
+    if key not in _traces:
+        try:
+            _traces[key] = _trace(f, inputs, sig, leaves, kwargs)
+        except (RuntimeError, TypeError, ValueError, ShardingError, NotImplementedError):
+            _traces[key] = None
+    return _traces[key]
+
+
+def _trace(f: Callable, inputs: Any, sig: tuple, leaves: list, kwargs: dict) -> list[frozenset[str]]:
+    from . import _stacked
+
+    mesh = inputs.mesh
+    local = Mesh(mesh.shape, mesh.axis_names, backend="local", device_type="meta")
+    metas, mapped = [], []
+    for v, s in zip(leaves, sig):
+        if s is None:
+            metas.append(v)
+            mapped.append(False)
+            continue
+        shape, dtype, layout = s
+        dims = [n if a in layout.axis_dim else 1 for a, n in zip(mesh.axis_names, mesh.shape)]
+        metas.append(torch.empty(*dims, *shape, dtype=dtype, device="meta"))
+        mapped.append(True)
+    flat, _ = _stacked.run(local, f, metas, mapped, inputs.rebuild, kwargs, leader=False)
+    return [
+        frozenset(a for k, a in enumerate(mesh.axis_names) if isinstance(c, torch.Tensor) and c.shape[k] > 1)
+        for c in flat
+    ]

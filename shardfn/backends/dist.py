@@ -1,0 +1,493 @@
+"""The dist backend: one process per mesh device on an initialised torch.distributed world.
+
+A value is this rank's shard, a plain tensor. The mesh maps onto the world row-major
+(device ``i`` is rank ``i``). At first use of a mesh every rank creates, in the same
+order, one process group per mesh axis and per set of axes an exchange spans (cached per
+mesh). Plan steps run through torch's functional collectives and are waited on before
+``run_step`` returns, so every value a user sees is ready. Shard sizes of uneven layouts
+come from the layout math; collectives that need equal sizes are padded.
+
+Reductions of floating sums/averages over groups of more than two ranks are *ordered* by
+default: an all_to_all moves the pieces, then each rank reduces them in mesh order, which
+costs the same bytes as a ring reduce-scatter and gives results bit-identical to the local
+backend (a ring's summation order depends on the rank). ``configure(ordered_reductions=False)``
+or ``SHARDFN_DIST_REDUCTIONS=native`` uses the library's all_reduce / reduce_scatter instead.
+
+Collectives time out after the default process group's timeout (``init_process_group(timeout=)``),
+overridden by ``SHARDFN_DIST_TIMEOUT`` (seconds) or ``configure(timeout=)``; a timed-out or
+failed collective raises :class:`CollectiveError` naming the step, the mesh axes and the ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..errors import ShardingError
+from ..layout import Layout, describe, local_shapes, split_range
+from ..mesh import Mesh
+from ..plan import Step
+from .local import _reduce
+
+_TRANSPORT = {torch.bool: torch.uint8}
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the dist backend failed or timed out."""
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def _env_timeout() -> datetime.timedelta | None:
+    raw = os.environ.get("SHARDFN_DIST_TIMEOUT")
+    return datetime.timedelta(seconds=float(raw)) if raw else None
+
+
+_config: dict[str, Any] = {
+    "timeout": _env_timeout(),
+    "ordered": os.environ.get("SHARDFN_DIST_REDUCTIONS", "ordered") != "native",
+}
+
+
+def configure(*, timeout: datetime.timedelta | float | None = None, ordered_reductions: bool | None = None) -> None:
+    """Set the collective timeout (a timedelta or seconds; applies to meshes first used
+    afterwards) and whether float sums/averages reduce in mesh order (bit-identical to
+    the local backend) or through the library's all_reduce / reduce_scatter."""
+    if timeout is not None:
+        _config["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    if ordered_reductions is not None:
+        _config["ordered"] = bool(ordered_reductions)
+
+
+def _default_timeout() -> datetime.timedelta | None:
+    if _config["timeout"] is not None:
+        return _config["timeout"]
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# -- per-mesh state ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Group:
+    """The devices that differ from this rank only on ``axes``: ``pg`` is their process
+    group and ``ranks`` their global ranks in process-group order (ascending, which is
+    row-major over ``axes`` taken in mesh order)."""
+
+    axes: tuple[str, ...]
+    ranks: tuple[int, ...]  # global ranks, in group order (row-major over ``axes``)
+    pg: Any
+    timeout: datetime.timedelta | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@attrs.frozen
+class _State:
+    mesh: Mesh
+    rank: int
+    coords: tuple[int, ...]
+    groups: dict  # axes tuple (mesh order) -> Group
+
+
+_states: dict[Mesh, _State] = {}
+_pgs: dict[tuple, Any] = {}
+
+
+def _state(mesh: Mesh) -> _State:
+    st = _states.get(mesh)
+    if st is None:
+        st = _states[mesh] = _make_state(mesh)
+    return st
+
+
+def _check_world(mesh: Mesh) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ShardingError(
+            f"{mesh!r} uses backend='dist' but torch.distributed is not initialised; launch with "
+            f"torchrun and call torch.distributed.init_process_group() first, or use backend='local'"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != mesh.size:
+        raise ShardingError(
+            f"{mesh!r} has {mesh.size} devices but the torch.distributed world has {world} ranks "
+            f"(this is rank {rank}); on the dist backend the mesh size must equal the world size "
+            f"(launch torchrun with --nproc-per-node={mesh.size}, or reshape the mesh)"
+        )
+    return rank
+
+
+def _make_state(mesh: Mesh) -> _State:
+    """Create the groups of every non-empty set of mesh axes; collective over all ranks."""
+    rank = _check_world(mesh)
+    timeout = _default_timeout()
+    groups = {}
+    for k in range(1, mesh.ndim + 1):
+        for axes in itertools.combinations(mesh.axis_names, k):
+            groups[axes] = _make_group(mesh, axes, rank, timeout)
+    return _State(mesh, rank, mesh.coords(rank), groups)
+
+
+def _make_group(mesh: Mesh, axes: tuple[str, ...], rank: int, timeout: datetime.timedelta | None) -> Group:
+    idx = [mesh.axis_index(a) for a in axes]
+    partitions: dict[tuple, list[int]] = {}
+    for dev in range(mesh.size):
+        c = mesh.coords(dev)
+        partitions.setdefault(tuple(c[i] for i in range(mesh.ndim) if i not in idx), []).append(dev)
+    mine = None
+    for ranks in partitions.values():
+        key = (tuple(ranks), timeout)
+        if key not in _pgs:  # every rank creates every group, in the same order
+            kwargs = {"timeout": timeout} if timeout is not None else {}
+            _pgs[key] = dist.new_group(ranks, **kwargs)
+        if rank in ranks:
+            mine = Group(axes, tuple(ranks), _pgs[key], timeout)
+    return mine
+
+
+def _group(step: Step, mesh: Mesh) -> Group:
+    st = _state(mesh)
+    axes = (step.axis,) if isinstance(step.axis, str) else tuple(step.axis)
+    return st.groups[tuple(a for a in mesh.axis_names if a in axes)]
+
+
+def axis_group(mesh: Mesh, axes: Sequence[str]) -> Group:
+    """This rank's :class:`Group` over mesh ``axes`` (a non-empty collection of axis names)."""
+    st = _state(mesh)
+    key = tuple(a for a in mesh.axis_names if a in axes)
+    if len(key) != len(set(axes)) or not key:
+        raise ShardingError(f"axes {tuple(axes)!r} are not distinct axes of {mesh!r}")
+    return st.groups[key]
+
+
+def rank_of(mesh: Mesh) -> int:
+    """This process's device index on ``mesh`` (its global rank)."""
+    return _state(mesh).rank
+
+
+# -- collectives: issue, wait, and turn failures into clear errors --------------------------------
+
+
+def run_collective(what: str, group: Group, fn: Callable[..., Any], *args: Any) -> torch.Tensor:
+    """``fn(*args, group.pg)`` (a functional collective), waited on; a failure or timeout
+    becomes a :class:`CollectiveError` naming ``what``, the axes and the ranks."""
+    try:
+        return funcol.wait_tensor(fn(*args, group.pg))
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"shardfn dist backend: {what} over mesh axes {group.axes} (ranks {list(group.ranks)}) failed on "
+            f"rank {dist.get_rank()}: {e}\nEvery rank must make the same shardfn calls in the same order; "
+            f"a peer may have crashed, diverged or be slow. The collective timeout is {group.timeout} "
+            f"(set it with SHARDFN_DIST_TIMEOUT=<seconds> or shardfn.backends.dist.configure(timeout=...) "
+            f"before first using the mesh)."
+        ) from e
+
+
+def _to_transport(x: torch.Tensor) -> torch.Tensor:
+    t = _TRANSPORT.get(x.dtype)
+    return (x.to(t) if t is not None else x).contiguous()
+
+
+def _from_transport(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return y.to(dtype) if y.dtype != dtype else y
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    y = run_collective("all_gather", group, funcol.all_gather_single, _to_transport(x), dim)
+    return _from_transport(y, x.dtype)
+
+
+def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
+    """all_to_all of a 1-D buffer: ``in_splits[j]`` elements go to member j."""
+    y = run_collective("all_to_all", group, funcol.all_to_all_single, _to_transport(send), out_splits, in_splits)
+    return _from_transport(y, send.dtype)
+
+
+def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | None) -> torch.Tensor:
+    """all_reduce (``scatter_dim`` None) or reduce_scatter through the library's collective;
+    an average is a sum divided here (floor division for integers, as on the local backend)."""
+    wire = "sum" if op == "avg" else op
+    if scatter_dim is None:
+        y = run_collective("all_reduce", group, funcol.all_reduce, x.contiguous(), wire)
+    else:
+        y = run_collective("reduce_scatter", group, funcol.reduce_scatter_single, x.contiguous(), wire, scatter_dim)
+    if op != "avg":
+        return y
+    if y.is_floating_point() or y.is_complex():
+        return y / group.size
+    return torch.div(y, group.size, rounding_mode="floor")
+
+
+def _ordered(x: torch.Tensor, op: str, group: Group) -> bool:
+    """Whether an all_reduce must run in mesh order to match the local backend bit for bit
+    (a sum of two terms is exact in either order; integer sums and max/min always are)."""
+    floating = x.is_floating_point() or x.is_complex()
+    return _config["ordered"] and floating and op in ("sum", "avg") and group.size > 2
+
+
+# -- helpers on shapes -------------------------------------------------------------------------
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` extended with zeros along ``dim`` to ``size``."""
+    short = size - x.shape[dim]
+    if short <= 0:
+        return x
+    fill = list(x.shape)
+    fill[dim] = short
+    return torch.cat([x, x.new_zeros(fill)], dim)
+
+
+def _pieces(n: int, g: int) -> list[tuple[int, int]]:
+    """(offset, length) of the g layout pieces of a dim of size n."""
+    return [(lo, hi - lo) for lo, hi in (split_range(0, n, g, j) for j in range(g))]
+
+
+def _concat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _pack(x: torch.Tensor, dim: int, pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """The pieces of ``x`` along ``dim``, flattened one after another."""
+    if math.prod(x.shape[:dim]) == 1:
+        return x.contiguous().view(-1)
+    return _concat([x.narrow(dim, off, n).reshape(-1) for off, n in pieces], 0)
+
+
+def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]], dim: int) -> torch.Tensor:
+    """Inverse of a pack: the concatenation along ``dim`` of pieces of the given shapes."""
+    full = list(shapes[0])
+    full[dim] = sum(s[dim] for s in shapes)
+    if math.prod(full[:dim]) == 1:
+        return buf.view(full)
+    sizes = [math.prod(s) for s in shapes]
+    return _concat([p.view(s) for p, s in zip(buf.split(sizes), shapes)], dim)
+
+
+def _with(shape: Sequence[int], dim: int, n: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[dim] = n
+    return tuple(out)
+
+
+# -- step implementations ---------------------------------------------------------------------
+
+
+def run_step(step: Step, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Run one plan step on this rank's shard; collective steps are waited on."""
+    mesh = step.src.mesh
+    if step.routes is not None:
+        return _exchange(step, value, shape)
+    return _STEPS[step.kind](step, value, shape, mesh)
+
+
+def _axis_pos(step: Step, mesh: Mesh) -> int:
+    return _state(mesh).coords[mesh.axis_index(step.axis)]
+
+
+def _all_gather_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    group, d = _group(step, mesh), step.dim
+    n = local_shapes(step.dst, shape)[_state(mesh).rank][d]  # the group's common extent of dim d
+    c = -(-n // group.size)
+    if c == 0:
+        return x.new_empty(_with(x.shape, d, 0))
+    y = _all_gather(_pad(x, d, c), d, group)
+    return y if c * group.size == n else y.narrow(d, 0, n)
+
+
+def _all_to_all_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    """Split dim ``dim2`` into the group's pieces, send piece j to member j, concatenate
+    what arrives along ``dim`` (sizes from each member's layout box)."""
+    group, d, e = _group(step, mesh), step.dim, step.dim2
+    me = _axis_pos(step, mesh)
+    src_shapes = local_shapes(step.src, shape)
+    pieces = _pieces(x.shape[e], group.size)
+    slab = math.prod(_with(x.shape, e, 1))
+    recv_shapes = [_with(src_shapes[r], e, pieces[me][1]) for r in group.ranks]
+    in_splits = [n * slab for _, n in pieces]
+    out_splits = [math.prod(s) for s in recv_shapes]
+    buf = _all_to_all(_pack(x, e, pieces), out_splits, in_splits, group)
+    return _unpack(buf, recv_shapes, d)
+
+
+def _slice_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    g = mesh.axis_size(step.axis)
+    lo, hi = split_range(0, x.shape[step.dim], g, _axis_pos(step, mesh))
+    return x.narrow(step.dim, lo, hi - lo)
+
+
+def _all_reduce_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    group = _group(step, mesh)
+    if x.numel() == 0:  # the group shares this shape, so every member skips alike
+        return x
+    if not _ordered(x, step.op, group):
+        return _native_reduce(x, step.op, group, None)
+    flat = x.reshape(-1)
+    pieces = _pieces(flat.numel(), group.size)
+    me = _axis_pos(step, mesh)
+    mine = pieces[me][1]
+    buf = _all_to_all(flat, [mine] * group.size, [n for _, n in pieces], group)
+    reduced = _reduce(buf.view(group.size, mine), 0, step.op).view(-1)
+    c = pieces[0][1]
+    y = _all_gather(_pad(reduced, 0, c), 0, group)
+    return y.narrow(0, 0, flat.numel()).view(x.shape)
+
+
+def _reduce_scatter_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    group, d = _group(step, mesh), step.dim
+    pieces = _pieces(x.shape[d], group.size)
+    me = _axis_pos(step, mesh)
+    mine = _with(x.shape, d, pieces[me][1])
+    if not _config["ordered"]:
+        c = pieces[0][1]
+        y = _native_reduce(_pad(x, d, c * group.size), step.op, group, d)
+        return y if y.shape[d] == mine[d] else y.narrow(d, 0, mine[d])
+    # all_to_all then a local reduction: the bytes of a ring reduce_scatter, any dtype, mesh order
+    slab = math.prod(_with(x.shape, d, 1))
+    buf = _all_to_all(_pack(x, d, pieces), [math.prod(mine)] * group.size,
+                      [n * slab for _, n in pieces], group)
+    return _reduce(buf.view(group.size, *mine), 0, step.op).squeeze(0)
+
+
+def _reduce_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    if step.op == "sum" and _axis_pos(step, mesh) != 0:
+        return torch.zeros_like(x)
+    return x
+
+
+_STEPS = {
+    "all_gather": _all_gather_step,
+    "all_to_all": _all_to_all_step,
+    "slice": _slice_step,
+    "all_reduce": _all_reduce_step,
+    "reduce_scatter": _reduce_scatter_step,
+    "reduce_local": _reduce_local_step,
+}
+
+
+# -- exchanges: exact per-piece routes ----------------------------------------------------------
+
+
+@attrs.frozen
+class _Routing:
+    """This rank's part of an exchange: pieces to send and receive, per group member."""
+
+    send: tuple[tuple, ...]  # per member: ((src_slices), ...)
+    recv: tuple[tuple, ...]  # per member: ((dst_slices, shape), ...)
+    keep: tuple  # (src_slices, dst_slices) of pieces staying on this rank
+
+
+_routings: dict[int, tuple[Step, int, _Routing]] = {}
+
+
+def _routing(step: Step, group: Group, rank: int, shape: tuple) -> _Routing:
+    hit = _routings.get(id(step))
+    if hit is not None and hit[0] is step and hit[1] == rank:
+        return hit[2]
+    pos = {r: i for i, r in enumerate(group.ranks)}
+    send: list[list] = [[] for _ in group.ranks]
+    recv: list[list] = [[] for _ in group.ranks]
+    keep = []
+    for r in step.routes:
+        if r.src == rank and r.dst == rank:
+            keep.append((r.src_slices, r.dst_slices))
+        elif r.src == rank:
+            send[pos[r.dst]].append(r.src_slices)
+        elif r.dst == rank:
+            recv[pos[r.src]].append((r.dst_slices, tuple(s.stop - s.start for s in r.dst_slices)))
+    routing = _Routing(tuple(map(tuple, send)), tuple(map(tuple, recv)), tuple(keep))
+    if len(_routings) > 4096:
+        _routings.clear()
+    _routings[id(step)] = (step, rank, routing)
+    return routing
+
+
+def _exchange(step: Step, x: torch.Tensor, shape: tuple) -> torch.Tensor:
+    mesh = step.src.mesh
+    group, rank = _group(step, mesh), _state(mesh).rank
+    rt = _routing(step, group, rank, shape)
+    out_shape = local_shapes(step.dst, shape)[rank]
+    parts = [x[sl].reshape(-1) for member in rt.send for sl in member]
+    in_splits = [sum(math.prod(x[sl].shape) for sl in member) for member in rt.send]
+    out_splits = [sum(math.prod(s) for _, s in member) for member in rt.recv]
+    send = torch.cat(parts) if parts else x.new_empty(0)
+    buf = _all_to_all(send, out_splits, in_splits, group)
+    incoming = [(sl, s) for member in rt.recv for sl, s in member]
+    if not rt.keep and len(incoming) == 1 and incoming[0][1] == out_shape:
+        return buf.view(out_shape)
+    out = x.new_empty(out_shape)
+    for src_sl, dst_sl in rt.keep:
+        out[dst_sl] = x[src_sl]
+    offset = 0
+    for sl, s in incoming:
+        n = math.prod(s)
+        out[sl] = buf[offset:offset + n].view(s)
+        offset += n
+    return out
+
+
+# -- protocol used by ShardedArray -----------------------------------------------------------------
+
+
+def replicated(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's copy of a replicated value (every rank passes the same ``full``)."""
+    _state(mesh)
+    return full
+
+
+def one_replica(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's copy (a fresh alias, so autograd Functions can return it)."""
+    return value.view(value.shape)
+
+
+def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+    _state(layout.mesh)
+    return shards[0]
+
+
+def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None) -> tuple[int, ...]:
+    """The global shape: ``shape`` if given, else the even one (local size times the sizes of
+    the axes sharding each dim); this rank's shard is checked against it (no exchange)."""
+    mesh, x = layout.mesh, shards[0]
+    rank = _state(mesh).rank
+    if shape is None:
+        shape = tuple(
+            n * math.prod(mesh.axis_size(a) for a in axes) for n, axes in zip(x.shape, layout.dims)
+        )
+    shape = tuple(int(n) for n in shape)
+    if len(shape) != x.dim():
+        raise ShardingError(f"from_local: shape={shape} has rank {len(shape)} but the local tensor has rank {x.dim()}")
+    want = local_shapes(layout, shape)[rank]
+    if want != tuple(x.shape):
+        raise ShardingError(
+            f"from_local: rank {rank} (mesh coords {mesh.coords(rank)}) has a local tensor of shape "
+            f"{tuple(x.shape)}, but {describe(shape, x.dtype, layout)} on {mesh!r} puts a shard of shape "
+            f"{want} there; pass shape= with the global shape for uneven layouts"
+        )
+    return shape
+
+
+def shard_list(value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, ...]:
+    return (value,)
+
+
+def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
+    """Whether ``flags`` hold on every rank (a min all_reduce over the mesh)."""
+    st = _state(mesh)
+    ok = torch.tensor([int(all(flags))], dtype=torch.int32)
+    return bool(run_collective("all_reduce", st.groups[mesh.axis_names], funcol.all_reduce, ok, "min").item())

@@ -1,0 +1,259 @@
+"""Factories: sharded arrays built shard by shard, each device allocating only its own.
+
+Everything here (and the random numbers of :mod:`shardfn.random`) is built on one
+primitive, :func:`_from_boxes`: evaluate a function on the global index box of every
+shard this process holds. On the local backend replicas share one computed shard
+(stored as an expanded view, as the backend does for replicated values); on the dist
+backend a rank computes only its own box.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Sequence
+
+import torch
+
+from .array import ShardedArray, wrap
+from .backends import backend_for
+from .errors import ShardingError
+from .layout import Box, Layout, device_box, is_even, local_shapes
+from .mesh import Mesh
+from .spec import Sharding, to_layout
+
+ShapeLike = int | Sequence[int]
+MakeShard = Callable[[int, Box], torch.Tensor]
+
+__all__ = ["empty", "full", "make_array_from_callback", "ones", "rand", "randn", "zeros"]
+
+
+# -- shapes, layouts, devices ----------------------------------------------------------
+
+
+def _shape(shape: ShapeLike, arg: str = "shape") -> tuple[int, ...]:
+    """A shape as a tuple of non-negative ints (an int means a 1-d shape)."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        out = tuple(int(n) for n in shape)
+        ok = all(not isinstance(n, bool) and int(n) == n >= 0 for n in shape)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ShardingError(f"{arg}={shape!r} is not a shape; pass a tuple of non-negative ints, e.g. (8, 16)")
+    return out
+
+
+def _layout(shape: tuple[int, ...], sharding: Sharding, mesh: Mesh | None) -> Layout:
+    return to_layout(sharding, len(shape), mesh)
+
+
+def _mesh_device(mesh: Mesh) -> torch.device:
+    """The device this process puts its shards on."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _rank(mesh: Mesh) -> int:
+    return backend_for(mesh).rank_of(mesh)
+
+
+def _local_devices(mesh: Mesh) -> list[int]:
+    """The devices whose shards this process holds (all of them on the local backend)."""
+    return list(range(mesh.size)) if mesh.backend == "local" else [_rank(mesh)]
+
+
+def _local_boxes(layout: Layout, shape: tuple[int, ...]) -> list[Box]:
+    """The global index boxes of the shards this process holds, in local-shard order."""
+    return [device_box(layout, shape, d) for d in _local_devices(layout.mesh)]
+
+
+def _box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def _shard_of(value: object, mesh: Mesh, device: int) -> torch.Tensor:
+    """Device ``device``'s shard of a backend value held by this process."""
+    if mesh.backend != "local":
+        return value  # type: ignore[return-value]
+    from .backends.local import device_view
+
+    return device_view(value, mesh, device)
+
+
+# -- the primitive -----------------------------------------------------------------------
+
+
+def _zeroed(layout: Layout, device: int) -> bool:
+    """Whether ``device`` holds zeros because it is not the first of a pending sum."""
+    coords = layout.mesh.coords(device)
+    return any(op == "sum" and coords[layout.mesh.axis_index(a)] for a, op in layout.partial)
+
+
+def _from_boxes(layout: Layout, shape: tuple[int, ...], make: MakeShard, dtype: torch.dtype,
+                device: torch.device) -> object:
+    """The backend value whose shard on each device is ``make(device, box)``.
+
+    A pending sum keeps the value on the first device of each group (zeros elsewhere);
+    other pending reductions hold it on every device, as ``distribute`` does.
+    """
+    mesh = layout.mesh
+    if mesh.backend != "local":
+        dev = _rank(mesh)
+        box = device_box(layout, shape, dev)
+        t = torch.zeros(_box_shape(box), dtype=dtype, device=device) if _zeroed(layout, dev) else make(dev, box)
+        return backend_for(mesh).from_shards([t], layout, shape)
+    if is_even(layout, shape) and not any(op == "sum" for _, op in layout.partial):
+        return _stacked(layout, shape, make)
+    from .backends.local import from_parts
+
+    cache: dict[tuple, torch.Tensor] = {}
+    shards = []
+    for dev in range(mesh.size):
+        box = device_box(layout, shape, dev)
+        zero = _zeroed(layout, dev)
+        if (box, zero) not in cache:
+            cache[box, zero] = torch.zeros(_box_shape(box), dtype=dtype, device=device) if zero else make(dev, box)
+        shards.append(cache[box, zero])
+    return from_parts(shards, layout, shape)
+
+
+def _stacked(layout: Layout, shape: tuple[int, ...], make: MakeShard) -> torch.Tensor:
+    """An even local value: one shard per distinct box, expanded over replicating axes."""
+    mesh = layout.mesh
+    used = set(layout.axis_dim)
+    sub = tuple(n if a in used else 1 for a, n in zip(mesh.axis_names, mesh.shape))
+    local = local_shapes(layout, shape)[0]
+    shards = []
+    for coords in itertools.product(*(range(n) for n in sub)):
+        dev = _device_at(mesh.shape, coords)
+        shards.append(make(dev, device_box(layout, shape, dev)))
+    stacked = shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
+    return stacked.expand(*mesh.shape, *local)
+
+
+def _device_at(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
+    dev = 0
+    for n, c in zip(mesh_shape, coords):
+        dev = dev * n + c
+    return dev
+
+
+def _build(shape: tuple[int, ...], layout: Layout, make: Callable[[Box], torch.Tensor], dtype: torch.dtype,
+           *, requires_grad: bool = False) -> ShardedArray:
+    """A ShardedArray whose shard on each device is ``make(box)``."""
+    value = _from_boxes(layout, shape, lambda dev, box: make(box), dtype, _mesh_device(layout.mesh))
+    return wrap(value, layout, shape, dtype, requires_grad=requires_grad)
+
+
+# -- public factories -----------------------------------------------------------------------
+
+
+def make_array_from_callback(shape: ShapeLike, sharding: Sharding,
+                             data_callback: Callable[[tuple[slice, ...]], torch.Tensor], *,
+                             mesh: Mesh | None = None) -> ShardedArray:
+    """A ShardedArray whose every shard is ``data_callback(index)`` (as in JAX).
+
+    Args:
+        shape: the global shape.
+        sharding: a NamedSharding, P or placements tuple.
+        data_callback: maps a tuple of slices (the shard's global index ranges) to the
+            shard's values, a tensor of that shard's shape. Called once per distinct shard
+            this process holds.
+        mesh: the mesh for a bare P / placements (else the current mesh).
+
+    Example:
+        >>> x = sf.make_array_from_callback((8, 4), P("x"), lambda idx: full[idx], mesh=mesh)
+    """
+    shape = _shape(shape)
+    layout = _layout(shape, sharding, mesh)
+    boxes = _local_boxes(layout, shape)
+    probe = data_callback(tuple(slice(lo, hi) for lo, hi in boxes[0]))
+    first = boxes[0]
+
+    def make(box: Box) -> torch.Tensor:
+        t = probe if box == first else data_callback(tuple(slice(lo, hi) for lo, hi in box))
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != _box_shape(box):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ShardingError(
+                f"make_array_from_callback: data_callback returned {got} for the shard at "
+                f"{[f'{lo}:{hi}' for lo, hi in box]}; it must return a tensor of shape {_box_shape(box)}"
+            )
+        return t.to(dtype=probe.dtype, device=probe.device)
+
+    value = _from_boxes(layout, shape, lambda dev, box: make(box), probe.dtype, probe.device)
+    return wrap(value, layout, shape, probe.dtype)
+
+
+def full(shape: ShapeLike, fill_value: bool | int | float | complex, sharding: Sharding | None = None, *,
+         mesh: Mesh | None = None, dtype: torch.dtype | None = None,
+         requires_grad: bool = False) -> torch.Tensor:
+    """An array of ``shape`` filled with ``fill_value``, laid out as ``sharding``.
+
+    Each device allocates only its own shard (replicas share one buffer on the local
+    backend). The dtype follows ``torch.full`` when not given. Without a sharding the
+    result is a plain tensor. A pending sum holds the value on the first device of each
+    group and zeros elsewhere (so the gathered value is ``fill_value``).
+
+    Example:
+        >>> b = sf.full((1024,), 0.5, P("tp"), mesh=mesh)
+    """
+    shape = _shape(shape)
+    if dtype is None:
+        dtype = torch.full((), fill_value).dtype
+    if sharding is None:
+        return torch.full(shape, fill_value, dtype=dtype, requires_grad=requires_grad)
+    layout = _layout(shape, sharding, mesh)
+    device = _mesh_device(layout.mesh)
+    return _build(shape, layout, lambda box: torch.full(_box_shape(box), fill_value, dtype=dtype, device=device),
+                  dtype, requires_grad=requires_grad)
+
+
+def zeros(shape: ShapeLike, sharding: Sharding | None = None, *, mesh: Mesh | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """Zeros of ``shape`` laid out as ``sharding`` (each device allocates its shard only)."""
+    return full(shape, 0, sharding, mesh=mesh, dtype=dtype or torch.get_default_dtype(),
+                requires_grad=requires_grad)
+
+
+def ones(shape: ShapeLike, sharding: Sharding | None = None, *, mesh: Mesh | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """Ones of ``shape`` laid out as ``sharding`` (each device allocates its shard only)."""
+    return full(shape, 1, sharding, mesh=mesh, dtype=dtype or torch.get_default_dtype(),
+                requires_grad=requires_grad)
+
+
+def empty(shape: ShapeLike, sharding: Sharding | None = None, *, mesh: Mesh | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """An uninitialised array of ``shape`` laid out as ``sharding``."""
+    shape = _shape(shape)
+    dtype = dtype or torch.get_default_dtype()
+    if sharding is None:
+        return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
+    layout = _layout(shape, sharding, mesh)
+    device = _mesh_device(layout.mesh)
+    return _build(shape, layout, lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device),
+                  dtype, requires_grad=requires_grad)
+
+
+def rand(shape: ShapeLike, sharding: Sharding | None = None, *, key: object = None, mesh: Mesh | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """Uniform values in [0, 1): ``sf.random.uniform(key, shape, sharding)``.
+
+    ``key`` is a :func:`shardfn.random.key`; None draws one from torch's default
+    generator (so ``torch.manual_seed`` makes the call reproducible).
+    """
+    from . import random as _random
+
+    out = _random.uniform(_random._key_or_draw(key), shape, sharding, mesh=mesh, dtype=dtype)
+    return out.requires_grad_() if requires_grad else out
+
+
+def randn(shape: ShapeLike, sharding: Sharding | None = None, *, key: object = None, mesh: Mesh | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """Standard normal values: ``sf.random.normal(key, shape, sharding)`` (see :func:`rand`)."""
+    from . import random as _random
+
+    out = _random.normal(_random._key_or_draw(key), shape, sharding, mesh=mesh, dtype=dtype)
+    return out.requires_grad_() if requires_grad else out

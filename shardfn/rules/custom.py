@@ -1,0 +1,179 @@
+"""``sf.register_sharding``: sharding rules for custom ops (or overrides of built-in ones).
+
+A rule is an einsum string (``"mk,kn->mn"``: one letter per dim of each tensor input
+and of the output; contracted letters leave the output Partial(sum)), a rule object
+with ``candidates(call)``, or, as a decorator, a function of the op's arguments that
+returns ``(out_specs, in_specs)`` alternatives; dispatch keeps the one moving the fewest
+bytes. Custom ops run once per device on their local shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, overload
+
+import attrs
+import torch
+
+from ..errors import ShardingError
+from ..layout import Layout
+from .base import Candidate, OpCall, Rule
+from .dims import compile_dims, einsum_dims, parse_einsum
+
+
+@attrs.frozen
+class EinsumRule:
+    """A user einsum string applied to the op's tensor inputs in argument order."""
+
+    eq: str
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        ins, out = parse_einsum(self.eq)
+        ranks = [len(s) for s in call.shapes]
+        outs = [m for m in call.out_metas if isinstance(m, torch.Tensor)]
+        if [len(s) for s in ins] != ranks or len(outs) != 1 or outs[0].dim() != len(out):
+            raise ShardingError(
+                f"{_name(call.func)}: sharding rule {self.eq!r} describes inputs of ranks "
+                f"{[len(s) for s in ins]} and an output of rank {len(out)}, but the call has "
+                f"tensor inputs of ranks {ranks} and outputs of ranks {[m.dim() for m in outs]}"
+            )
+        return compile_dims(call, einsum_dims(self.eq))
+
+
+@attrs.frozen
+class SpecFnRule:
+    """Alternatives from ``fn(*args, **kwargs) -> [(out_specs, in_specs), ...]``.
+
+    ``in_specs`` has one entry per tensor input (argument order, lists flattened), or one
+    per argument with None for non-tensors; ``out_specs`` one spec, or one per output
+    (a Tensor-list output takes a list of specs, or one spec for every element).
+    A spec is a ``P``, a placements tuple, a NamedSharding, or None (replicated)."""
+
+    fn: Callable[..., Sequence[tuple[Any, Any]]]
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        alternatives = self.fn(*call.args, **call.kwargs)
+        return [self._candidate(call, out_specs, in_specs) for out_specs, in_specs in alternatives]
+
+    def _candidate(self, call: OpCall, out_specs: Any, in_specs: Any) -> Candidate:
+        ins = _input_specs(call, in_specs)
+        in_layouts = tuple(_layout(call, s, v.ndim, f"in_specs[{i}]") for i, (s, (_, v)) in enumerate(zip(ins, call.arrays)))
+        metas = call.out_metas
+        if len(metas) == 1 or not isinstance(out_specs, (list, tuple)) or _is_one_spec(out_specs):
+            out_specs = [out_specs] * len(metas)
+        if len(out_specs) != len(metas):
+            raise ShardingError(
+                f"{_name(call.func)}: the sharding rule gave {len(out_specs)} out_specs for "
+                f"{len(metas)} outputs; give one spec per output"
+            )
+        outs = tuple(
+            _layout(call, s, m.dim(), f"out_specs[{i}]") if isinstance(m, torch.Tensor) else None
+            for i, (s, m) in enumerate(zip(out_specs, metas))
+        )
+        return Candidate(in_layouts, outs)
+
+
+def _is_one_spec(s: Any) -> bool:
+    from ..spec import P, _is_placements
+
+    return isinstance(s, P) or _is_placements(s)
+
+
+def _input_specs(call: OpCall, in_specs: Any) -> list:
+    """One spec per sharded input (argument order)."""
+    if _is_one_spec(in_specs) or in_specs is None:
+        in_specs = [in_specs]
+    in_specs = list(in_specs)
+    if len(in_specs) == len(call.arrays):
+        return in_specs
+    by_arg: dict[Any, Any] = dict(enumerate(in_specs[: len(call.args)]))
+    by_arg.update(zip(call.kwargs, in_specs[len(call.args):]))
+    out = []
+    for path, _ in call.arrays:
+        key, j = (path[0], path[1]) if isinstance(path, tuple) else (path, None)
+        if key not in by_arg:
+            raise ShardingError(
+                f"{_name(call.func)}: the sharding rule gave {len(in_specs)} in_specs; give one "
+                f"per tensor input ({len(call.arrays)}) or one per argument "
+                f"({len(call.args) + len(call.kwargs)}, None for non-tensors)"
+            )
+        s = by_arg[key]
+        out.append(s[j] if j is not None and isinstance(s, list) else s)
+    return out
+
+
+def _layout(call: OpCall, spec: Any, ndim: int, where: str) -> Layout:
+    from ..spec import P, to_layout
+
+    try:
+        return to_layout(P() if spec is None else spec, ndim, call.mesh, arg=where)
+    except ShardingError as e:
+        raise ShardingError(f"{_name(call.func)}: sharding rule {where}: {e}") from None
+
+
+def _name(func: Any) -> str:
+    return str(func)
+
+
+def _overloads(op: Any) -> list:
+    """Every overload an op handle stands for (custom ops, packets, overloads)."""
+    if hasattr(op, "_opoverload"):  # torch.library.custom_op
+        op = op._opoverload
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    if isinstance(op, torch._ops.OpOverload):
+        return [op]
+    raise ShardingError(
+        f"register_sharding takes an op such as torch.ops.mylib.op or torch.ops.aten.mm.default, "
+        f"got {op!r}"
+    )
+
+
+def _as_rule(rule: Any) -> Rule:
+    if isinstance(rule, str):
+        parse_einsum(rule)
+        return EinsumRule(rule)
+    if hasattr(rule, "candidates"):
+        return rule
+    raise ShardingError(
+        f"register_sharding: rule must be an einsum string such as 'mk,kn->mn' or an object "
+        f"with candidates(call); got {rule!r} (use the decorator form for a function)"
+    )
+
+
+@overload
+def register_sharding(op: Any, rule: str | Rule) -> None: ...
+@overload
+def register_sharding(op: Any, rule: None = None) -> Callable[[Callable], Callable]: ...
+
+
+def register_sharding(op: Any, rule: Any = None) -> Any:
+    """Give ``op`` a sharding rule (replacing any built-in one).
+
+    Args:
+        op: the op (``torch.ops.ns.name``, one overload, or a ``torch.library.custom_op``).
+        rule: an einsum string (``"bk,kn->bn"``) or a rule object. Omitted: returns a
+            decorator for a function of the op's arguments returning a list of
+            ``(out_specs, in_specs)`` alternatives.
+
+    Example::
+
+        @sf.register_sharding(torch.ops.mylib.scale)
+        def _(x, factor):
+            return [(P("x"), (P("x"), None)), (P(), (P(), None))]
+    """
+    ops = _overloads(op)
+    if rule is None:
+        def decorate(fn: Callable) -> Callable:
+            _install(ops, SpecFnRule(fn))
+            return fn
+
+        return decorate
+    _install(ops, _as_rule(rule))
+    return None
+
+
+def _install(ops: list, rule: Rule) -> None:
+    from . import register
+
+    for o in ops:
+        register(o, rule)

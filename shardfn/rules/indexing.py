@@ -1,0 +1,160 @@
+"""Indexing ops (DTensor's ``_tensor_ops`` indexing half): the indexed dim must be whole,
+every other dim keeps its sharding where the operands agree on its size. An index
+tensor's own sharding carries over to the output dims it shapes (``index_select``
+with a sharded index gives a sharded output dim, no gather of the source).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from .base import Candidate, OpCall, bind, letters, replace_arg
+from .dims import Dims, compile_dims
+
+aten = torch.ops.aten
+
+
+def _paths(call: OpCall) -> list:
+    return [p for p, _ in call.arrays]
+
+
+@attrs.frozen
+class IndexSelect:
+    """index_select(self, dim, index): output dim ``dim`` follows the 1-D index."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if len(call.arrays) != 2:
+            return []
+        b = bind(call.func, call.args, call.kwargs)
+        n = len(call.shapes[0])
+        d = b["dim"] % max(n, 1)
+        ls = letters(n)
+        if n == 0:
+            return compile_dims(call, Dims(((), (None,) * len(call.shapes[1])), ((),)))
+        src = tuple(None if i == d else L for i, L in enumerate(ls))
+        out = tuple("I" if i == d else L for i, L in enumerate(ls))
+        return compile_dims(call, Dims((src, ("I",)), (out,)))
+
+
+@attrs.frozen
+class GatherScatter:
+    """gather / scatter / scatter_add / scatter_reduce: dims other than ``dim`` on which
+    every operand has the same size share their sharding; ``dim`` is whole in ``self``.
+    gather's index may be sharded along ``dim`` too (its output follows it). All operands
+    have one rank, so the op runs once on stacked shards with ``dim`` made negative."""
+
+    gather: bool = False
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        shapes = call.shapes
+        n = len(shapes[0])
+        if any(len(s) != n for s in shapes) or n == 0:
+            return []
+        b = bind(call.func, call.args, call.kwargs)
+        d = b["dim"] % n
+        ls = letters(n)
+        same = [all(s[i] == shapes[0][i] for s in shapes) for i in range(n)]
+        common = tuple(L if same[i] and i != d else None for i, L in enumerate(ls))
+        if self.gather:
+            idx = tuple("G" if i == d else L for i, L in enumerate(common))
+            spec = Dims((common, idx), (idx,))
+        else:
+            spec = Dims((common,) * len(call.arrays), (common,))
+        return compile_dims(call, spec, stacked_args=_NegDimArg(call.func, d - n))
+
+
+@attrs.frozen
+class _NegDimArg:
+    func: Any
+    dim: int
+
+    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
+        return replace_arg(self.func, args, kwargs, "dim", self.dim)
+
+
+@attrs.frozen
+class IndexAlong:
+    """index_add / index_copy / index_fill (self, dim, index, [source]): ``dim`` whole,
+    the other dims of ``self`` and ``source`` shared, the index replicated."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        n = len(call.shapes[0])
+        if n == 0:
+            return []
+        d = b["dim"] % n
+        ls = tuple(None if i == d else L for i, L in enumerate(letters(n)))
+        ins = []
+        for path, v in call.arrays:
+            name = path if isinstance(path, str) else None
+            is_index = v.ndim <= 1 and not v.is_floating_point() and (path == 2 or name == "index")
+            ins.append((None,) * v.ndim if is_index else ls if v.ndim == n else (None,) * v.ndim)
+        return compile_dims(call, Dims(tuple(ins), (ls,)))
+
+
+@attrs.frozen
+class AdvancedIndex:
+    """x[i0, i1, ...] (aten.index): indexed dims whole, index tensors replicated; dims
+    not indexed keep their sharding at their place in the output."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        indices = list(b["indices"])
+        x_shape = call.shapes[0]
+        n = len(x_shape)
+        out = call.out_metas[0]
+        if not isinstance(out, torch.Tensor) or any(
+            isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices
+        ):
+            return []
+        ls = letters(n)
+        indices += [None] * (n - len(indices))
+        used = [i for i, t in enumerate(indices) if t is not None]
+        k = out.dim() - (n - len(used))
+        contiguous = used == list(range(used[0], used[-1] + 1)) if used else True
+        rest = [ls[i] for i in range(n) if i not in used]
+        if contiguous and used:
+            before = [ls[i] for i in range(used[0])]
+            out_letters = before + [None] * k + rest[len(before):]
+        else:
+            out_letters = [None] * k + rest
+        src = tuple(None if i in used else L for i, L in enumerate(ls))
+        ins = (src,) + tuple((None,) * v.ndim for _, v in call.arrays[1:])
+        return compile_dims(call, Dims(ins, (tuple(out_letters),)))
+
+
+@attrs.frozen
+class Replicated:
+    """Ops with no better strategy: every input whole, the output replicated (no
+    warning: the op is known to need the full tensors)."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        ins = tuple((None,) * len(s) for s in call.shapes)
+        outs = tuple((None,) * m.dim() if isinstance(m, torch.Tensor) else None for m in call.out_metas)
+        return compile_dims(call, Dims(ins, outs))
+
+
+_REPLICATED = Replicated()
+
+TABLE = {
+    aten.index_select: IndexSelect(),
+    aten.gather: GatherScatter(gather=True),
+    aten.scatter: GatherScatter(),
+    aten.scatter_add: GatherScatter(),
+    aten.scatter_reduce: GatherScatter(),
+    aten.index_add: IndexAlong(),
+    aten.index_copy: IndexAlong(),
+    aten.index_fill: IndexAlong(),
+    aten.index.Tensor: AdvancedIndex(),
+    aten._unsafe_index.Tensor: AdvancedIndex(),
+    aten.index_put: _REPLICATED,
+    aten._unsafe_index_put: _REPLICATED,
+    aten.masked_scatter: _REPLICATED,
+    aten.take: _REPLICATED,
+    aten.put: _REPLICATED,
+    aten.searchsorted: _REPLICATED,
+    aten.bucketize: _REPLICATED,
+}

@@ -1,0 +1,438 @@
+"""View and shape ops (DTensor's ``_view_ops``): the output keeps the input's sharding
+wherever the op maps a dim whole onto another; dims the op cuts into (the dim of a
+slice, a cat, a split) must be whole. Views are linear, so pending reductions pass.
+
+``view``/``reshape`` group dims whose sizes multiply to the same number; in a group the
+sharding of the major input dim moves to the major output dim when every device's
+piece of the flattened group stays the same range (always true for even splits, and
+checked index by index for uneven ones); otherwise the group is gathered.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import attrs
+import torch
+
+from ..layout import Layout, local_shapes, split_range
+from ..mesh import Mesh
+from .base import Candidate, OpCall, bind, letters, neg_dim, norm_dims, replace_arg, same_args
+from .dims import LINEAR_OPS, Dims, compile_dims
+from .reductions import AlongDim, _NegDim
+
+aten = torch.ops.aten
+
+
+# -- view / reshape ---------------------------------------------------------------------------
+
+
+def view_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
+    """Groups of input dims and output dims with equal size products (size-1 dims left
+    out); None for empty tensors."""
+    if 0 in a or 0 in b:
+        return None
+    ins = [i for i, n in enumerate(a) if n != 1]
+    outs = [j for j, n in enumerate(b) if n != 1]
+    groups, i, j = [], 0, 0
+    while i < len(ins) and j < len(outs):
+        gi, gj = [ins[i]], [outs[j]]
+        pa, pb = a[ins[i]], b[outs[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(ins[i])
+                pa *= a[ins[i]]
+                i += 1
+            else:
+                gj.append(outs[j])
+                pb *= b[outs[j]]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _ranges(n: int, axes: tuple[str, ...], mesh: Mesh) -> list[tuple[int, int]]:
+    """Every device's index range of a dim of size ``n`` split over ``axes``."""
+    out = []
+    for dev in range(mesh.size):
+        c = mesh.coords(dev)
+        lo, hi = 0, n
+        for ax in axes:
+            i = mesh.axis_index(ax)
+            lo, hi = split_range(lo, hi, mesh.shape[i], c[i])
+        out.append((lo, hi))
+    return out
+
+
+def _moves_whole(axes: tuple[str, ...], mesh: Mesh, n_in: int, r_in: int, n_out: int, r_out: int) -> bool:
+    """Whether splitting the major input dim (size n_in, r_in elements per index) and the
+    major output dim (n_out, r_out) over ``axes`` gives every device the same elements."""
+    a, b = _ranges(n_in, axes, mesh), _ranges(n_out, axes, mesh)
+    return all(
+        (lo * r_in, hi * r_in) == (lo2 * r_out, hi2 * r_out) or (lo == hi and lo2 == hi2)
+        for (lo, hi), (lo2, hi2) in zip(a, b)
+    )
+
+
+def view_layouts(src: Layout, a: Sequence[int], b: Sequence[int]) -> tuple[Layout, Layout]:
+    """(input layout needed, output layout) of viewing shape ``a`` as ``b``."""
+    mesh = src.mesh
+    groups = view_groups(a, b)
+    in_dims = [()] * len(a)
+    out_dims = [()] * len(b)
+    for gi, gj in groups or []:
+        axes = src.dims[gi[0]]
+        if not axes:
+            continue
+        r_in = math.prod(a[i] for i in gi[1:])
+        r_out = math.prod(b[j] for j in gj[1:])
+        if _moves_whole(axes, mesh, a[gi[0]], r_in, b[gj[0]], r_out):
+            in_dims[gi[0]] = axes
+            out_dims[gj[0]] = axes
+    return Layout(mesh, tuple(in_dims), src.partial), Layout(mesh, tuple(out_dims), src.partial)
+
+
+@attrs.frozen
+class View:
+    """view / _unsafe_view / reshape: the size argument is localised per device."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, x), = call.arrays
+        out_shape = tuple(call.out_metas[0].shape)
+        src, dst = view_layouts(x._layout, tuple(x.shape), out_shape)
+        return [_local_shape_candidate(call, (src,), dst, out_shape, "size")]
+
+
+def _local_shape_candidate(call: OpCall, ins: tuple, dst: Layout, out_shape: tuple, arg: str) -> Candidate:
+    """A candidate whose ``arg`` (a shape) becomes each device's local output shape."""
+    shapes = local_shapes(dst, out_shape)
+    mesh_shape = call.mesh.shape
+    return Candidate(
+        ins, (dst,),
+        stacked_args=_SetArg(call.func, arg, tuple(mesh_shape) + shapes[0]),
+        device_args=_SetArgPerDevice(call.func, arg, shapes),
+        stacked_fn=_LOCAL_FNS.get(call.func.overloadpacket),
+        device_fn=_LOCAL_FNS.get(call.func.overloadpacket),
+    )
+
+
+@attrs.frozen
+class _SetArg:
+    func: Any
+    arg: str
+    value: Any
+
+    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
+        return replace_arg(self.func, args, kwargs, self.arg, list(self.value))
+
+
+@attrs.frozen
+class _SetArgPerDevice:
+    func: Any
+    arg: str
+    values: tuple
+
+    def __call__(self, args: tuple, kwargs: dict, dev: int) -> tuple[tuple, dict]:
+        return replace_arg(self.func, args, kwargs, self.arg, list(self.values[dev]))
+
+
+def _reshape(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    return x.reshape(size)
+
+
+_LOCAL_FNS = {aten.view: _reshape, aten._unsafe_view: _reshape, aten.reshape: _reshape}
+
+
+@attrs.frozen
+class Expand:
+    """expand: new leading dims and stretched size-1 dims are replicated."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, x), = call.arrays
+        out_shape = tuple(call.out_metas[0].shape)
+        lay, shape = x._layout, tuple(x.shape)
+        lead = len(out_shape) - len(shape)
+        keep = [() if shape[i] == 1 else lay.dims[i] for i in range(len(shape))]
+        src = Layout(call.mesh, tuple(keep), lay.partial)
+        dst = Layout(call.mesh, ((),) * lead + tuple(keep), lay.partial)
+        cand = _local_shape_candidate(call, (src,), dst, out_shape, "size")
+        return [attrs.evolve(cand, stacked_fn=_ExpandStacked(call.mesh.ndim), device_fn=None)]
+
+
+@attrs.frozen
+class _ExpandStacked:
+    m: int
+
+    def __call__(self, x: torch.Tensor, size: Sequence[int], implicit: bool = False) -> torch.Tensor:
+        lead = len(size) - x.dim()
+        m = self.m
+        return x.reshape(*x.shape[:m], *([1] * lead), *x.shape[m:]).expand(size)
+
+
+# -- dim permutations and insertions -----------------------------------------------------------
+
+
+@attrs.frozen
+class Mapped:
+    """Ops whose output dims each come whole from one input dim (or are new):
+    ``mapping(bound_args, ndim) -> (dims that must be whole, out dim -> in dim | None)``,
+    with a local function run on stacked shards and per device alike."""
+
+    mapping: Any
+    local: Any
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if len(call.arrays) != 1:
+            return []
+        (_, x), = call.arrays
+        b = bind(call.func, call.args, call.kwargs)
+        whole, out_map = self.mapping(b, x.ndim)
+        lay = x._layout
+        src = Layout(call.mesh, tuple(() if i in whole else d for i, d in enumerate(lay.dims)), lay.partial)
+        dst = Layout(call.mesh, tuple(() if i is None else src.dims[i] for i in out_map), lay.partial)
+        outs = tuple(dst if isinstance(m, torch.Tensor) else None for m in call.out_metas)
+        if x.ndim == 0:
+            return [Candidate((src,), outs)]  # a scalar's dim 0 / -1: the op itself, per device
+        fn = _Local(self.local, x.ndim, call.func, tuple(whole))
+        return [Candidate((src,), outs, stacked_args=same_args, stacked_fn=fn, device_fn=fn)]
+
+
+@attrs.frozen
+class _Local:
+    local: Any
+    ndim: int
+    func: Any
+    whole: tuple[int, ...]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0]
+        b = bind(self.func, args, kwargs)
+        b["_whole"] = self.whole
+        return self.local(x, x.dim() - self.ndim, self.ndim, b)
+
+
+def _permute_map(b: dict, n: int) -> tuple:
+    return (), [d % n for d in b["dims"]]
+
+
+def _permute(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return x.permute(*range(m), *[m + d % n for d in b["dims"]])
+
+
+def _transpose_map(b: dict, n: int) -> tuple:
+    out = list(range(n))
+    if n:
+        d0, d1 = b["dim0"] % n, b["dim1"] % n
+        out[d0], out[d1] = d1, d0
+    return (), out
+
+
+def _transpose(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return x.transpose(neg_dim(b["dim0"], n), neg_dim(b["dim1"], n)) if n else x
+
+
+def _t_map(b: dict, n: int) -> tuple:
+    return (), list(range(n))[::-1]
+
+
+def _t(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return x.transpose(-1, -2) if n == 2 else x
+
+
+def _squeeze_dims(b: dict, n: int) -> tuple[int, ...]:
+    dim = b.get("dim")
+    if n == 0:
+        return ()
+    cand = range(n) if dim is None else norm_dims(dim, n)
+    shape = b["self"].shape
+    return tuple(d for d in cand if shape[d] == 1)
+
+
+def _squeeze_map(b: dict, n: int) -> tuple:
+    sq = _squeeze_dims(b, n)
+    return sq, [i for i in range(n) if i not in sq]
+
+
+def _squeeze(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    sq = b["_whole"]
+    return x.squeeze(tuple(d - n for d in sq)) if sq else x
+
+
+def _unsqueeze_map(b: dict, n: int) -> tuple:
+    d = b["dim"] % (n + 1)
+    out: list = list(range(n))
+    out.insert(d, None)
+    return (), out
+
+
+def _unsqueeze(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return x.unsqueeze(b["dim"] % (n + 1) - (n + 1))
+
+
+def _select_map(b: dict, n: int) -> tuple:
+    d = b["dim"] % n
+    return (d,), [i for i in range(n) if i != d]
+
+
+def _select(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return x.select(neg_dim(b["dim"], n), b["index"])
+
+
+def _slice_map(b: dict, n: int) -> tuple:
+    d = b["dim"] % n
+    size = b["self"].shape[d]
+    start, end, step = b.get("start"), b.get("end"), b.get("step", 1)
+    full = (start in (None, 0) or start <= -size) and (end is None or end >= size) and step == 1
+    return (() if full else (d,)), list(range(n))
+
+
+def _slice(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return torch.ops.aten.slice.Tensor(x, neg_dim(b["dim"], n), b.get("start"), b.get("end"), b.get("step", 1))
+
+
+def _split_map(b: dict, n: int) -> tuple:
+    d = b["dim"] % n
+    return (d,), list(range(n))
+
+
+def _split(x: torch.Tensor, m: int, n: int, b: dict) -> Any:
+    size = b.get("split_size", b.get("split_sizes"))
+    return torch.split(x, size, neg_dim(b["dim"], n))
+
+
+def _unbind_map(b: dict, n: int) -> tuple:
+    d = b["dim"] % n
+    return (d,), [i for i in range(n) if i != d]
+
+
+def _unbind(x: torch.Tensor, m: int, n: int, b: dict) -> Any:
+    return torch.unbind(x, neg_dim(b["dim"], n))
+
+
+def _diagonal_map(b: dict, n: int) -> tuple:
+    d1, d2 = b["dim1"] % n, b["dim2"] % n
+    return (d1, d2), [i for i in range(n) if i not in (d1, d2)] + [None]
+
+
+def _diagonal(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return torch.diagonal(x, b["offset"], neg_dim(b["dim1"], n), neg_dim(b["dim2"], n))
+
+
+def _unfold_map(b: dict, n: int) -> tuple:
+    d = b["dimension"] % max(n, 1)
+    return (d,), list(range(n)) + [None]
+
+
+def _unfold(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return x.unfold(neg_dim(b["dimension"], n), b["size"], b["step"])
+
+
+def _repeat_map(b: dict, n: int) -> tuple:
+    reps = list(b["repeats"])
+    lead = len(reps) - n
+    whole = tuple(i for i in range(n) if reps[lead + i] != 1)
+    return whole, [None] * lead + list(range(n))
+
+
+def _repeat(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    reps = list(b["repeats"])
+    lead = len(reps) - n
+    x = x.reshape(*x.shape[:m], *([1] * lead), *x.shape[m:])
+    return x.repeat(*([1] * m), *reps)
+
+
+# -- many tensors ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Concat:
+    """cat / stack: all inputs laid out alike, the cat dim whole (stack: new dim)."""
+
+    new_dim: bool = False
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        shapes = call.shapes
+        ranks = {len(s) for s in shapes}
+        if len(ranks) != 1 or any(not isinstance(p, tuple) for p, _ in call.arrays):
+            return []
+        n = ranks.pop()
+        if n == 0 and not self.new_dim:
+            return []
+        b = bind(call.func, call.args, call.kwargs)
+        d = b.get("dim", 0) % (n + 1 if self.new_dim else n)
+        ls = letters(n)
+        ins = tuple(None if (i == d and not self.new_dim) else L for i, L in enumerate(ls))
+        out = ins[:d] + (None,) + ins[d:] if self.new_dim else ins
+        spec = Dims((ins,) * len(call.arrays), (out,), (), LINEAR_OPS, joint=True)
+        dd = d - (n + 1) if self.new_dim else neg_dim(d, n)
+        return compile_dims(call, spec, stacked_args=_DimArg(dd))
+
+
+@attrs.frozen
+class _DimArg:
+    dim: int
+
+    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
+        kwargs = {k: v for k, v in kwargs.items() if k != "dim"}
+        return (args[0], self.dim), kwargs
+
+
+@attrs.frozen
+class NewFactory:
+    """new_zeros/new_ones/new_empty/new_full: a replicated result of the given size."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, x), = call.arrays
+        out = call.out_metas[0]
+        dst = Layout(call.mesh, ((),) * out.dim())
+        mesh_shape = tuple(call.mesh.shape)
+        return [Candidate((x._layout,), (dst,), stacked_args=same_args,
+                          stacked_fn=_NewStacked(call.func, mesh_shape))]
+
+
+@attrs.frozen
+class _NewStacked:
+    func: Any
+    mesh_shape: tuple
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        x = args[0][(0,) * len(self.mesh_shape)]
+        one = self.func(x, *args[1:], **kwargs)
+        return one.expand(*self.mesh_shape, *one.shape)
+
+
+def _whole(*dims: int) -> AlongDim:
+    return AlongDim(fixed=dims)
+
+
+TABLE = {
+    aten.view: View(),
+    aten._unsafe_view: View(),
+    aten.reshape: View(),
+    aten.expand: Expand(),
+    aten.permute: Mapped(_permute_map, _permute),
+    aten.transpose.int: Mapped(_transpose_map, _transpose),
+    aten.t: Mapped(_t_map, _t),
+    aten.squeeze: Mapped(_squeeze_map, _squeeze),
+    aten.unsqueeze: Mapped(_unsqueeze_map, _unsqueeze),
+    aten.select.int: Mapped(_select_map, _select),
+    aten.slice.Tensor: Mapped(_slice_map, _slice),
+    aten.split.Tensor: Mapped(_split_map, _split),
+    aten.split_with_sizes: Mapped(_split_map, _split),
+    aten.unbind.int: Mapped(_unbind_map, _unbind),
+    aten.diagonal: Mapped(_diagonal_map, _diagonal),
+    aten.unfold: Mapped(_unfold_map, _unfold),
+    aten.repeat: Mapped(_repeat_map, _repeat),
+    aten.cat: Concat(),
+    aten.stack: Concat(new_dim=True),
+    aten.flip: AlongDim(arg="dims"),
+    aten.roll: AlongDim(arg="dims", default_all=True),
+    aten.tril: _whole(-2, -1),
+    aten.triu: _whole(-2, -1),
+    aten.new_zeros: NewFactory(),
+    aten.new_ones: NewFactory(),
+    aten.new_empty: NewFactory(),
+    aten.new_full: NewFactory(),
+}
