@@ -15,8 +15,7 @@ import time
 import torch
 
 import shardfn as sf
-from shardfn import P
-from shardfn import lax
+from shardfn import P, lax
 
 
 def _mlp(x, w1, w2):

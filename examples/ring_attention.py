@@ -15,8 +15,7 @@ import math
 import torch
 
 import shardfn as sf
-from shardfn import P
-from shardfn import lax
+from shardfn import P, lax
 
 mesh = sf.Mesh((4,), ("sp",))
 SPEC = P(None, "sp", None)  # (batch, sequence, features), sequence sharded

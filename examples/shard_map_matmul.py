@@ -14,8 +14,7 @@ import functools
 import torch
 
 import shardfn as sf
-from shardfn import P
-from shardfn import lax
+from shardfn import P, lax
 
 mesh = sf.Mesh((4,), ("i",))
 

@@ -192,7 +192,7 @@ class ExitParts(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        layout, shape, first_only = inputs[:3]
+        layout, _, first_only = inputs[:3]
         ctx.meta = (layout, first_only)
 
     @staticmethod

@@ -12,7 +12,8 @@ meta tensors with the local backend's vmap machinery.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -112,6 +113,13 @@ def _ppermute(x: torch.Tensor, mesh: Mesh, axes: tuple, perm: tuple) -> torch.Te
     src = {d: s for s, d in perm}
     me = _rank_in(mesh, axes)
     return gathered[src[me]] if me in src else torch.zeros_like(x)
+
+
+def all_local_shapes(t: torch.Tensor, mesh: Mesh) -> list[tuple[int, ...]]:
+    """Every rank's shape of its tensor ``t`` (one small all_gather over the mesh)."""
+    mine = torch.tensor([list(t.shape)], dtype=torch.int64)
+    every = _all_gather(mine, mesh, mesh.axis_names, 0)
+    return [tuple(int(n) for n in row) for row in every]
 
 
 # -- differentiable collectives -------------------------------------------------------------------------------
@@ -227,7 +235,8 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
     paths, idx, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
     vma = _traced_vma(f, inputs, leaves, kwargs) if check_vma else None
     return optree.tree_unflatten(treespec, [
-        assemble_parts(p, [flat[i]], s, mesh, vma is not None, (lambda o, i=i: vma[i]) if vma else None)
+        assemble_parts(p, [flat[i]], s, mesh, vma is not None, (lambda o, i=i: vma[i]) if vma else None,
+                       exchange=not inputs.even())
         for p, i, s in zip(paths, idx, specs)
     ])
 

@@ -13,7 +13,8 @@ TorchFunctionMode that tags each op's outputs with the union of its inputs' tags
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -82,7 +83,7 @@ class _Rendezvous:
         try:
             with torch.enable_grad() if torch.is_grad_enabled() else torch.no_grad():
                 self.result = self.slots[0][2]([s[1] for s in self.slots])
-        except BaseException as e:  # re-raised in every device's thread
+        except BaseException as e:  # noqa: BLE001  re-raised in every device's thread
             self.error = e
 
 
@@ -196,7 +197,7 @@ def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict) -> list[
                 with _VmaMode():
                     results[dev] = f(*per_device_args[dev], **kwargs)
                 rv.exchange(dev, ("end",), None, lambda xs: [None] * n)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  re-raised by the caller's thread
             errors[dev] = e
             rv.barrier.abort()
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Any, Iterator, Protocol, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import optree
 import torch
@@ -28,11 +29,19 @@ import torch
 from .errors import ShardingError
 from .mesh import Mesh
 
-AxisName = Union[str, tuple[str, ...]]
+AxisName = str | tuple[str, ...]
 
 __all__ = [
-    "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all",
-    "ppermute", "axis_index", "axis_size",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "ppermute",
+    "psum",
+    "psum_scatter",
 ]
 
 
@@ -121,7 +130,8 @@ def _group_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 def _record(body: Collectives, kind: str, axes: tuple[str, ...], x: torch.Tensor, op: str | None = None) -> None:
     """Count a collective in any active sf.debug.CommCounter (ring costs, as plans)."""
-    from .debug import _active, _record as record
+    from .debug import _active
+    from .debug import _record as record
 
     if not _active or not body.leader:
         return

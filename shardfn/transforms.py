@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Sequence, TypeVar, overload
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
 
 import optree
 import torch
@@ -23,11 +24,11 @@ from .backends import backend_for
 from .errors import ShardingError
 from .layout import Layout, device_box, is_even
 from .mesh import Mesh, current_mesh
-from .spec import NamedSharding, P, Sharding, _is_placements, layout_to_spec, spec_to_layout, to_layout
+from .spec import NamedSharding, P, Sharding, _is_placements, layout_to_spec, to_layout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["shard_map", "local_map", "with_sharding_constraint"]
+__all__ = ["local_map", "shard_map", "with_sharding_constraint"]
 
 
 # -- spec trees ---------------------------------------------------------------------------------
@@ -337,26 +338,37 @@ def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any,
 
 
 def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool,
-                   vma_of: Callable[[Any], frozenset[str]] | None) -> Any:
+                   vma_of: Callable[[Any], frozenset[str]] | None, exchange: bool = False) -> Any:
     """One ShardedArray from the local outputs of the devices this process holds."""
     if not isinstance(outs[0], torch.Tensor):
         return outs[0]
     layout = _out_layout(path, spec, outs[0].dim(), mesh)
     if check_vma and vma_of is not None:
         check_output_vma(path, spec, layout, set().union(*(vma_of(o) for o in outs)))
-    return B.ExitParts.apply(layout, _global_shape(path, outs, layout), True, *outs)
+    return B.ExitParts.apply(layout, _global_shape(path, outs, layout, exchange), True, *outs)
 
 
-def _global_shape(path: str, outs: list, layout: Layout) -> tuple[int, ...]:
-    """The global shape the local outputs describe, from their actual sizes."""
+def _global_shape(path: str, outs: list, layout: Layout, exchange: bool = False) -> tuple[int, ...]:
+    """The global shape the local outputs describe, from their actual sizes. On dist
+    each rank holds one output: with ``exchange`` the ranks swap their sizes (uneven
+    inputs), else the layout is taken to be even."""
     mesh = layout.mesh
     if any(o.dim() != outs[0].dim() for o in outs):
-        raise ShardingError(f"shard_map output {path}: devices returned tensors of different ranks")
-    owners = [outs[B.first_replica(layout, d)] for d in B.my_devices(mesh)] if mesh.backend == "local" else outs
+        raise ShardingError(f"shard_map {path}: devices returned tensors of different ranks")
+    if mesh.backend == "local":
+        owners = [outs[B.first_replica(layout, d)] for d in B.my_devices(mesh)]
+    else:
+        owners = outs
     try:
+        if mesh.backend != "local" and exchange:
+            from ._dist_lax import all_local_shapes
+            from .backends import local
+
+            metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], mesh)]
+            return local.global_shape(metas, layout, None)
         return backend_for(mesh).global_shape(owners, layout, None)
     except ShardingError as e:
-        raise ShardingError(f"output {path}: {e}") from None
+        raise ShardingError(f"{path}: {e}") from None
 
 
 # -- local_map ----------------------------------------------------------------------------------------
@@ -412,7 +424,8 @@ def _local_map(f: Callable, out_specs: Any, in_specs: Any, in_grad_specs: Any, m
     with mesh:
         for i in range(len(devices)):
             outs.append(f(*optree.tree_unflatten(treespec, [col[i] for col in columns]), **kwargs))
-    return _local_outputs(outs, out_specs, mesh, first_only=in_grad_specs is None)
+    uneven = any(isinstance(v, ShardedArray) and not is_even(v._layout, tuple(v.shape)) for v in leaves)
+    return _local_outputs(outs, out_specs, mesh, first_only=in_grad_specs is None, exchange=uneven)
 
 
 def _local_inputs(path: str, v: Any, spec: Any, gspec: Any, mesh: Mesh, redistribute: bool) -> list:
@@ -438,7 +451,7 @@ def _local_inputs(path: str, v: Any, spec: Any, gspec: Any, mesh: Mesh, redistri
     return list(B.EnterParts.apply(v, grad, False))
 
 
-def _local_outputs(outs: list, out_specs: Any, mesh: Mesh, first_only: bool) -> Any:
+def _local_outputs(outs: list, out_specs: Any, mesh: Mesh, first_only: bool, exchange: bool) -> Any:
     flats = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
     treespec = flats[0][1]
     out_tree = optree.tree_unflatten(treespec, list(range(treespec.num_leaves)))
@@ -450,7 +463,7 @@ def _local_outputs(outs: list, out_specs: Any, mesh: Mesh, first_only: bool) -> 
             results.append(column if mesh.backend == "local" and isinstance(column[0], torch.Tensor) else column[0])
             continue
         layout = _layout(s, column[0].dim(), mesh, f"local_map out_specs for {p}")
-        results.append(B.ExitParts.apply(layout, _global_shape(p, column, layout), first_only, *column))
+        results.append(B.ExitParts.apply(layout, _global_shape(p, column, layout, exchange), first_only, *column))
     return optree.tree_unflatten(treespec, results)
 
 

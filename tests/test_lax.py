@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn import P, ShardingError
-from shardfn import lax
+from shardfn import P, ShardingError, lax
 from shardfn.transforms import _Inputs
 
 
