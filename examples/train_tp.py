@@ -136,7 +136,9 @@ def train(steps: int, mesh: sf.Mesh | None, backend: str | None, dtype: torch.dt
     """Loss per step; ``mesh=None`` trains unsharded, ``backend=None`` runs eagerly."""
     params = init_params(dtype=dtype)
     if mesh is not None:
-        params = shard(params, mesh)
+        # `* 1` materialises replicated shards (stored as broadcast views) so the first
+        # compiled step sees the strides every later step has: no recompilation.
+        params = optree.tree_map(lambda p: p * 1, shard(params, mesh))
     state = adamw_init(params)
     step_fn = train_step if backend is None else torch.compile(train_step, backend=backend, fullgraph=True)
     losses = []

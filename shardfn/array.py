@@ -246,7 +246,11 @@ class _Reshard(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.src = _ft.layout_of(inputs[0])
+        ctx.src, ctx.dst = _ft.layout_of(inputs[0]), inputs[1]
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any) -> Any:
+        return reshard(_as_sharded(t, ctx.dst), ctx.dst)
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
@@ -265,11 +269,15 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        pass
+        ctx.layout = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
         return (_FullTensor.apply(g) if _ft.base_array(g) is not None else g), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any) -> Any:
+        return distribute(t, ctx.layout)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, t: Any, layout: Layout) -> tuple:
@@ -290,6 +298,10 @@ class _FullTensor(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         rep = Layout(ctx.layout.mesh, ((),) * g.dim())
         return reshard(_Distribute.apply(g, rep), ctx.layout.without_partial())
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any) -> Any:
+        return _FullTensor.apply(t) if _ft.base_array(t) is not None else t
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: Any) -> tuple:
