@@ -69,7 +69,7 @@ def main() -> None:
     if "RANK" in os.environ and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     mesh = sf.Mesh((4,), ("dp",)) if args.mesh == "4" else sf.Mesh((2, 2), ("dp", "tp"))
     params = init_params(mesh)
     x, y = batch(mesh)

@@ -39,9 +39,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if func._schema.is_mutable:
         return _mutating(func, args, kwargs)
     leaves = _leaves(args, kwargs)
-    if any(type(v) is torch.Tensor or (isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray))
-           for _, v in leaves):
-        args, kwargs = _lift_plain(args, kwargs, leaves)
+    if any(isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) for _, v in leaves):
+        args, kwargs = _lift_plain(func, args, kwargs, leaves)
         leaves = _leaves(args, kwargs)
     key = _key(func, leaves)
     entry = _cache.get(key)
@@ -67,18 +66,38 @@ def _leaves(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
     return out
 
 
-def _lift_plain(args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict]:
-    """Plain tensors next to ShardedArrays take part as replicated values."""
-    mesh = next(v.mesh for _, v in leaves if isinstance(v, ShardedArray))
+def _lift_plain(func: Any, args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict]:
+    """Plain tensors next to ShardedArrays take part as replicated values (only in
+    Tensor parameters: a 0-d tensor passed as a Scalar stays a number to the op)."""
+    mesh = next((v.mesh for _, v in leaves if isinstance(v, ShardedArray)), None)
+    if mesh is None:
+        return args, kwargs
+    slots = _tensor_slots(func)
     from .array import raw_distribute
 
     def lift(path: Any, v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+        slot = path[0] if isinstance(path, tuple) else path
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) and slot in slots:
             layout = Layout(mesh, ((),) * v.dim())
             return wrap(raw_distribute(v, layout), layout, v.shape, v.dtype)
         return v
 
     return _replace(args, kwargs, lift)
+
+
+_SLOTS: dict[Any, frozenset] = {}
+
+
+def _tensor_slots(func: Any) -> frozenset:
+    """Positions and names of the parameters typed Tensor (or Tensor list / optional)."""
+    slots = _SLOTS.get(func)
+    if slots is None:
+        found = set()
+        for i, a in enumerate(func._schema.arguments):
+            if "Tensor" in str(a.type):
+                found.update((i, a.name))
+        slots = _SLOTS[func] = frozenset(found)
+    return slots
 
 
 def _key(func: Any, leaves: list) -> tuple:
@@ -336,7 +355,15 @@ def _functional_variant(func: Any) -> Any:
     if not name.endswith("_"):
         return None
     packet = getattr(aten, name[:-1], None)
-    return getattr(packet, func._overloadname, None) if packet is not None else None
+    if packet is None:
+        return None
+    # match by argument types: pow_.Scalar is pow.Tensor_Scalar, not pow.Scalar
+    want = [str(a.type) for a in func._schema.arguments]
+    for overload in [func._overloadname] + list(packet.overloads()):
+        op = getattr(packet, overload, None)
+        if op is not None and [str(a.type) for a in op._schema.arguments] == want:
+            return op
+    return None
 
 
 def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -354,7 +381,16 @@ def _same_storage_numel(func: Any, args: tuple, kwargs: dict) -> bool:
     return args[0].numel() == args[1].numel()
 
 
-def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
+def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Like ``equal``: shard by shard in one layout (broadcasting operands: on full values)."""
+    a, b, *rest = args
+    if tuple(a.shape) != tuple(b.shape):
+        full = [raw_full(t) if isinstance(t, ShardedArray) else t for t in (a, b)]
+        return bool(func(*full, *rest, **kwargs))
+    return _equal(func, (a, b), {}, compare=lambda x, y: func(x, y, *rest, **kwargs))
+
+
+def _equal(func: Any, args: tuple, kwargs: dict, compare: Callable = torch.equal) -> bool:
     a, b = args
     if tuple(a.shape) != tuple(b.shape):
         return False
@@ -368,7 +404,7 @@ def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
     va = raw_reshard(a, layout)
     vb = raw_reshard(b, layout) if isinstance(b, ShardedArray) else raw_distribute(b, layout)
     return backend_for(a.mesh).all_true(
-        [torch.equal(x, y) for x, y in zip(_shards(va, a.mesh), _shards(vb, a.mesh))], a.mesh
+        [compare(x, y) for x, y in zip(_shards(va, a.mesh), _shards(vb, a.mesh))], a.mesh
     )
 
 
@@ -388,6 +424,7 @@ _SPECIAL: dict[Any, Callable] = {
     aten.is_same_size.default: _is_same_size,
     aten._has_same_storage_numel.default: _same_storage_numel,
     aten.equal.default: _equal,
+    aten.allclose.default: _allclose,
     aten._local_scalar_dense.default: _scalar,
 }
 

@@ -10,7 +10,7 @@ backend a rank computes only its own box.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -186,7 +186,7 @@ def make_array_from_callback(shape: ShapeLike, sharding: Sharding,
     return wrap(value, layout, shape, probe.dtype)
 
 
-def full(shape: ShapeLike, fill_value: bool | int | float | complex, sharding: Sharding | None = None, *,
+def full(shape: ShapeLike, fill_value: bool | complex, sharding: Sharding | None = None, *,
          mesh: Mesh | None = None, dtype: torch.dtype | None = None,
          requires_grad: bool = False) -> torch.Tensor:
     """An array of ``shape`` filled with ``fill_value``, laid out as ``sharding``.

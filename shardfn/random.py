@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 import torch

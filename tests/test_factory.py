@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _alloc import Allocations, assert_shard_sized
+from conftest import meshes, shapes, specs
 from hypothesis import given
 from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P
 from shardfn.layout import local_shapes
-
-from _alloc import Allocations, assert_shard_sized
-from conftest import meshes, shapes, specs
 
 FILLS = {
     "zeros": (lambda s, sh, m, dt: sf.zeros(s, sh, mesh=m, dtype=dt), lambda s, dt: torch.zeros(s, dtype=dt)),

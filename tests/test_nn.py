@@ -8,17 +8,15 @@ import warnings
 
 import pytest
 import torch
+from _alloc import Allocations, assert_shard_sized
+from conftest import meshes, specs
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import shardfn as sf
 from shardfn import P
-
 from shardfn.layout import max_local_numel
-
-from _alloc import Allocations, assert_shard_sized
-from conftest import meshes, specs
 
 
 class Block(nn.Module):

@@ -7,11 +7,14 @@ mesh). Plan steps run through torch's functional collectives and are waited on b
 ``run_step`` returns, so every value a user sees is ready. Shard sizes of uneven layouts
 come from the layout math; collectives that need equal sizes are padded.
 
-Reductions of floating sums/averages over groups of more than two ranks are *ordered* by
-default: an all_to_all moves the pieces, then each rank reduces them in mesh order, which
-costs the same bytes as a ring reduce-scatter and gives results bit-identical to the local
-backend (a ring's summation order depends on the rank). ``configure(ordered_reductions=False)``
-or ``SHARDFN_DIST_REDUCTIONS=native`` uses the library's all_reduce / reduce_scatter instead.
+Reductions come in three modes (``configure(reductions=...)`` or ``SHARDFN_DIST_REDUCTIONS``):
+``"ordered"`` (also on while ``torch.use_deterministic_algorithms(True)``): floating sums
+and averages over more than two ranks are done by an all_to_all of the pieces, which each
+rank then adds in mesh order (and an all_gather for replicated results): the bytes of a
+ring reduce-scatter / all-reduce, results bit-identical to the local backend's.
+``"native"``: the library's all_reduce / reduce_scatter (a ring adds in a rank-dependent
+order). ``"auto"`` (default): all_reduce native; reduce_scatter ordered on CPU, where it
+is also faster than gloo's, native on GPUs. Max/min and integer sums are exact in any mode.
 
 Collectives time out after the default process group's timeout (``init_process_group(timeout=)``),
 overridden by ``SHARDFN_DIST_TIMEOUT`` (seconds) or ``configure(timeout=)``; a timed-out or
@@ -20,11 +23,13 @@ failed collective raises :class:`CollectiveError` naming the step, the mesh axes
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import math
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -37,7 +42,9 @@ from ..mesh import Mesh
 from ..plan import Step
 from .local import _reduce
 
-_TRANSPORT = {torch.bool: torch.uint8}
+# dtypes every backend's collectives take; others move as raw bytes, or reduce widened
+_WIRE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                   torch.int32, torch.int64})
 
 
 class CollectiveError(RuntimeError):
@@ -52,20 +59,47 @@ def _env_timeout() -> datetime.timedelta | None:
     return datetime.timedelta(seconds=float(raw)) if raw else None
 
 
-_config: dict[str, Any] = {
-    "timeout": _env_timeout(),
-    "ordered": os.environ.get("SHARDFN_DIST_REDUCTIONS", "ordered") != "native",
-}
+_MODES = ("auto", "ordered", "native")
 
 
-def configure(*, timeout: datetime.timedelta | float | None = None, ordered_reductions: bool | None = None) -> None:
+def _env_mode() -> str:
+    mode = os.environ.get("SHARDFN_DIST_REDUCTIONS", "auto")
+    if mode not in _MODES:
+        raise ValueError(f"SHARDFN_DIST_REDUCTIONS={mode!r}; use one of {_MODES}")
+    return mode
+
+
+_config: dict[str, Any] = {"timeout": _env_timeout(), "reductions": _env_mode()}
+
+
+def configure(*, timeout: datetime.timedelta | float | None = None, reductions: str | None = None) -> None:
     """Set the collective timeout (a timedelta or seconds; applies to meshes first used
-    afterwards) and whether float sums/averages reduce in mesh order (bit-identical to
-    the local backend) or through the library's all_reduce / reduce_scatter."""
+    afterwards) and the reduction mode: ``"auto"``, ``"ordered"`` (bit-identical to the
+    local backend) or ``"native"`` (see the module docstring)."""
     if timeout is not None:
         _config["timeout"] = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-    if ordered_reductions is not None:
-        _config["ordered"] = bool(ordered_reductions)
+    if reductions is not None:
+        if reductions not in _MODES:
+            raise ValueError(f"reductions={reductions!r}; use one of {_MODES}")
+        _config["reductions"] = reductions
+
+
+@contextlib.contextmanager
+def reductions(mode: str) -> Iterator[None]:
+    """Use reduction ``mode`` inside the block, e.g. ``with reductions("ordered"):`` for
+    results bit-identical to the local backend."""
+    old = _config["reductions"]
+    configure(reductions=mode)
+    try:
+        yield
+    finally:
+        _config["reductions"] = old
+
+
+def _mode() -> str:
+    if torch.are_deterministic_algorithms_enabled():
+        return "ordered"
+    return _config["reductions"]
 
 
 def _default_timeout() -> datetime.timedelta | None:
@@ -198,34 +232,39 @@ def run_collective(what: str, group: Group, fn: Callable[..., Any], *args: Any) 
         ) from e
 
 
-def _to_transport(x: torch.Tensor) -> torch.Tensor:
-    t = _TRANSPORT.get(x.dtype)
-    return (x.to(t) if t is not None else x).contiguous()
-
-
-def _from_transport(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return y.to(dtype) if y.dtype != dtype else y
+def _bytes(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` contiguous, reinterpreted as bytes if its dtype is not on the wire, and the
+    number of wire elements per element (for split sizes)."""
+    x = x.contiguous()
+    if x.dtype in _WIRE:
+        return x, 1
+    return x.view(torch.uint8), x.element_size()
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-    y = run_collective("all_gather", group, funcol.all_gather_single, _to_transport(x), dim)
-    return _from_transport(y, x.dtype)
+    wire, _ = _bytes(x)
+    return run_collective("all_gather", group, funcol.all_gather_single, wire, dim).view(x.dtype)
 
 
 def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
     """all_to_all of a 1-D buffer: ``in_splits[j]`` elements go to member j."""
-    y = run_collective("all_to_all", group, funcol.all_to_all_single, _to_transport(send), out_splits, in_splits)
-    return _from_transport(y, send.dtype)
+    wire, k = _bytes(send)
+    y = run_collective("all_to_all", group, funcol.all_to_all_single, wire,
+                       [n * k for n in out_splits], [n * k for n in in_splits])
+    return y.view(send.dtype)
 
 
 def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | None) -> torch.Tensor:
     """all_reduce (``scatter_dim`` None) or reduce_scatter through the library's collective;
     an average is a sum divided here (floor division for integers, as on the local backend)."""
-    wire = "sum" if op == "avg" else op
+    wire_op = "sum" if op == "avg" else op
+    wire = torch.view_as_real(x) if x.is_complex() else x if x.dtype in _WIRE else x.to(torch.int64)
     if scatter_dim is None:
-        y = run_collective("all_reduce", group, funcol.all_reduce, x.contiguous(), wire)
+        y = run_collective("all_reduce", group, funcol.all_reduce, wire.contiguous(), wire_op)
     else:
-        y = run_collective("reduce_scatter", group, funcol.reduce_scatter_single, x.contiguous(), wire, scatter_dim)
+        y = run_collective("reduce_scatter", group, funcol.reduce_scatter_single, wire.contiguous(), wire_op,
+                           scatter_dim)
+    y = torch.view_as_complex(y) if x.is_complex() else y.to(x.dtype)
     if op != "avg":
         return y
     if y.is_floating_point() or y.is_complex():
@@ -234,10 +273,16 @@ def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | No
 
 
 def _ordered(x: torch.Tensor, op: str, group: Group) -> bool:
-    """Whether an all_reduce must run in mesh order to match the local backend bit for bit
-    (a sum of two terms is exact in either order; integer sums and max/min always are)."""
+    """Whether an all_reduce runs in mesh order (to match the local backend bit for bit;
+    a sum of two terms is exact in either order, integer sums and max/min always are)."""
     floating = x.is_floating_point() or x.is_complex()
-    return _config["ordered"] and floating and op in ("sum", "avg") and group.size > 2
+    return _mode() == "ordered" and floating and op in ("sum", "avg") and group.size > 2
+
+
+def _scatter_ordered(x: torch.Tensor) -> bool:
+    """Whether a reduce_scatter is an all_to_all plus a local reduction in mesh order."""
+    mode = _mode()
+    return mode == "ordered" or (mode == "auto" and x.device.type == "cpu")
 
 
 # -- helpers on shapes -------------------------------------------------------------------------
@@ -266,7 +311,15 @@ def _pack(x: torch.Tensor, dim: int, pieces: list[tuple[int, int]]) -> torch.Ten
     """The pieces of ``x`` along ``dim``, flattened one after another."""
     if math.prod(x.shape[:dim]) == 1:
         return x.contiguous().view(-1)
-    return _concat([x.narrow(dim, off, n).reshape(-1) for off, n in pieces], 0)
+    if len({n for _, n in pieces}) == 1:  # even: one strided copy
+        return x.unflatten(dim, (len(pieces), pieces[0][1])).movedim(dim, 0).contiguous().view(-1)
+    buf = x.new_empty(x.numel())
+    start = 0
+    for off, n in pieces:  # one copy per piece, straight into the send buffer
+        piece = x.narrow(dim, off, n)
+        buf[start:start + piece.numel()].view(piece.shape).copy_(piece)
+        start += piece.numel()
+    return buf
 
 
 def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]], dim: int) -> torch.Tensor:
@@ -353,7 +406,7 @@ def _reduce_scatter_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) 
     pieces = _pieces(x.shape[d], group.size)
     me = _axis_pos(step, mesh)
     mine = _with(x.shape, d, pieces[me][1])
-    if not _config["ordered"]:
+    if not _scatter_ordered(x):
         c = pieces[0][1]
         y = _native_reduce(_pad(x, d, c * group.size), step.op, group, d)
         return y if y.shape[d] == mine[d] else y.narrow(d, 0, mine[d])
@@ -422,10 +475,18 @@ def _exchange(step: Step, x: torch.Tensor, shape: tuple) -> torch.Tensor:
     group, rank = _group(step, mesh), _state(mesh).rank
     rt = _routing(step, group, rank, shape)
     out_shape = local_shapes(step.dst, shape)[rank]
-    parts = [x[sl].reshape(-1) for member in rt.send for sl in member]
-    in_splits = [sum(math.prod(x[sl].shape) for sl in member) for member in rt.send]
+    pieces = [[x[sl] for sl in member] for member in rt.send]
+    in_splits = [sum(p.numel() for p in member) for member in pieces]
     out_splits = [sum(math.prod(s) for _, s in member) for member in rt.recv]
-    send = torch.cat(parts) if parts else x.new_empty(0)
+    flat = [p for member in pieces for p in member]
+    if len(flat) == 1:  # e.g. a permute: no copy when the piece is contiguous
+        send = flat[0].reshape(-1)
+    else:
+        send = x.new_empty(sum(in_splits))
+        start = 0
+        for p in flat:
+            send[start:start + p.numel()].view(p.shape).copy_(p)
+            start += p.numel()
     buf = _all_to_all(send, out_splits, in_splits, group)
     incoming = [(sl, s) for member in rt.recv for sl, s in member]
     if not rt.keep and len(incoming) == 1 and incoming[0][1] == out_shape:
@@ -489,5 +550,6 @@ def shard_list(value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, ...]:
 def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
     """Whether ``flags`` hold on every rank (a min all_reduce over the mesh)."""
     st = _state(mesh)
-    ok = torch.tensor([int(all(flags))], dtype=torch.int32)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    ok = torch.tensor([int(all(flags))], dtype=torch.int32, device=device)
     return bool(run_collective("all_reduce", st.groups[mesh.axis_names], funcol.all_reduce, ok, "min").item())

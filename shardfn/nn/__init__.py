@@ -20,7 +20,8 @@ import inspect
 import math
 import re
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch

@@ -148,6 +148,7 @@ TABLE = {
     aten.index_add: IndexAlong(),
     aten.index_copy: IndexAlong(),
     aten.index_fill: IndexAlong(),
+    aten.index_reduce: IndexAlong(),
     aten.index.Tensor: AdvancedIndex(),
     aten._unsafe_index.Tensor: AdvancedIndex(),
     aten.index_put: _REPLICATED,
@@ -157,4 +158,5 @@ TABLE = {
     aten.put: _REPLICATED,
     aten.searchsorted: _REPLICATED,
     aten.bucketize: _REPLICATED,
+    aten._linalg_check_errors: _REPLICATED,
 }

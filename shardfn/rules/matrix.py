@@ -39,6 +39,10 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1, dtype=a.dtype)
 
 
+def _vdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.conj() * b).sum(-1, dtype=a.dtype)
+
+
 def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.unsqueeze(-1) * b.unsqueeze(-2)
 
@@ -100,6 +104,7 @@ TABLE = {
     aten.bmm: Einsum("bmk,bkn->bmn", _mm),
     aten.mv: Einsum("mk,k->m", _mv),
     aten.dot: Einsum("k,k->", _dot),
+    aten.vdot: Einsum("k,k->", _vdot),
     aten.addmm: Einsum("mk,kn->mn", _mm, addend=True),
     aten.baddbmm: Einsum("bmk,bkn->bmn", _mm, addend=True),
     aten.addmv: Einsum("mk,k->m", _mv, addend=True),

@@ -23,8 +23,9 @@ LeadFn = Callable[[dict], tuple[int, bool]]
 
 @attrs.frozen
 class Leading:
-    """The first ``lead`` dims of the ``batched`` arguments share letters (a dim of
-    another size, e.g. a broadcast mask dim, is whole); all other dims are whole.
+    """The first ``lead`` dims of the ``batched`` arguments and outputs (all outputs, or
+    those in ``batched_outs``) share letters (a dim of another size, e.g. a broadcast
+    mask dim, is whole); all other dims are whole.
     ``lead_fn(bound_args) -> (lead, reduce)``: with ``reduce``, outputs lacking the
     batch dims are Partial(sum) over them. ``linear``: arguments a pending sum may
     pass through."""
@@ -32,6 +33,7 @@ class Leading:
     batched: tuple[str, ...]
     lead_fn: LeadFn
     linear: tuple[str, ...] = ()
+    batched_outs: tuple[int, ...] | None = None
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
@@ -39,18 +41,26 @@ class Leading:
         names = _schema_info(call.func)[0]
         by_name = [names[p] if isinstance(p, int) else p if isinstance(p, str) else names[p[0]]
                    for p, _ in call.arrays]
-        ref = next((tuple(v.shape) for n, (_, v) in zip(by_name, call.arrays) if n in self.batched), None)
+        ref = max((tuple(v.shape) for n, (_, v) in zip(by_name, call.arrays) if n in self.batched),
+                  key=len, default=None)
         if ref is None or len(ref) < lead:
             return []
         ls = letters(lead)
-        ins = tuple(_lettered(tuple(v.shape), ref, ls) if n in self.batched else (None,) * v.ndim
+        ins = tuple(_lettered(tuple(v.shape), ref, ls) if n in self.batched and not (
+                        n in _BROADCAST and v.ndim != len(ref)) else (None,) * v.ndim
                     for n, (_, v) in zip(by_name, call.arrays))
-        outs = tuple(_lettered(tuple(m.shape), ref, ls) if isinstance(m, torch.Tensor) else None
-                     for m in call.out_metas)
+        outs = tuple(
+            None if not isinstance(m, torch.Tensor)
+            else _lettered(tuple(m.shape), ref, ls) if self.batched_outs is None or i in self.batched_outs
+            else (None,) * m.dim()
+            for i, m in enumerate(call.out_metas))
         partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear)
         spec = Dims(ins, outs, tuple((L, "sum") for L in ls) if reduce else (),
                     LINEAR_OPS if partial_ins else (), partial_ins=partial_ins)
         return compile_dims(call, spec)
+
+
+_BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only
 
 
 def _lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...]) -> tuple:
@@ -127,10 +137,41 @@ def _masked_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int, hi: int)
     return torch.nn.functional.embedding(local, weight) * inside.unsqueeze(-1).to(weight.dtype)
 
 
+def _conv_lead(b: dict) -> tuple[int, bool]:
+    x, w = b.get("input"), b.get("weight")
+    return (1 if x is not None and w is not None and x.dim() == w.dim() else 0), True
+
+
+def _first_dim(b: dict) -> tuple[int, bool]:
+    x = b.get("self", b.get("input"))
+    return (1 if x is not None and x.dim() >= 3 else 0), False  # unbatched inputs reject empty dim 0
+
+
+def _pixel_lead(b: dict) -> tuple[int, bool]:
+    return b["self"].dim() - 3, False
+
+
+_SPATIAL = ("self", "input", "grad_output", "indices")
+_POOL = Leading(_SPATIAL, _first_dim)
+_POOL_OPS = (
+    "max_pool2d_with_indices", "max_pool2d_with_indices_backward", "max_pool3d_with_indices",
+    "max_pool3d_with_indices_backward", "avg_pool2d", "avg_pool2d_backward", "avg_pool3d",
+    "avg_pool3d_backward", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward",
+    "_adaptive_avg_pool3d", "_adaptive_avg_pool3d_backward", "adaptive_max_pool2d",
+    "adaptive_max_pool2d_backward", "adaptive_max_pool3d", "adaptive_max_pool3d_backward",
+    "reflection_pad1d", "reflection_pad2d", "reflection_pad3d", "reflection_pad1d_backward",
+    "reflection_pad2d_backward", "reflection_pad3d_backward", "replication_pad1d",
+    "replication_pad2d", "replication_pad3d", "replication_pad1d_backward",
+    "replication_pad2d_backward", "replication_pad3d_backward", "upsample_nearest1d",
+    "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d", "upsample_bilinear2d",
+    "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+)
+
 _LN = Leading(("input",), _layer_norm_lead(False))
-_LN_BWD = Leading(("grad_out", "input", "mean", "rstd"), _layer_norm_lead(True))
-_NLL = Leading(("self", "target"), _nll_lead)
-_NLL_BWD = Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",))
+_LN_BWD = Leading(("grad_out", "input", "mean", "rstd"), _layer_norm_lead(True), batched_outs=(0,))
+_NLL = Leading(("self", "target"), _nll_lead, batched_outs=(0,))
+_NLL_BWD = Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,))
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "out", "logsumexp", "attn_bias")
 
 TABLE = {
@@ -143,5 +184,10 @@ TABLE = {
     aten._scaled_dot_product_flash_attention_for_cpu: Leading(_ATTN, _heads_lead),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: Leading(_ATTN, _heads_lead),
     aten.embedding: Embedding(),
-    aten.embedding_dense_backward: Leading(("grad_output", "indices"), _embedding_bwd_lead),
+    aten.convolution: Leading(("input",), _conv_lead, batched_outs=(0,)),
+    aten.convolution_backward: Leading(("grad_output", "input"), _conv_lead, batched_outs=(0,)),
+    aten.pixel_shuffle: Leading(("self",), _pixel_lead),
+    aten.pixel_unshuffle: Leading(("self",), _pixel_lead),
+    **{getattr(aten, n): _POOL for n in _POOL_OPS if hasattr(aten, n)},
+    aten.embedding_dense_backward: Leading(("grad_output", "indices"), _embedding_bwd_lead, batched_outs=()),
 }

@@ -154,6 +154,17 @@ class StackedAs:
         return [attrs.evolve(c, stacked_fn=self.fn) for c in self.rule.candidates(call)]
 
 
+@attrs.frozen
+class Materialised:
+    """A rule whose op runs as ``fn`` everywhere (stacked and per device)."""
+
+    rule: Any
+    fn: Any
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return [attrs.evolve(c, stacked_fn=self.fn, device_fn=self.fn) for c in self.rule.candidates(call)]
+
+
 def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """masked_fill with a stacked (per-device) value tensor."""
     value = value.reshape(*value.shape, *([1] * (x.dim() - value.dim())))
@@ -167,8 +178,9 @@ LIKE = Like()
 _UNTAGGED = (
     "_to_copy", "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
     "softplus_backward", "hardswish_backward", "hardsigmoid_backward", "log_sigmoid_backward",
-    "mish_backward", "rrelu_with_noise_backward", "_conj", "conj_physical", "resolve_conj",
-    "resolve_neg", "_neg_view", "relu6", "hardtanh", "elu", "leaky_relu", "softplus",
+    "mish_backward", "rrelu_with_noise_backward", "conj_physical", "resolve_conj",
+    "resolve_neg", "relu6", "rsub", "floor_divide", "log_sigmoid_forward",
+    "softshrink_backward", "hardshrink_backward", "alias_copy", "detach_copy", "hardtanh", "elu", "leaky_relu", "softplus",
     "hardswish", "hardsigmoid", "mish", "logit_backward", "threshold", "celu", "selu",
     "silu_backward", "gelu_backward", "lift_fresh_copy", "masked_fill", "polar",
 )
@@ -176,6 +188,9 @@ _UNTAGGED = (
 TABLE = {
     **{getattr(aten, n): POINTWISE for n in _UNTAGGED if hasattr(aten, n)},
     aten.masked_fill.Tensor: StackedAs(POINTWISE, _masked_fill),
+    # lazy conj/neg views would leak a flag into the shards: materialise them
+    aten._conj: Materialised(POINTWISE, torch.conj_physical),
+    aten._neg_view: Materialised(POINTWISE, torch.neg),
     aten.zeros_like: LIKE,
     aten.ones_like: LIKE,
     aten.empty_like: LIKE,

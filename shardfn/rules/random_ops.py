@@ -19,7 +19,8 @@ raising :class:`~shardfn.ImmutableError`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -165,7 +166,8 @@ def _normal(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     shape = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
     sharded = [t for t in tensors if isinstance(t, ShardedArray)]
     ref = next((t for t in sharded if tuple(t.shape) == shape), sharded[0])
-    dtype = torch.result_type(*tensors) if len(tensors) > 1 else tensors[0].dtype
+    metas = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
+    dtype = torch.result_type(*metas) if len(metas) > 1 else metas[0].dtype
     z = _standard_normal(ref, shape, dtype, _key(b, ref))
     return z * std + mean
 

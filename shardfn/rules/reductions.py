@@ -223,6 +223,7 @@ TABLE = {
     aten.nanmedian.dim: Reduction(_by_name("nanmedian", single=True)),
     aten.mode: Reduction(_by_name("mode", single=True)),
     aten._softmax: _ALONG,
+    aten._safe_softmax: _ALONG,
     aten._log_softmax: _ALONG,
     aten._softmax_backward_data: _ALONG,
     aten._log_softmax_backward_data: _ALONG,

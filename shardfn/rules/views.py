@@ -20,7 +20,7 @@ from ..layout import Layout, local_shapes, split_range
 from ..mesh import Mesh
 from .base import Candidate, OpCall, bind, letters, neg_dim, norm_dims, replace_arg, same_args
 from .dims import LINEAR_OPS, Dims, compile_dims
-from .reductions import AlongDim, _NegDim
+from .reductions import AlongDim
 
 aten = torch.ops.aten
 
@@ -142,7 +142,7 @@ def _reshape(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
     return x.reshape(size)
 
 
-_LOCAL_FNS = {aten.view: _reshape, aten._unsafe_view: _reshape, aten.reshape: _reshape}
+_LOCAL_FNS = {aten.view: _reshape, aten._unsafe_view: _reshape, aten.reshape: _reshape, aten.view_copy: _reshape}
 
 
 @attrs.frozen
@@ -243,7 +243,7 @@ def _t(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
 
 def _squeeze_dims(b: dict, n: int) -> tuple[int, ...]:
     dim = b.get("dim")
-    if n == 0:
+    if n == 0 or isinstance(dim, (list, tuple)) and not dim:
         return ()
     cand = range(n) if dim is None else norm_dims(dim, n)
     shape = b["self"].shape
@@ -403,6 +403,69 @@ class _NewStacked:
         return one.expand(*self.mesh_shape, *one.shape)
 
 
+@attrs.frozen
+class SizedBackward:
+    """slice_backward / select_backward(grad, input_sizes, dim, ...): the grad's layout
+    with ``dim`` whole (select: a new whole dim); ``input_sizes`` become local."""
+
+    insert: bool = False
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, g), = call.arrays
+        out_shape = tuple(call.out_metas[0].shape)
+        n = len(out_shape)
+        d = bind(call.func, call.args, call.kwargs)["dim"] % n
+        dims = list(g._layout.dims)
+        if self.insert:
+            out_dims = dims[:d] + [()] + dims[d:]
+        else:
+            dims[d] = ()
+            out_dims = dims
+        src = Layout(call.mesh, tuple(dims), g._layout.partial)
+        dst = Layout(call.mesh, tuple(out_dims), g._layout.partial)
+        shapes = local_shapes(dst, out_shape)
+        return [Candidate((src,), (dst,), stacked_args=_SizedArgs(call.func, tuple(call.mesh.shape) + shapes[0], d - n),
+                          device_args=_SetArgPerDevice(call.func, "input_sizes", shapes))]
+
+
+@attrs.frozen
+class _SizedArgs:
+    func: Any
+    sizes: tuple
+    dim: int
+
+    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
+        args, kwargs = replace_arg(self.func, args, kwargs, "input_sizes", list(self.sizes))
+        return replace_arg(self.func, args, kwargs, "dim", self.dim)
+
+
+@attrs.frozen
+class PadLast:
+    """constant_pad_nd(x, pad): the last ``len(pad) // 2`` dims whole."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        n = len(call.shapes[0])
+        k = len(bind(call.func, call.args, call.kwargs)["pad"]) // 2
+        ls = tuple(None if i >= n - k else L for i, L in enumerate(letters(n)))
+        return compile_dims(call, Dims((ls,), (ls,)), stacked_args=same_args if n else None)
+
+
+def _as_complex_map(b: dict, n: int) -> tuple:
+    return (n - 1,), list(range(n - 1))
+
+
+def _as_complex(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return torch.view_as_complex(x.contiguous())
+
+
+def _as_real_map(b: dict, n: int) -> tuple:
+    return (), list(range(n)) + [None]
+
+
+def _as_real(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
+    return torch.view_as_real(x.resolve_conj())
+
+
 def _whole(*dims: int) -> AlongDim:
     return AlongDim(fixed=dims)
 
@@ -431,8 +494,24 @@ TABLE = {
     aten.roll: AlongDim(arg="dims", default_all=True),
     aten.tril: _whole(-2, -1),
     aten.triu: _whole(-2, -1),
+    aten.slice_backward: SizedBackward(),
+    aten.select_backward: SizedBackward(insert=True),
+    aten.constant_pad_nd: PadLast(),
+    aten.view_as_complex: Mapped(_as_complex_map, _as_complex),
+    aten.view_as_real: Mapped(_as_real_map, _as_real),
     aten.new_zeros: NewFactory(),
     aten.new_ones: NewFactory(),
     aten.new_empty: NewFactory(),
     aten.new_full: NewFactory(),
 }
+
+# The *_copy variants behave like the views they copy.
+for _name in ("view", "expand", "permute", "t", "transpose", "unsqueeze", "squeeze", "unbind",
+              "split_with_sizes", "unfold", "diagonal", "select", "slice", "split"):
+    _packet = getattr(aten, _name + "_copy", None)
+    _rule = TABLE.get(getattr(aten, _name)) or TABLE.get(getattr(getattr(aten, _name), "int", None)) \
+        or TABLE.get(getattr(getattr(aten, _name), "Tensor", None))
+    if _packet is not None and _rule is not None:
+        TABLE[_packet] = _rule
+TABLE[aten.unsafe_split] = TABLE[aten.split.Tensor]
+TABLE[aten.unsafe_split_with_sizes] = TABLE[aten.split_with_sizes]

@@ -36,6 +36,7 @@ SKIP_PREFIXES = (
     "empty", "new_empty", "rand", "normal", "bernoulli", "multinomial", "uniform", "cauchy",
     "exponential", "geometric", "log_normal", "nn.functional.dropout", "nn.functional.alpha_dropout",
     "nn.functional.feature_alpha_dropout", "nn.functional.rrelu", "torch._refs", "_refs",
+    "nn.functional.multi_head_attention_forward",  # its samples train with dropout
 )
 
 

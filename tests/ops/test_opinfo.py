@@ -31,7 +31,46 @@ MESH = sf.Mesh(oc.MESH_SHAPE, oc.AXES, backend="local")
 OPS = oc.op_db()
 RESULTS: dict[str, str] = {}
 
-XFAIL: dict[str, str] = {}
+XFAIL: dict[str, str] = {
+    'diff': 'a torch composite updates a temporary in place (copy_); ShardedArrays are immutable',
+    'stft': 'a torch composite updates a temporary in place (transpose_); ShardedArrays are immutable',
+    'quantile': 'a torch composite updates a temporary in place (ceil_); ShardedArrays are immutable',
+    'nanquantile': 'a torch composite updates a temporary in place (logical_not_); ShardedArrays are immutable',
+    'isclose': 'a torch composite updates a temporary in place (bitwise_and_); ShardedArrays are immutable',
+    'nanmean': 'a torch composite updates a temporary in place (logical_not_); ShardedArrays are immutable',
+    'nn.functional.linear_cross_entropy': 'a torch composite updates a temporary in place (squeeze_); ShardedArrays are immutable',
+    'nn.functional.linear_cross_entropy.chunked_none': 'uses mm(out=...), an in-place op',
+    'native_group_norm': 'a torch composite updates a temporary in place (unsqueeze_); ShardedArrays are immutable',
+    'nn.functional.cosine_similarity': 'a torch composite updates a temporary in place (clamp_min_); ShardedArrays are immutable',
+    'linalg.matrix_power': 'a torch composite updates a temporary in place (copy_); ShardedArrays are immutable',
+    '_native_batch_norm_legit': 'updates running stats in place',
+    '_batch_norm_with_update': 'updates running stats in place',
+    'resize_': 'in-place op: ShardedArrays are immutable',
+    'resize_as_': 'in-place op: ShardedArrays are immutable',
+    'zero_': 'in-place op: ShardedArrays are immutable',
+    'sparse.sampled_addmm': 'sparse layouts are not supported',
+    'sparse.mm.reduce': 'sparse layouts are not supported',
+    'to_sparse': 'sparse layouts are not supported',
+    'tensor_split': 'tensor indices_or_sections are read with item() while shapes are propagated on meta tensors',
+    'as_strided': 'as_strided addresses storage offsets, which shards do not share',
+    'as_strided.partial_views': 'as_strided addresses storage offsets, which shards do not share',
+    'as_strided_copy': 'as_strided addresses storage offsets, which shards do not share',
+    'as_strided_scatter': 'as_strided addresses storage offsets, which shards do not share',
+    'nn.functional.embedding_bag': 'sample results depend on call order (max_norm renormalises the weight in place)',
+    'qr': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'linalg.qr': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'ormqr': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'svd_lowrank': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'pca_lowrank': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'linalg.eig': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'linalg.householder_product': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'fft.hfft': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'fft.hfft2': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'fft.hfftn': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'fft.irfft': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'fft.irfft2': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+    'fft.irfftn': 'backward formula writes into a view in place; rebinding the grad cannot write through views',
+}
 
 
 class _FallbackCounter:
