@@ -113,8 +113,10 @@ def _time(fns: dict[str, Callable], rounds: int, warmup: int) -> dict[str, tuple
         for _ in range(warmup):
             fn()
     samples = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:  # rotate: no position bias
+            fn = fns[k]
             dist.barrier()
             t = time.perf_counter()
             fn()

@@ -7,7 +7,8 @@ The same program runs on a simulated mesh in one process or with one process per
     torchrun --nproc-per-node 4 examples/mlp.py --mesh 4    # pure data parallel
 
 Parameters and data come from ``sf.random`` (values independent of sharding and backend),
-so every run prints the same loss; with deterministic BLAS (``MKL_CBWR=COMPATIBLE`` on
+so every run prints the same loss (up to rounding). With ordered reductions
+(``SHARDFN_DIST_REDUCTIONS=ordered``) and deterministic BLAS (``MKL_CBWR=COMPATIBLE`` on
 CPU) the two backends agree bit for bit.
 """
 

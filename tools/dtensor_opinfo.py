@@ -115,14 +115,18 @@ def run_op(op: Any, mesh: Any) -> tuple[str, str]:
 
 
 def main() -> None:
+    """``python tools/dtensor_opinfo.py [START [STOP]]``: ops START..STOP of the database
+    (slices can run in parallel processes; concatenate their outputs)."""
     warnings.simplefilter("ignore")
     mesh = make_mesh(oc.MESH_SHAPE, oc.AXES)
     counts: dict[str, int] = {}
     t0 = time.time()
-    for op in oc.op_db():
+    bounds = [int(a) for a in sys.argv[1:3]]
+    for op in oc.op_db()[slice(*bounds) if bounds else slice(None)]:
+        t = time.time()
         status, detail = run_op(op, mesh)
         counts[status] = counts.get(status, 0) + 1
-        print(f"{status:5s} {oc.op_id(op)}  {detail}", flush=True)
+        print(f"{status:5s} {time.time() - t:6.1f}s {oc.op_id(op)}  {detail}", flush=True)
     print(f"DTensor (LocalTensorMode, (2, 2) mesh): {counts.get('pass', 0)} ops pass, "
           f"{counts.get('fail', 0)} fail, {counts.get('skip', 0)} skipped; {time.time() - t0:.0f}s")
 

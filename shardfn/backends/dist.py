@@ -223,10 +223,11 @@ def run_collective(what: str, group: Group, fn: Callable[..., Any], *args: Any) 
     try:
         return funcol.wait_tensor(fn(*args, group.pg))
     except RuntimeError as e:
+        timeout = group.timeout if group.timeout is not None else "torch's default"
         raise CollectiveError(
             f"shardfn dist backend: {what} over mesh axes {group.axes} (ranks {list(group.ranks)}) failed on "
             f"rank {dist.get_rank()}: {e}\nEvery rank must make the same shardfn calls in the same order; "
-            f"a peer may have crashed, diverged or be slow. The collective timeout is {group.timeout} "
+            f"a peer may have crashed, diverged or be slow. The collective timeout is {timeout} "
             f"(set it with SHARDFN_DIST_TIMEOUT=<seconds> or shardfn.backends.dist.configure(timeout=...) "
             f"before first using the mesh)."
         ) from e

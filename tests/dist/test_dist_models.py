@@ -68,9 +68,9 @@ def mlp_training_step_is_bit_identical_across_backends(mesh: sf.Mesh) -> None:
         x, y = mlp.batch(m)
         with reductions("ordered"):
             new, loss = mlp.train_step(params, x, y)
-        for k, v in new.items():
-            assert v.sharding == params[k].sharding, k
-        results.append({"loss": loss.full_tensor(), **{k: v.full_tensor() for k, v in new.items()}})
+            for k, v in new.items():
+                assert v.sharding == params[k].sharding, k
+            results.append({"loss": loss.full_tensor(), **{k: v.full_tensor() for k, v in new.items()}})
     got, twin = results
     for k in got:
         assert_equal(got[k], twin[k], f"{k}: dist vs local")
