@@ -15,8 +15,8 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from .base import Candidate, OpCall, same_args
-from .dims import broadcast_letters, compile_dims, einsum_dims, with_addend
+from .base import Candidate, OpCall, letters, same_args
+from .dims import Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
 
 aten = torch.ops.aten
 
@@ -99,7 +99,39 @@ class _AddendStacked:
         return out + (bias if beta == 1 else bias * beta)
 
 
+@attrs.frozen
+class BatchedLinalg:
+    """Linear algebra on the last two dims of the first input: its leading (batch) dims
+    keep their sharding in every input and output that starts with the same batch
+    shape (pivots, tau, eigenvalues too); the matrix dims are whole."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        first = call.shapes[0]
+        k = len(first) - 2
+        if k < 1:
+            return []
+        batch, ls = first[:k], letters(k)
+
+        def lettered(shape: tuple) -> tuple:
+            head = ls if len(shape) >= k and tuple(shape[:k]) == batch else (None,) * min(k, len(shape))
+            return tuple(head) + (None,) * (len(shape) - len(head))
+
+        ins = tuple(lettered(s) for s in call.shapes)
+        outs = tuple(lettered(tuple(m.shape)) if isinstance(m, torch.Tensor) else None for m in call.out_metas)
+        return compile_dims(call, Dims(ins, outs))
+
+
+_LINALG = (
+    "cholesky", "linalg_cholesky_ex", "linalg_inv_ex", "_linalg_det", "_linalg_slogdet",
+    "linalg_solve_triangular", "_linalg_solve_ex", "linalg_lu_factor_ex", "linalg_lu",
+    "linalg_lu_solve", "_linalg_eigh", "_linalg_svd", "linalg_eig", "linalg_qr", "cholesky_solve",
+    "cholesky_inverse", "triangular_solve", "linalg_householder_product", "linalg_matrix_exp",
+    "lu_unpack", "linalg_pinv", "_linalg_eigvals",
+    "linalg_eigvals", "geqrf", "ormqr", "linalg_lstsq", "logdet",
+)
+
 TABLE = {
+    **{getattr(aten, n): BatchedLinalg() for n in _LINALG if hasattr(aten, n)},
     aten.mm: Einsum("mk,kn->mn", _mm),
     aten.bmm: Einsum("bmk,bkn->bmn", _mm),
     aten.mv: Einsum("mk,k->m", _mv),

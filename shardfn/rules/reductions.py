@@ -233,6 +233,7 @@ TABLE = {
     aten.cummax: _ALONG,
     aten.cummin: _ALONG,
     aten.sort: _ALONG,
+    aten.linalg_cross: _ALONG,
     aten.topk: _ALONG,
     aten.kthvalue: Reduction(lambda x, d, k, b: torch.kthvalue(x, b["k"], d[0], k)),
 }
