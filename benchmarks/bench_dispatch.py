@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Any, Callable
 
 import torch
@@ -42,14 +40,7 @@ def _specs(op_name: str, ndim: int) -> list[P]:
 
 
 def _median(fn: Callable[[], Any], repeat: int) -> float:
-    for _ in range(10):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return ref.median_time(fn, repeat, warmup=10)
 
 
 def time_shardfn_op(mesh: sf.Mesh, op_name: str, repeat: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from . import rules as _rules
 from .array import ShardedArray, raw_full, raw_reshard, wrap
 from .backends import backend_for
 from .errors import FallbackWarning, ImmutableError, ShardingError
-from .layout import Layout, describe, is_even, local_shapes
+from .layout import Layout, describe, is_even
 from .plan import plan_layouts
 from .rules.base import Candidate, OpCall
 
@@ -195,7 +196,8 @@ def _cost(c: Candidate, arrays: list) -> int:
 
 def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:
     if isinstance(out, (tuple, list)):
-        return list(out), (lambda xs, t=type(out): t(xs))
+        kind = type(out)
+        return list(out), (lambda xs: kind(xs))
     return [out], (lambda xs: xs[0])
 
 
@@ -250,11 +252,11 @@ class _Entry:
                 a, k = self.cand.device_args(a, k, backend.rank_of(mesh))
             outs, _ = _flat_outputs((self.cand.device_fn or self.func)(*a, **k))
             return outs
-        from .backends.local import device_view, from_parts
+        from .backends.local import from_parts
 
         per_dev = []
         for dev in range(mesh.size):
-            a, k = _replace(args, kwargs, lambda p, v: device_view(values[p], mesh, dev) if isinstance(v, ShardedArray) else v)
+            a, k = _replace(args, kwargs, functools.partial(_device_arg, values, mesh, dev))
             if self.cand.device_args is not None:
                 a, k = self.cand.device_args(a, k, dev)
             per_dev.append(_flat_outputs((self.cand.device_fn or self.func)(*a, **k))[0])
@@ -263,6 +265,13 @@ class _Entry:
             col = [o[i] for o in per_dev]
             out.append(col[0] if layout is None else from_parts(col, layout, shape))
         return out
+
+
+def _device_arg(values: dict, mesh: Any, dev: int, path: Any, v: Any) -> Any:
+    """One device's view of a sharded argument; other arguments pass through."""
+    from .backends.local import device_view
+
+    return device_view(values[path], mesh, dev) if isinstance(v, ShardedArray) else v
 
 
 # -- fallback: replicate, run once, replicate the result ------------------------------------------

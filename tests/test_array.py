@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn import ImmutableError, P, Partial, Replicate, Shard, ShardedArray, ShardingError
+from shardfn import ImmutableError, P, Replicate, Shard, ShardedArray, ShardingError
 from shardfn.debug import CommCounter
 
 

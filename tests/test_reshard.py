@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import ShardedArray
-from shardfn.layout import local_shapes
+from shardfn.layout import device_box, local_shapes
 from shardfn.spec import to_layout
 
 from conftest import meshes, reduce_parts, shapes, specs
@@ -25,14 +25,10 @@ def _source(data, mesh, shape, ops=OPS, requires_grad=False):
     # from a value that depends only on the coordinates along partial and sharded axes
     base = torch.randn(*mesh.shape, *shape, dtype=torch.float64)
     keep = {a for a, _ in layout.partial}
-    index = []
-    for i, a in enumerate(mesh.axis_names):
-        index.append(slice(None) if a in keep else slice(0, 1))
+    index = [slice(None) if a in keep else slice(0, 1) for a in mesh.axis_names]
     base = base[tuple(index)].expand(*mesh.shape, *shape)
     shards = []
-    for dev, lshape in enumerate(local_shapes(layout, shape)):
-        from shardfn.layout import device_box
-
+    for dev in range(mesh.size):
         box = device_box(layout, shape, dev)
         shards.append(base[mesh.coords(dev)][tuple(slice(lo, hi) for lo, hi in box)].clone())
     shards = [s.requires_grad_(requires_grad) for s in shards]
@@ -90,7 +86,6 @@ def test_gradients_of_full_tensor_after_reshard(data):
     for a, op in layout.partial:
         if op == "avg":
             avg *= mesh.axis_size(a)
-    from shardfn.layout import device_box
 
     for dev, shard in enumerate(leaves):
         box = device_box(layout, shape, dev)

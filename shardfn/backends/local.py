@@ -128,7 +128,7 @@ def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor) -
     for pos in drops:
         y = y.select(pos, 0)
     y = y.permute(order)
-    for pos, g in bcast:
+    for pos, _ in bcast:
         y = y.unsqueeze(pos)
     if bcast:
         sizes = list(y.shape)
