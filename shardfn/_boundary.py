@@ -200,8 +200,13 @@ class ExitParts(torch.autograd.Function):
         layout, first_only = ctx.meta
         mesh = layout.mesh
         parts = backend_for(mesh).shard_list(grad_value(ct, layout.without_partial()), mesh)
+        # On dist the zero cotangent of a later replica is built from the cotangent, so a
+        # traced backward keeps the collectives it feeds on the backward side (a constant
+        # zero would let AOTAutograd's partitioner move them into the forward graph of
+        # those ranks only, and the ranks' graphs would issue different collectives).
+        zero = (lambda t: None) if mesh.backend == "local" else torch.zeros_like
         cts = [
-            None if first_only and first_replica(layout, d) != d else parts[i]
+            zero(parts[i]) if first_only and first_replica(layout, d) != d else parts[i]
             for i, d in enumerate(my_devices(mesh))
         ]
         return (None, None, None, *cts)

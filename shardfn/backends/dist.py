@@ -345,6 +345,10 @@ def _with(shape: Sequence[int], dim: int, n: int) -> tuple[int, ...]:
 def run_step(step: Step, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Run one plan step on this rank's shard; collective steps are waited on."""
     mesh = step.src.mesh
+    if any(isinstance(n, torch.SymInt) for n in value.shape):
+        # torch.compile made the shard's sizes symbolic (automatic dynamic shapes): plans
+        # are static, so specialise them to the layout's (this guards on them)
+        value = value.view(local_shapes(step.src, shape)[_state(mesh).rank])
     if step.routes is not None:
         return _exchange(step, value, shape)
     return _STEPS[step.kind](step, value, shape, mesh)
