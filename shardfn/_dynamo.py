@@ -21,7 +21,6 @@ import sys
 import weakref
 from typing import Any, Callable, TypeVar
 
-import torch
 
 _registered = False
 _pending: weakref.WeakSet = weakref.WeakSet()  # in_graph functions made before registration

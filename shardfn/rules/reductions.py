@@ -215,7 +215,8 @@ TABLE = {
     aten.logsumexp: Reduction(_by_name("logsumexp")),
     aten.linalg_vector_norm: Reduction(lambda x, d, k, b: torch.linalg.vector_norm(
         x, b["ord"], list(d), k, dtype=b.get("dtype"))),
-    aten.prod.default: Reduction(lambda x, d, k, b: torch.prod(x.flatten(x.dim() - len(d)) if d else x.unsqueeze(-1), -1, dtype=b.get("dtype"))),
+    aten.prod.default: Reduction(lambda x, d, k, b: torch.prod(
+        x.flatten(x.dim() - len(d)) if d else x.unsqueeze(-1), -1, dtype=b.get("dtype"))),
     aten.prod.dim_int: Reduction(lambda x, d, k, b: torch.prod(x, d[0], k, dtype=b.get("dtype"))),
     aten.any: Reduction(lambda x, d, k, b: torch.any(x, d, keepdim=k) if d else x.bool()),
     aten.all: Reduction(lambda x, d, k, b: torch.all(x, d, keepdim=k) if d else x.bool()),

@@ -38,7 +38,8 @@ XFAIL: dict[str, str] = {
     'nanquantile': 'a torch composite updates a temporary in place (logical_not_); ShardedArrays are immutable',
     'isclose': 'a torch composite updates a temporary in place (bitwise_and_); ShardedArrays are immutable',
     'nanmean': 'a torch composite updates a temporary in place (logical_not_); ShardedArrays are immutable',
-    'nn.functional.linear_cross_entropy': 'a torch composite updates a temporary in place (squeeze_); ShardedArrays are immutable',
+    'nn.functional.linear_cross_entropy':
+        'a torch composite updates a temporary in place (squeeze_); ShardedArrays are immutable',
     'nn.functional.linear_cross_entropy.chunked_none': 'uses mm(out=...), an in-place op',
     'native_group_norm': 'a torch composite updates a temporary in place (unsqueeze_); ShardedArrays are immutable',
     'nn.functional.cosine_similarity': 'a torch composite updates a temporary in place (clamp_min_); ShardedArrays are immutable',
