@@ -244,13 +244,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     x = _tensor("psum_scatter", x)
     g = _group_size(body.mesh, axes)
     d = _dim("psum_scatter", "scatter_dimension", scatter_dimension, x.dim())
-    n = x.shape[d]
-    if (not tiled and n != g) or (tiled and n % g):
-        need = f"equal {g}" if not tiled else f"be a multiple of {g}"
-        raise ShardingError(
-            f"sf.lax.psum_scatter(tiled={tiled}): dim {d} of the local tensor has size {n}; "
-            f"it must {need}, the size of the group over {axes!r}"
-        )
+    _check_split("psum_scatter", f"dim {d} of the local tensor", x.shape[d], g, tiled, axes)
     _record(body, "reduce_scatter", axes, x, "sum")
     out = body.psum_scatter(x, axes, d)
     return out if tiled else out.squeeze(d)
@@ -270,13 +264,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
     g = _group_size(body.mesh, axes)
     sa = _dim("all_to_all", "split_axis", split_axis, x.dim())
     ca = _dim("all_to_all", "concat_axis", concat_axis, x.dim())
-    n = x.shape[sa]
-    if (not tiled and n != g) or (tiled and n % g):
-        need = f"equal {g}" if not tiled else f"be a multiple of {g}"
-        raise ShardingError(
-            f"sf.lax.all_to_all(tiled={tiled}): split_axis {sa} has size {n}; it must {need}, "
-            f"the size of the group over {axes!r}"
-        )
+    _check_split("all_to_all", f"split_axis {sa}", x.shape[sa], g, tiled, axes)
     _record(body, "all_to_all", axes, x)
     if tiled or sa == ca:
         return body.all_to_all(x, axes, sa, ca)
@@ -329,3 +317,13 @@ def axis_size(axis_name: AxisName) -> int:
     """The number of devices along ``axis_name`` (product over a tuple of names)."""
     body, axes = _context("axis_size", axis_name)
     return _group_size(body.mesh, axes)
+
+
+def _check_split(fn: str, what: str, n: int, g: int, tiled: bool, axes: Any) -> None:
+    """A dim split over a group must have the group's size (untiled) or a multiple of it."""
+    if (not tiled and n != g) or (tiled and n % g):
+        need = f"equal {g}" if not tiled else f"be a multiple of {g}"
+        raise ShardingError(
+            f"sf.lax.{fn}(tiled={tiled}): {what} has size {n}; it must {need}, "
+            f"the size of the group over {axes!r}"
+        )
