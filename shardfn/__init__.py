@@ -1,5 +1,9 @@
 """shardfn: JAX-style functional sharding for PyTorch."""
 
+from . import debug as debug
+from . import lax as lax
+from . import nn as nn
+from . import random as random
 from .array import ShardedArray as ShardedArray
 from .array import device_put as device_put
 from .array import distribute as distribute
@@ -8,6 +12,14 @@ from .array import reshard as reshard
 from .errors import FallbackWarning as FallbackWarning
 from .errors import ImmutableError as ImmutableError
 from .errors import ShardingError as ShardingError
+from .factory import empty as empty
+from .factory import full as full
+from .factory import make_array_from_callback as make_array_from_callback
+from .factory import ones as ones
+from .factory import rand as rand
+from .factory import randn as randn
+from .factory import zeros as zeros
+from .interop import from_dtensor as from_dtensor
 from .mesh import Mesh as Mesh
 from .mesh import current_mesh as current_mesh
 from .plan import Plan as Plan
@@ -19,24 +31,12 @@ from .spec import P as P
 from .spec import Partial as Partial
 from .spec import Replicate as Replicate
 from .spec import Shard as Shard
-from . import debug as debug
 from .transforms import local_map as local_map
 from .transforms import shard_map as shard_map
 from .transforms import with_sharding_constraint as with_sharding_constraint
-from . import lax as lax
-from .factory import empty as empty
-from .factory import full as full
-from .factory import make_array_from_callback as make_array_from_callback
-from .factory import ones as ones
-from .factory import rand as rand
-from .factory import randn as randn
-from .factory import zeros as zeros
-from . import random as random
-from . import nn as nn
-from .interop import from_dtensor as from_dtensor
 
 __version__ = "0.1.0"
 
-from ._dynamo import install as _install_dynamo
+from ._dynamo import install as _install_dynamo  # noqa: E402
 
 _install_dynamo()  # torch.compile support, registered when torch._dynamo is imported
