@@ -383,8 +383,8 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
 
 
-def _sharding_mesh(sharding: Any) -> Mesh:
-    return sharding.mesh
+def _sharding_mesh(sharding: Any) -> Mesh | None:
+    return getattr(sharding, "mesh", None)
 
 
 def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:

@@ -64,6 +64,11 @@ def test_from_local_rejects_shards_that_do_not_fit(mesh24):
         ShardedArray.from_local(bad, P("x"), mesh=mesh24)
 
 
+def test_from_local_needs_a_mesh():
+    with pytest.raises(ShardingError, match="from_local needs a mesh"):
+        ShardedArray.from_local([torch.zeros(2)], P("x"))
+
+
 def test_from_local_wrong_number_of_shards(mesh24):
     with pytest.raises(ShardingError, match="got 3 local shards but .* has 8 devices"):
         ShardedArray.from_local([torch.zeros(1)] * 3, P(), mesh=mesh24)
