@@ -26,3 +26,21 @@ def test_quickstart_runs(capsys):
     out = capsys.readouterr().out
     assert "equals the unsharded result: True" in out and "grad equals 2*w: True" in out
     assert "False" not in out
+
+
+def _run_example(name: str, capsys) -> str:
+    runpy.run_path(str(ROOT / "examples" / name), run_name="__main__")
+    return capsys.readouterr().out
+
+
+def test_shard_model_example_matches_unsharded(capsys):
+    out = _run_example("shard_model.py", capsys)
+    diff = float(re.search(r"max \|sharded - unsharded\| = ([0-9.e+-]+)", out).group(1))
+    assert diff < 1e-5 and "{'all_reduce': 2}" in out
+
+
+def test_dropout_example_masks_do_not_depend_on_the_sharding(capsys):
+    out = _run_example("dropout_train.py", capsys)
+    losses = re.findall(r"losses (\[[^\]]*\])\s+masks identical: True", out)
+    assert len(losses) == 3 and len(set(losses)) == 1
+    assert "sharded and unsharded masks identical: True" in out
