@@ -67,3 +67,21 @@ def insert_dim(layout: Layout, d: int) -> Layout:
 def static_int(n: Any) -> int:
     """``n`` as an int; a SymInt is specialised to its value (torch.compile guards on it)."""
     return n if isinstance(n, int) else int(n)
+
+
+def is_symbolic(shape: Any) -> bool:
+    """Whether any size in ``shape`` is a SymInt (a dynamic dim under torch.compile)."""
+    return any(isinstance(n, torch.SymInt) for n in shape)
+
+
+def hint_int(n: Any) -> int:
+    """``n`` as an int without guarding: a SymInt gives its example value (hint)."""
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    return int(guarding_hint_or_throw(n))
+
+
+def hint_shape(shape: Any) -> tuple[int, ...]:
+    return tuple(hint_int(n) for n in shape)

@@ -23,7 +23,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
-        acc *= max(n, 1)
+        acc = acc * torch.sym_max(n, 1)
     return tuple(reversed(strides))
 
 
@@ -132,10 +132,44 @@ class ShardedArray(torch.Tensor):
         layout, is_parts = ctx
         local = tuple(inner[f"_part_{i}"] for i in range(len(inner))) if is_parts else inner["_local"]
         like = local[0] if is_parts else local
-        # Sharding propagation needs concrete global shapes: a symbolic size is specialised.
-        outer_size = tuple(_ft.static_int(n) for n in outer_size)
-        outer_stride = None if outer_stride is None else tuple(_ft.static_int(n) for n in outer_stride)
+        # Symbolic sizes (torch.compile dynamic dims) stay symbolic: sharding propagation
+        # plans from their hints (see dispatch.py); only even, stacked layouts support them.
+        outer_size = tuple(outer_size)
+        outer_stride = None if outer_stride is None else tuple(outer_stride)
+        if is_parts or layout.mesh.backend != "local":
+            # uneven shards and the dist backend plan on concrete shapes: specialise
+            outer_size = tuple(_ft.static_int(n) for n in outer_size)
+            outer_stride = None if outer_stride is None else tuple(_ft.static_int(n) for n in outer_stride)
+        elif _ft.is_symbolic(outer_size):
+            _check_symbolic_even(layout, outer_size, like)
         return ShardedArray(local, layout, outer_size, like.dtype, stride=outer_stride)
+
+    # torch._dynamo.mark_dynamic(x, d) mirrors itself onto inner tensors of x's rank only;
+    # a stacked value has the mesh dims in front, so mirror dim d to mesh.ndim + d here.
+    @property
+    def _has_dynamo_dim_marking(self) -> bool:
+        try:
+            return self.__dict__["_has_dynamo_dim_marking"]
+        except KeyError:
+            raise AttributeError("_has_dynamo_dim_marking") from None
+
+    @_has_dynamo_dim_marking.setter
+    def _has_dynamo_dim_marking(self, value: bool) -> None:
+        # stored in __dict__ like a plain attribute: Dynamo's guards look for it there
+        self.__dict__["_has_dynamo_dim_marking"] = value
+        local = self.__dict__.get("_local")
+        if not value or not isinstance(local, torch.Tensor) or local.dim() == self.dim():
+            return
+        from torch._dynamo import mark_dynamic
+
+        m = self._layout.mesh.ndim
+        for d in sorted(getattr(self, "_dynamo_dynamic_indices", ())):
+            if d + m not in getattr(local, "_dynamo_dynamic_indices", ()):
+                mark_dynamic(local, d + m)
+
+    @_has_dynamo_dim_marking.deleter
+    def _has_dynamo_dim_marking(self) -> None:
+        self.__dict__.pop("_has_dynamo_dim_marking", None)
 
     # torch.compile: a compiled backward guesses its tangents' layouts from the forward
     # outputs (pending reductions read as replicated); real tangents are resharded to it.
@@ -154,6 +188,16 @@ class ShardedArray(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
+
+
+def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:
+    """Tie a symbolic global size to the stacked shard size (``n == k * local``): a guard
+    on the relation, never a specialisation to a constant."""
+    mesh = layout.mesh
+    for d, (n, axes) in enumerate(zip(shape, layout.dims)):
+        if isinstance(n, torch.SymInt):
+            k = math.prod(mesh.axis_size(a) for a in axes)
+            torch._check(n == k * local.shape[mesh.ndim + d])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -221,7 +265,7 @@ def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
     """The backend value of ``x`` laid out as ``dst`` (no autograd)."""
     if dst == x._layout:
         return x._local
-    return execute(plan_layouts(x._layout, dst, tuple(x.shape), x.dtype), x._local)
+    return execute(plan_layouts(x._layout, dst, _ft.hint_shape(x.shape), x.dtype), x._local, tuple(x.shape))
 
 
 def raw_full(x: ShardedArray) -> torch.Tensor:
@@ -233,7 +277,7 @@ def raw_distribute(t: torch.Tensor, layout: Layout) -> Any:
     backend = backend_for(layout.mesh)
     rep = backend.replicated(t, layout.mesh)
     full = Layout(layout.mesh, ((),) * t.dim())
-    return execute(plan_layouts(full, layout, tuple(t.shape), t.dtype), rep)
+    return execute(plan_layouts(full, layout, _ft.hint_shape(t.shape), t.dtype), rep, tuple(t.shape))
 
 
 # -- autograd functions -------------------------------------------------------------------

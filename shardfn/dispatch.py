@@ -10,6 +10,7 @@ once for the whole mesh (stacked) or once per device, and wraps the outputs.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import functools
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from . import _functorch as _ft
 from . import rules as _rules
 from .array import ShardedArray, raw_full, raw_reshard, wrap
 from .backends import backend_for
@@ -43,11 +45,98 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if any(isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) for _, v in leaves):
         args, kwargs = _lift_plain(func, args, kwargs, leaves)
         leaves = _leaves(args, kwargs)
+    if _any_symbolic(leaves):
+        return _dispatch_symbolic(func, args, kwargs, leaves)
     key = _key(func, leaves)
     entry = _cache.get(key)
     if entry is None:
         entry = _cache[key] = _compile(func, args, kwargs, leaves)
     return entry.run(args, kwargs, leaves)
+
+
+# -- symbolic (dynamic) shapes under torch.compile ----------------------------------------------
+
+
+def _any_symbolic(leaves: list) -> bool:
+    return any(
+        isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape))
+        for _, v in leaves
+    )
+
+
+def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+    """A call with symbolic sizes: the strategy is chosen (and cached) on the sizes'
+    hints, by the same code as concrete calls; the local op then runs on the symbolic
+    stacked shards, and output global sizes are read off the local outputs, so nothing is
+    specialised. Only the stacked path (every layout even) keeps sizes symbolic."""
+
+    def hinted(path: Any, v: Any) -> Any:
+        if isinstance(v, ShardedArray):
+            return ShardedArray(v._local, v._layout, _ft.hint_shape(v.shape), v.dtype)
+        if isinstance(v, torch.SymInt):
+            return _ft.hint_int(v)
+        return v
+
+    hargs, hkwargs = _replace(args, kwargs, hinted)
+    hleaves = _leaves(hargs, hkwargs)
+    key = _key(func, hleaves)
+    entry = _cache.get(key)
+    if entry is None:
+        entry = _cache[key] = _compile(func, hargs, hkwargs, hleaves)
+    if not isinstance(entry, _Entry) or not entry.stacked:
+        # uneven shards or the replicate fallback: sizes cannot stay symbolic, so
+        # specialise them (a guard; a dim marked dynamic is then reported by Dynamo)
+        return dispatch(func, *_replace(args, kwargs, _specialised))
+    try:
+        return entry.run(args, kwargs, leaves, symbolic=True, stacked_args=_symbolic_size_args(entry, args, kwargs))
+    except _BakedSizes:
+        return dispatch(func, *_replace(args, kwargs, _specialised))
+
+
+class _BakedSizes(Exception):
+    """A rule computed local sizes from the hints where the output's are symbolic."""
+
+
+def _specialised(path: Any, v: Any) -> Any:
+    """``v`` with its symbolic sizes specialised to their values (guarded)."""
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    if isinstance(v, ShardedArray) and _ft.is_symbolic(v.shape):
+        from .layout import local_shapes
+
+        shape = tuple(int(n) for n in v.shape)
+        local = v._local
+        if isinstance(local, torch.Tensor):
+            local = local.view(*v.mesh.shape, *local_shapes(v._layout, shape)[0])
+        return ShardedArray(local, v._layout, shape, v.dtype, requires_grad=v.requires_grad)
+    if isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape):
+        return v.view(tuple(int(n) for n in v.shape))
+    return v
+
+
+def _symbolic_size_args(entry: "_Entry", args: tuple, kwargs: dict) -> Any:
+    """Rules that set a size argument to the local shape (view, reshape, expand, the
+    backward of select/unsqueeze) computed it from the hints; redo it from the symbolic
+    sizes in ``args``."""
+    from .rules.base import bind
+    from .rules.views import _SetArg, _SizedArgs
+
+    sa = entry.cand.stacked_args
+    if not isinstance(sa, (_SetArg, _SizedArgs)):
+        return None
+    name = sa.arg if isinstance(sa, _SetArg) else "input_sizes"
+    sizes = list(bind(entry.func, args, kwargs)[name])
+    if not any(isinstance(n, torch.SymInt) for n in sizes):
+        return None
+    dst, mesh = entry.cand.out_layouts[0], entry.call.mesh
+    local = []
+    for n, axes in zip(sizes, dst.dims):
+        k = math.prod(mesh.axis_size(a) for a in axes)
+        if k > 1 and not isinstance(n, torch.SymInt) and n < 0:
+            raise ShardingError(f"{_op_name(entry.func)}: a -1 size on a sharded dim with dynamic sizes")
+        local.append(n if k == 1 else n // k)
+    value = (*mesh.shape, *local)
+    return attrs.evolve(sa, value=value) if isinstance(sa, _SetArg) else attrs.evolve(sa, sizes=value)
 
 
 # -- call analysis -----------------------------------------------------------------------------
@@ -227,19 +316,23 @@ class _Entry:
             )
         )
 
-    def run(self, args: tuple, kwargs: dict, leaves: list) -> Any:
+    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
         arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
         values = {p: raw_reshard(v, want) for (p, v), want in zip(arrays, self.cand.in_layouts)}
         mesh = self.call.mesh
         if self.stacked:
             a, k = _replace(args, kwargs, lambda p, v: values.get(p, v) if isinstance(v, ShardedArray) else v)
-            a, k = self.cand.stacked_args(a, k, mesh.ndim)
+            a, k = (stacked_args or self.cand.stacked_args)(a, k, mesh.ndim)
             outs, _ = _flat_outputs((self.cand.stacked_fn or self.func)(*a, **k))
             locals_ = outs
         else:
             locals_ = self._per_device(args, kwargs, values)
         results = []
         for local, layout, shape, dtype in zip(locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes):
+            if symbolic and layout is not None:
+                shape = _global_of_stacked(local, layout)
+                if not _ft.is_symbolic(shape):
+                    shape = _check_static_output(self.func, args, kwargs, len(results), shape)
             results.append(local if layout is None else wrap(local, layout, shape, dtype))
         return self.rebuild(results)
 
@@ -265,6 +358,28 @@ class _Entry:
             col = [o[i] for o in per_dev]
             out.append(col[0] if layout is None else from_parts(col, layout, shape))
         return out
+
+
+def _check_static_output(func: Any, args: tuple, kwargs: dict, i: int, shape: tuple) -> tuple:
+    """A call with symbolic inputs gave an output of concrete sizes: fine when the op's
+    output really has those sizes; a rule that baked hint sizes in would silently bake
+    them into the graph, so the call is redone with its sizes specialised (guarded)."""
+    with torch.no_grad():
+        margs, mkwargs = _replace(args, kwargs, _to_meta)
+        outs, _ = _flat_outputs(func(*margs, **mkwargs))
+    want = tuple(outs[i].shape)
+    if _ft.is_symbolic(want):
+        raise _BakedSizes(f"{_op_name(func)}: {want}")
+    return shape
+
+
+def _global_of_stacked(local: torch.Tensor, layout: Layout) -> tuple:
+    """The global shape of a stacked value of an even layout (symbolic sizes kept)."""
+    mesh = layout.mesh
+    return tuple(
+        n * math.prod(mesh.axis_size(a) for a in axes)
+        for n, axes in zip(local.shape[mesh.ndim:], layout.dims)
+    )
 
 
 def _device_arg(values: dict, mesh: Any, dev: int, path: Any, v: Any) -> Any:
@@ -296,7 +411,7 @@ class _Fallback:
     func: Any
     mesh: Any
 
-    def run(self, args: tuple, kwargs: dict, leaves: list) -> Any:
+    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
         a, k = _replace(args, kwargs, lambda p, v: raw_full(v) if isinstance(v, ShardedArray) else v)
         out = self.func(*a, **k)
         backend = backend_for(self.mesh)

@@ -79,12 +79,25 @@ def reduce_parts(shards: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 # -- step implementations -------------------------------------------------------------------
 
 
-def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtype) -> Value:
+def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtype, *, sym_shape: tuple | None = None) -> Value:
+    """``sym_shape``: the global shape with symbolic sizes (``shape`` holds their hints);
+    such values only take the stacked path, which keeps the sizes symbolic."""
     mesh = step.src.mesh
     if not isinstance(value, tuple) and is_even(step.dst, shape):
-        out = _STACKED[step.kind](step, value, mesh, shape)
+        if sym_shape is not None and step.kind in _REGRID_KINDS:
+            out = _regrid(step.src, step.dst, shape, value, sym_shape)
+        else:
+            out = _STACKED[step.kind](step, value, mesh, shape)
         if out is not None:
             return out
+    if sym_shape is not None:
+        # uneven shards need concrete sizes: specialise (a guard on each symbolic size)
+        for n, h in zip(sym_shape, shape):
+            if int(n) != h:
+                raise AssertionError(f"symbolic size {n} has hint {h} but value {int(n)}")
+        if not isinstance(value, tuple):
+            value = value.view(*mesh.shape, *local_shapes(step.src, shape)[0])
+        return run_step(step, value, shape, dtype)
     shards = parts(value, mesh)
     if step.kind in ("all_reduce", "reduce_local"):
         return from_parts(_reduce_uneven(step, shards, mesh), step.dst, shape)
@@ -110,7 +123,8 @@ def _regrid_step(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]
     return _regrid(step.src, step.dst, shape, x)
 
 
-def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor | None:
+def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor,
+            sym_shape: tuple | None = None) -> torch.Tensor | None:
     """Move a stacked value between two even layouts with one reshape/permute.
 
     Each tensor dim is cut into "digits" (a mixed-radix refinement of both layouts'
@@ -123,7 +137,19 @@ def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor) -
         return None
     if plan == "empty":
         return x.new_empty(*src.mesh.shape, *local_shapes(dst, shape)[0])
-    split_shape, drops, order, bcast, final = plan
+    split_shape, drops, order, bcast, final, tails = plan
+    if sym_shape is not None:
+        # the innermost digit of dim d is n_d // (product of its other digits): the only
+        # sizes that depend on the global shape; rebuild them from the symbolic sizes
+        split_shape, final = list(split_shape), list(final)
+        m = src.mesh.ndim
+        for d, tail in enumerate(tails):
+            if not isinstance(sym_shape[d], torch.SymInt):
+                continue
+            if tail is None:
+                return None
+            split_shape[tail[0]] = sym_shape[d] // tail[1]
+            final[m + d] = sym_shape[d] // _prod(src.mesh, dst.dims[d])
     y = x.reshape(split_shape)
     for pos in drops:
         y = y.select(pos, 0)
@@ -188,7 +214,13 @@ def _regrid_plan(src: Layout, dst: Layout, shape: tuple[int, ...]):
     order = [kept.index(lab) for lab, _ in dst_labels if lab[0] != "bcast"]
     bcast = [(i, g) for i, (lab, g) in enumerate(dst_labels) if lab[0] == "bcast"]
     final = (*mesh.shape, *local_shapes(dst, shape)[0])
-    return split_shape, tuple(drops), tuple(order), tuple(bcast), final
+    tails = []  # per dim: (position of its innermost digit, the digit's divisor) or None
+    labels = [lab for lab, _ in src_labels]
+    for d in range(len(shape)):
+        merged, _ = digits[d]
+        last = ("dig", d, len(merged) - 1)
+        tails.append((labels.index(last), merged[-2] if len(merged) > 1 else 1) if last in labels else None)
+    return split_shape, tuple(drops), tuple(order), tuple(bcast), final, tuple(tails)
 
 
 def _cuts(mesh: Mesh, axes: tuple[str, ...], n: int) -> list[int]:
@@ -228,6 +260,8 @@ def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...
     keep = keep.view([-1 if i == ai else 1 for i in range(x.dim())])
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
+
+_REGRID_KINDS = frozenset({"all_gather", "all_to_all", "slice", "permute"})
 
 _STACKED = {
     "all_gather": _regrid_step,

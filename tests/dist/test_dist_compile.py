@@ -227,9 +227,10 @@ def inductor_forward_and_backward(mesh: sf.Mesh) -> None:
 
 @scenario
 def new_shapes_recompile(mesh: sf.Mesh) -> None:
-    """Shapes are static to sharding propagation: new global shapes (even and uneven)
-    recompile, also after Dynamo's automatic-dynamic shapes make the shards' sizes
-    symbolic, and stay correct."""
+    """New global shapes recompile and stay correct. After Dynamo's automatic-dynamic
+    shapes make the sizes symbolic, the local backend keeps them symbolic for even
+    layouts (one dynamic graph serves 12 and, when it splits evenly, 10); uneven layouts
+    and the dist backend specialise them (a new graph per shape)."""
     torch._dynamo.reset()
     a, b = _axes(mesh)
     rec = Recorder()
@@ -237,7 +238,7 @@ def new_shapes_recompile(mesh: sf.Mesh) -> None:
     for n in (8, 12, 10):  # the dim the reshard splits changes size
         t = torch.arange(n * 8.0).reshape(8, n)
         torch.testing.assert_close(sf.gather(f(sf.distribute(t, P(a), mesh=mesh))), (t * 2).sum(0))
-    assert len(rec.graphs["fw"]) == 3
+    assert len(rec.graphs["fw"]) == (3 if is_dist(mesh) or 10 % mesh.axis_size(b) else 2)
     if is_dist(mesh):
         assert all(_graph_counts(g, False) for g in rec.graphs["fw"])
 
