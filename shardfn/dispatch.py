@@ -45,10 +45,13 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if any(isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) for _, v in leaves):
         args, kwargs = _lift_plain(func, args, kwargs, leaves)
         leaves = _leaves(args, kwargs)
-    if _any_symbolic(leaves):
-        return _dispatch_symbolic(func, args, kwargs, leaves)
     key = _key(func, leaves)
-    entry = _cache.get(key)
+    try:
+        entry = _cache.get(key)
+    except TypeError:  # symbolic sizes (SymInts do not hash): torch.compile with dynamic shapes
+        if _any_symbolic(leaves):
+            return _dispatch_symbolic(func, args, kwargs, leaves)
+        raise
     if entry is None:
         entry = _cache[key] = _compile(func, args, kwargs, leaves)
     return entry.run(args, kwargs, leaves)
