@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -74,3 +77,12 @@ def reduce_parts(parts: list[torch.Tensor], mesh: sf.Mesh, partial: dict) -> tor
         else:
             t = t.amin(i, keepdim=True)
     return t.reshape(parts[0].shape)
+
+
+def load_example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as a module (examples are not a package)."""
+    path = Path(__file__).parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

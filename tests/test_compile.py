@@ -230,13 +230,9 @@ def test_tensor_unflatten_honours_outer_size_and_stride(mesh22):
 def test_train_tp_example_compiled_matches_single_device():
     """examples/train_tp.py under torch.compile(fullgraph=True, backend="aot_eager"):
     one graph for the whole step (grad + AdamW), 20 steps equal single-device training."""
-    import importlib.util
-    import pathlib
+    from conftest import load_example
 
-    path = pathlib.Path(__file__).parent.parent / "examples" / "train_tp.py"
-    spec = importlib.util.spec_from_file_location("train_tp", path)
-    train_tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_tp)
+    train_tp = load_example("train_tp")
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
     ref = train_tp.train(20, None, None)
     got = train_tp.train(20, mesh, "aot_eager")

@@ -171,13 +171,9 @@ def test_distribute_inside_grad(mesh22, data):
 def test_train_tp_example_matches_single_device():
     """examples/train_tp.py, eager: 20 steps of TP+DP training give the single-device
     loss curve to 1e-5 relative."""
-    import importlib.util
-    import pathlib
+    from conftest import load_example
 
-    path = pathlib.Path(__file__).parent.parent / "examples" / "train_tp.py"
-    spec = importlib.util.spec_from_file_location("train_tp", path)
-    train_tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_tp)
+    train_tp = load_example("train_tp")
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
     ref = train_tp.train(20, None, None)
     got = train_tp.train(20, mesh, None)
