@@ -40,3 +40,7 @@ __version__ = "0.1.0"
 from ._dynamo import install as _install_dynamo  # noqa: E402
 
 _install_dynamo()  # torch.compile support, registered when torch._dynamo is imported
+
+from ._inplace import calibrate as _calibrate_inplace  # noqa: E402
+
+_calibrate_inplace()  # the in-place policy's reference counts of a private array

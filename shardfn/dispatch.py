@@ -11,8 +11,6 @@ once for the whole mesh (stacked) or once per device, and wraps the outputs.
 from __future__ import annotations
 
 import math
-import os
-import sys
 import functools
 import warnings
 from typing import Any, Callable
@@ -21,10 +19,11 @@ import attrs
 import torch
 
 from . import _functorch as _ft
+from . import _inplace
 from . import rules as _rules
 from .array import ShardedArray, raw_full, raw_reshard, wrap
 from .backends import backend_for
-from .errors import FallbackWarning, ImmutableError, ShardingError
+from .errors import FallbackWarning, ShardingError
 from .layout import Layout, describe, is_even
 from .plan import plan_layouts
 from .rules.base import Candidate, OpCall
@@ -36,11 +35,18 @@ _warned: set[str] = set()
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    out = _dispatch(func, args, kwargs)
+    if _inplace.is_view(func):
+        _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
+    return out
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     special = _SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
     if func._schema.is_mutable:
-        return _mutating(func, args, kwargs)
+        return _inplace.run_mutating(func, args, kwargs)
     leaves = _leaves(args, kwargs)
     if any(isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) for _, v in leaves):
         args, kwargs = _lift_plain(func, args, kwargs, leaves)
@@ -318,6 +324,8 @@ class _Entry:
                 l is None or is_even(l, s) for l, s in zip(c.out_layouts, self.out_shapes)
             )
         )
+        # the cache must not keep the first call's arrays alive (nor count as holding them)
+        self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
 
     def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
         arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
@@ -430,67 +438,6 @@ class _Fallback:
 
 
 # -- in-place ops and special cases -------------------------------------------------------------------
-
-
-def _mutating(func: Any, args: tuple, kwargs: dict) -> Any:
-    name = func.overloadpacket.__name__
-    target = args[0] if args else None
-    functional = _functional_variant(func)
-    if (
-        isinstance(target, ShardedArray)
-        and functional is not None
-        and (torch._C._current_graph_task_id() != -1 or getattr(target, "_scratch", False)
-             or _inside_torch_functional())
-    ):
-        # The autograd engine accumulating into an existing .grad, a private scratch
-        # array (rules/random_ops.py), or a torch.nn.functional composite (F.rms_norm)
-        # updating its own temporary: rebind, never write shards.
-        result = dispatch(functional, args, kwargs)
-        if isinstance(result, ShardedArray) and result.shape == target.shape and result.dtype == target.dtype:
-            target._local, target._layout = result._local, result._layout
-            return target
-    base = name[:-1] if name.endswith("_") else name
-    hint = {
-        "copy": "sf.reshard(x, sharding) to change a layout, or build a new array",
-        "index_put": "x.index_put(indices, values) or torch.where(mask, values, x)",
-        "fill": "torch.full_like(x, value) or x.masked_fill(mask, value)",
-        "zero": "torch.zeros_like(x)",
-    }.get(base, f"torch.{base}(...) / x.{base}(...)" if hasattr(torch, base) else "the functional form of the op")
-    raise ImmutableError(
-        f"aten.{name} would modify a ShardedArray in place, but ShardedArrays are immutable; "
-        f"use the out-of-place form {hint} and rebind the result"
-    )
-
-
-_FUNCTIONAL_PY = os.path.join("torch", "nn", "functional.py")
-
-
-def _inside_torch_functional() -> bool:
-    """Whether the nearest Python caller outside shardfn is ``torch.nn.functional``
-    (whose C++ composites update their own temporaries in place)."""
-    f = sys._getframe(2)
-    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
-        f = f.f_back
-    return f is not None and f.f_code.co_filename.endswith(_FUNCTIONAL_PY)
-
-
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _functional_variant(func: Any) -> Any:
-    name = func.overloadpacket.__name__
-    if not name.endswith("_"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    if packet is None:
-        return None
-    # match by argument types: pow_.Scalar is pow.Tensor_Scalar, not pow.Scalar
-    want = [str(a.type) for a in func._schema.arguments]
-    for overload in [func._overloadname] + list(packet.overloads()):
-        op = getattr(packet, overload, None)
-        if op is not None and [str(a.type) for a in op._schema.arguments] == want:
-            return op
-    return None
 
 
 def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
