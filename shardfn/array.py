@@ -12,7 +12,7 @@ import torch
 from . import _functorch as _ft
 from . import layout as _lay
 from .backends import backend_for, execute
-from .errors import ShardingError
+from .errors import ImmutableError, ShardingError
 from .layout import Layout, describe
 from .mesh import Mesh, current_mesh
 from .plan import plan_layouts
@@ -30,7 +30,9 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 class ShardedArray(torch.Tensor):
     """A global tensor laid out over a mesh. Its ``shape``/``dtype`` are global; the
     shards live in ``_local`` (the mesh backend's storage). Immutable: in-place ops raise
-    :class:`~shardfn.ImmutableError`."""
+    :class:`~shardfn.ImmutableError` (the policy: ``shardfn/_inplace.py``), and no tensor
+    handed in (``distribute``, ``from_local``) or out (``full_tensor``, ``to_local``,
+    ``local_shards``) shares memory with the shards."""
 
     _local: Any
     _layout: Layout
@@ -71,12 +73,13 @@ class ShardedArray(torch.Tensor):
 
     # -- shards ----------------------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
-        """The shards this process holds, one per device (row-major); no autograd."""
+        """Copies of the shards this process holds, one per device (row-major); no autograd.
+        Costs one copy of each shard (writing to one cannot change the array)."""
         if self.mesh.backend == "local":
             from .backends.local import parts
 
-            return list(parts(self._local, self.mesh))
-        return [self._local.view(self._local.shape)]  # a fresh alias: autograd Functions may return it
+            return [p.clone() for p in parts(self._local, self.mesh)]
+        return [self._local.clone()]
 
     def to_local(self, grad_sharding: Sharding | None = None) -> Any:
         """The local shards, differentiable: a list (one per device) on the local backend,
@@ -188,6 +191,56 @@ class ShardedArray(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
+
+    # -- immutability: routes around aten that would change or alias the shards ------------
+    @property
+    def data(self) -> torch.Tensor:
+        """A detached alias (the same value, no autograd history)."""
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        raise ImmutableError(
+            "x.data = ... would replace a ShardedArray's value in place, but ShardedArrays are "
+            "immutable; rebind the name to a new array (e.g. x = sf.distribute(t, x.sharding))"
+        )
+
+    def share_memory_(self) -> ShardedArray:
+        raise ImmutableError(_no_storage("share_memory_"))
+
+    def apply_(self, callable: Any) -> ShardedArray:
+        raise ImmutableError(_no_storage("apply_", "x.full_tensor().apply_(f) on the gathered copy"))
+
+    def map_(self, tensor: Any, callable: Any) -> ShardedArray:
+        raise ImmutableError(_no_storage("map_", "x.full_tensor().map_(...) on the gathered copy"))
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ImmutableError(_no_storage("__dlpack__", "x.full_tensor().__dlpack__() on the gathered copy"))
+
+    def map2_(self, x: Any, y: Any, callable: Any) -> ShardedArray:
+        raise ImmutableError(_no_storage("map2_", "x.full_tensor().map2_(...) on the gathered copy"))
+
+
+def _no_storage(name: str, instead: str = "sf.distribute(x.full_tensor().share_memory_(), x.sharding)") -> str:
+    return (f"x.{name}() would work on the storage of a ShardedArray in place, but ShardedArrays are "
+            f"immutable and hold no single storage; use {instead}")
+
+
+def _shares_memory(a: Any, sources: Any) -> bool:
+    """Whether tensor(s) ``a`` may share storage with tensor(s) ``sources`` (True when unsure:
+    tensors without real storage, e.g. under tracing)."""
+    try:
+        mine = {t.untyped_storage().data_ptr() for t in _tensors(a)}
+        theirs = {t.untyped_storage().data_ptr() for t in _tensors(sources)}
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return True
+    return bool(mine & theirs)
+
+
+def _tensors(v: Any) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    return [t for x in v for t in _tensors(x)]
 
 
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:
@@ -309,7 +362,12 @@ class _Reshard(torch.autograd.Function):
 class _Distribute(torch.autograd.Function):
     @staticmethod
     def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
-        return wrap(raw_distribute(t.detach(), layout), layout, t.shape, t.dtype)
+        # like jax.device_put, a copy: where the plan only sliced or expanded ``t``, the
+        # shards are redone from one copy of ``t`` (replicas share that copy)
+        value = raw_distribute(t.detach(), layout)
+        if _shares_memory(value, t):
+            value = raw_distribute(t.detach().clone(), layout)
+        return wrap(value, layout, t.shape, t.dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -332,7 +390,9 @@ class _Distribute(torch.autograd.Function):
 class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(x: ShardedArray) -> torch.Tensor:
-        return raw_full(x).contiguous()
+        # a gather allocates; a replicated array's replica is copied (the result is fresh)
+        full = raw_full(x)
+        return full.clone(memory_format=torch.contiguous_format) if _shares_memory(full, x._local) else full.contiguous()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -378,6 +438,8 @@ class _FromLocal(torch.autograd.Function):
     def forward(layout: Layout, shape: tuple, stride: Any, *shards: torch.Tensor) -> ShardedArray:
         backend = backend_for(layout.mesh)
         local = backend.from_shards([s.detach() for s in shards], layout, shape)
+        if _shares_memory(local, shards):  # kept as given (uneven, dist): copied
+            local = backend.from_shards([s.detach().clone() for s in shards], layout, shape)
         return ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
 
     @staticmethod

@@ -11,10 +11,10 @@ one key per op, so all devices advance the generator in step.
 These are special-case handlers (``SPECIAL``, installed by ``dispatch``) rather than
 rules: the op itself is replaced, not just its layouts.
 
-CPU ``F.dropout`` decomposes into ``empty_like`` + ``bernoulli_`` + ``div_`` + ``mul``.
-Arrays from ``empty_like`` / ``new_empty`` are therefore *scratch*: uninitialised and
-private, so an in-place op on one rebinds its shards (no tensor is written) instead of
-raising :class:`~shardfn.ImmutableError`.
+CPU ``F.dropout`` decomposes into ``empty_like`` + ``bernoulli_`` + ``div_`` + ``mul``:
+the in-place fills of that private temporary reach the functional forms here through the
+in-place policy (``shardfn/_inplace.py``); on an array the user holds they raise
+:class:`~shardfn.ImmutableError`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from .. import _counter_rng as _rng
 from .. import random as _random
 from ..array import ShardedArray, raw_reshard, wrap
-from ..errors import ImmutableError
 from ..factory import _box_shape, _build, _from_boxes, _shard_of
 from ..layout import Box, Layout
 from .base import bind, replicated
@@ -192,19 +191,14 @@ def _native_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
     return wrap(_from_boxes(layout, shape, scaled, x.dtype, x.device), layout, shape, x.dtype), mask
 
 
-# -- scratch arrays and in-place fills ---------------------------------------------------------
-
-
-def _scratch(out: ShardedArray) -> ShardedArray:
-    out._scratch = True
-    return out
+# -- empty arrays and functional fills -------------------------------------------------------
 
 
 def _empty_like(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     b = bind(func, args, kwargs)
     x = b["self"]
     dtype = b.get("dtype") or x.dtype
-    return _scratch(_fill(x, dtype, lambda s, box, dev: torch.empty(_box_shape(box), dtype=dtype, device=dev)))
+    return _fill(x, dtype, lambda s, box, dev: torch.empty(_box_shape(box), dtype=dtype, device=dev))
 
 
 def _new_empty(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
@@ -213,8 +207,8 @@ def _new_empty(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     shape = tuple(int(n) for n in b["size"])
     dtype = b.get("dtype") or x.dtype
     device = x.device
-    return _scratch(_build(shape, replicated(x.mesh, len(shape)),
-                           lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device), dtype))
+    return _build(shape, replicated(x.mesh, len(shape)),
+                  lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device), dtype)
 
 
 def _normal_fill(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
@@ -223,34 +217,6 @@ def _normal_fill(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     mean, std = float(b["mean"]), float(b["std"])
     return _fill(x, x.dtype, lambda s, box, dev: _rng.normal(k, s, box, dtype=x.dtype, mean=mean, std=std,
                                                                device=dev))
-
-
-_FILL_HINTS = {
-    "bernoulli_": "torch.bernoulli(x, p)",
-    "uniform_": "torch.rand_like(x) * (high - low) + low",
-    "normal_": "torch.randn_like(x) * std + mean",
-    "exponential_": "torch.ops.aten.exponential(x, lambd)",
-    "random_": "torch.randint_like(x, low, high)",
-}
-
-
-def _in_place(out_of_place: Callable) -> Callable:
-    """An in-place random fill: rebinds a scratch array, else raises ImmutableError."""
-
-    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
-        target = args[0]
-        if not getattr(target, "_scratch", False):
-            name = func.overloadpacket.__name__
-            raise ImmutableError(
-                f"aten.{name} would fill a ShardedArray in place, but ShardedArrays are immutable; "
-                f"use the out-of-place form {_FILL_HINTS[name]} and rebind the result, or draw "
-                f"sharding-invariant values with sf.random (e.g. sf.nn.init for parameters)"
-            )
-        out = out_of_place(func, args, kwargs)
-        target._local, target._layout = out._local, out._layout
-        return target
-
-    return handler
 
 
 def _overloads(packet: Any, handler: Callable) -> dict:
@@ -277,12 +243,5 @@ SPECIAL: dict[Any, Callable] = {
     aten.native_dropout.default: _native_dropout,
     aten.empty_like.default: _empty_like,
     aten.new_empty.default: _new_empty,
-    aten.bernoulli_.float: _in_place(_bernoulli),
-    aten.bernoulli_.Tensor: _in_place(_bernoulli),
-    aten.uniform_.default: _in_place(_uniform),
-    aten.normal_.default: _in_place(_normal_fill),
-    aten.exponential_.default: _in_place(_exponential),
-    aten.random_.default: _in_place(_random_op),
-    aten.random_.to: _in_place(_random_op),
-    getattr(aten.random_, "from"): _in_place(_random_op),
+    aten.normal_functional.default: _normal_fill,
 }
