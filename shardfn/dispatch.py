@@ -47,6 +47,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return special(func, args, kwargs)
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
+    if func is aten.native_batch_norm.default:
+        out = _inplace.unannotated_batch_norm(func, args, kwargs)
+        if out is not None:
+            return out
     leaves = _leaves(args, kwargs)
     if any(isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) for _, v in leaves):
         args, kwargs = _lift_plain(func, args, kwargs, leaves)
@@ -423,7 +427,9 @@ class _Fallback:
     mesh: Any
 
     def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
-        a, k = _replace(args, kwargs, lambda p, v: raw_full(v) if isinstance(v, ShardedArray) else v)
+        # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
+        # trust a contiguous-looking argument; a replicated value is an expanded view)
+        a, k = _replace(args, kwargs, lambda p, v: raw_full(v).contiguous() if isinstance(v, ShardedArray) else v)
         out = self.func(*a, **k)
         backend = backend_for(self.mesh)
         outs, rebuild = _flat_outputs(out)
