@@ -137,9 +137,10 @@ def _occurrences(x: Any, args: tuple, kwargs: dict) -> int:
 
 
 _calibrating = False
-# C++ paths differ by one reference (dropout's ``empty_like(x).bernoulli_`` holds one more
-# than matmul's ``mm(...).squeeze_``); a Python holder adds at least two (itself and the
-# interpreter stack or container passing it), so one reference of slack separates them.
+# A C++-only array measures 0 over the calibrated count; an unnamed Python temporary
+# (``(a - b).clamp_min_(0)``, which no one can see afterwards) measures 1; anything Python
+# holds by a name, a container or an attribute measures at least 2 (the holder and the
+# reference passing it on). One reference of slack separates the private from the held.
 _SLACK = 1
 
 
@@ -163,9 +164,10 @@ def calibrate() -> None:
         torch.autograd.grad(leaf.t().sum(), leaf)
     finally:
         _calibrating = False
-# C++ paths differ by one reference (dropout's ``empty_like(x).bernoulli_`` holds one more
-# than matmul's ``mm(...).squeeze_``); a Python holder adds at least two (itself and the
-# interpreter stack or container passing it), so one reference of slack separates them.
+# A C++-only array measures 0 over the calibrated count; an unnamed Python temporary
+# (``(a - b).clamp_min_(0)``, which no one can see afterwards) measures 1; anything Python
+# holds by a name, a container or an attribute measures at least 2 (the holder and the
+# reference passing it on). One reference of slack separates the private from the held.
 _SLACK = 1
 
 
