@@ -101,7 +101,8 @@ class ShardedArray(torch.Tensor):
         return reshard(self, sharding)
 
     def to_dtensor(self) -> Any:
-        """This value as a torch DTensor sharing this rank's shard (dist backend only)."""
+        """This value as a torch DTensor holding a copy of this rank's shard (dist backend only;
+        a DTensor may be mutated, this array may not)."""
         from .interop import to_dtensor
 
         return to_dtensor(self)

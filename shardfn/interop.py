@@ -66,7 +66,7 @@ def _from_torch(p: Any, where: str) -> Placement:
 
 
 def to_dtensor(x: ShardedArray) -> Any:
-    """``x`` as a DTensor sharing this rank's local tensor (dist backend only).
+    """``x`` as a DTensor holding a copy of this rank's local tensor (dist backend only).
 
     Example::
 
@@ -88,7 +88,7 @@ def to_dtensor(x: ShardedArray) -> Any:
 
 
 def from_dtensor(dt: Any) -> ShardedArray:
-    """A ShardedArray sharing ``dt``'s local tensor, on a dist mesh with the DeviceMesh's
+    """A ShardedArray holding a copy of ``dt``'s local tensor, on a dist mesh with the DeviceMesh's
     shape and dim names (``d0``, ``d1``, ... when unnamed). The DeviceMesh must span the
     whole world in row-major rank order."""
     dm = dt.device_mesh

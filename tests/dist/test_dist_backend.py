@@ -32,7 +32,7 @@ def mesh_size_must_equal_world_size(mesh: sf.Mesh) -> None:
 
 
 @scenario(backends=DIST)
-def to_dtensor_and_back_share_storage(mesh: sf.Mesh) -> None:
+def to_dtensor_and_back_copy_the_shard(mesh: sf.Mesh) -> None:
     from torch.distributed.tensor import DTensor
 
     names = mesh.axis_names
@@ -44,12 +44,16 @@ def to_dtensor_and_back_share_storage(mesh: sf.Mesh) -> None:
             x, full, _ = source(spec, mesh, shape)
             dt = x.to_dtensor()
             assert isinstance(dt, DTensor) and tuple(dt.shape) == shape
-            assert dt.to_local().data_ptr() == x._local.data_ptr() or x._local.numel() == 0
+            # issue 13: a DTensor may be mutated, so it holds a copy of this rank's shard
+            assert dt.to_local().data_ptr() != x._local.data_ptr() or x._local.numel() == 0
             assert_equal(dt.full_tensor(), full, f"{shape} {spec} as DTensor")
             y = sf.from_dtensor(dt)
             assert y.mesh == mesh and y._layout == x._layout, (y, x)
-            assert y._local.data_ptr() == x._local.data_ptr() or x._local.numel() == 0
+            assert y._local.data_ptr() != dt.to_local().data_ptr() or x._local.numel() == 0
             assert_equal(y.full_tensor(), full, f"{shape} {spec} round trip")
+            dt.to_local().add_(1)
+            assert_equal(x.full_tensor(), full, f"{shape} {spec} after mutating the DTensor")
+            assert_equal(y.full_tensor(), full, f"{shape} {spec} after mutating the DTensor")
 
 
 @scenario(backends=DIST)
