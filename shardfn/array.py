@@ -16,7 +16,7 @@ from .errors import ShardingError
 from .layout import Layout, describe
 from .mesh import Mesh, current_mesh
 from .plan import plan_layouts
-from .spec import NamedSharding, P, Placement, Sharding, layout_placements, layout_to_spec, to_layout
+from .spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -210,6 +210,8 @@ def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *
 
 
 def _mesh_of(x: Any, mesh: Mesh | None) -> Mesh | None:
+    if mesh is not None:
+        check_mesh(mesh, "mesh=")
     if isinstance(x, ShardedArray):
         if mesh is not None and mesh != x.mesh:
             raise ShardingError(f"mesh={mesh!r} differs from the array's mesh {x.mesh!r}")
@@ -417,6 +419,8 @@ def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
 
 def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequence[int] | None,
                 stride: Sequence[int] | None) -> ShardedArray:
+    if mesh is not None:
+        check_mesh(mesh, "from_local(mesh=...)")
     if mesh is None and not isinstance(sharding, NamedSharding | Layout):
         mesh = current_mesh()
     shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
