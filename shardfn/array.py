@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any, Sequence
@@ -12,7 +13,7 @@ import torch
 from . import _functorch as _ft
 from . import layout as _lay
 from .backends import backend_for, execute
-from .errors import ShardingError
+from .errors import ImmutableError, ShardingError
 from .layout import Layout, describe
 from .mesh import Mesh, current_mesh
 from .plan import plan_layouts
@@ -39,6 +40,8 @@ class ShardedArray(torch.Tensor):
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
                 *, requires_grad: bool = False, stride: Sequence[int] | None = None) -> ShardedArray:
+        if layout.partial:
+            check_partial_dtype(layout, dtype)
         like = local[0] if isinstance(local, tuple) else local
         r = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=stride if stride is not None else _contiguous_strides(shape),
@@ -188,6 +191,102 @@ class ShardedArray(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+    def __copy__(self) -> ShardedArray:
+        """``copy.copy``: a new array with the same value and layout (as ``copy.deepcopy``)."""
+        return copy.deepcopy(self)
+
+    # -- Tensor methods that bypass __torch_dispatch__ and would touch the (absent) data ----
+    def share_memory_(self) -> ShardedArray:
+        raise ImmutableError(
+            "share_memory_ would move a ShardedArray's storage in place, but ShardedArrays are "
+            "immutable and hold no single storage; share the shards: [s.share_memory_() for s in x.local_shards()]"
+        )
+
+    def apply_(self, callable: Any) -> ShardedArray:
+        raise ImmutableError(
+            "apply_ would modify a ShardedArray in place, but ShardedArrays are immutable; "
+            "use an out-of-place op, or sf.local_map over the shards, and rebind the result"
+        )
+
+    def map_(self, tensor: Any, callable: Any) -> ShardedArray:
+        raise ImmutableError(
+            "map_ would modify a ShardedArray in place, but ShardedArrays are immutable; "
+            "use an out-of-place op such as torch.where and rebind the result"
+        )
+
+    def map2_(self, x: Any, y: Any, callable: Any) -> ShardedArray:
+        raise ImmutableError(
+            "map2_ would modify a ShardedArray in place, but ShardedArrays are immutable; "
+            "use an out-of-place op and rebind the result"
+        )
+
+    def untyped_storage(self) -> Any:
+        raise TypeError(
+            "a ShardedArray has no single storage (its shards live on the mesh's devices); "
+            "use x.local_shards() or x.full_tensor()"
+        )
+
+    def storage(self) -> Any:
+        return self.untyped_storage()
+
+    def _typed_storage(self) -> Any:
+        return self.untyped_storage()
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a ShardedArray cannot be exported with DLPack; export x.full_tensor() or its local_shards()")
+
+    def pin_memory(self, *args: Any, **kwargs: Any) -> ShardedArray:
+        raise TypeError("pin_memory is not supported on a ShardedArray; pin its local_shards() instead")
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The global value as a numpy array (gathered, like ``x.full_tensor().numpy()``)."""
+        return self.full_tensor().numpy(force=force)
+
+    def tolist(self) -> Any:
+        """The global value as nested Python lists (gathered)."""
+        return self.full_tensor().tolist()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        out = self.full_tensor().detach().numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    @property
+    def data(self) -> ShardedArray:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        # nn.Module._apply assigns param.data = fn(param): rebinding to another whole
+        # ShardedArray is consistent; a plain tensor would leave shards and metadata apart
+        if not isinstance(value, ShardedArray):
+            raise ImmutableError(
+                f"x.data = {type(value).__name__}: a ShardedArray's data can only be rebound to another "
+                f"ShardedArray; distribute the tensor first (sf.distribute(t, x.sharding))"
+            )
+        torch.Tensor.data.__set__(self, value)
+        self._local, self._layout = value._local, value._layout
+
+
+def check_partial_dtype(layout: Layout, dtype: torch.dtype) -> None:
+    """Pending reductions the dtype supports: max/min need an order (no complex), avg
+    follows ``torch.mean`` (floating or complex dtypes only, so no mesh-shape-dependent
+    integer rounding)."""
+    for axis, op in layout.partial:
+        if op in ("max", "min") and dtype.is_complex:
+            raise ShardingError(
+                f"{layout.spec_str()}: Partial({op!r}) over mesh axis {axis!r} on a {dtype} value: "
+                f"complex numbers have no order; use Partial('sum') or Partial('avg'), or a real dtype"
+            )
+        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            raise ShardingError(
+                f"{layout.spec_str()}: Partial('avg') over mesh axis {axis!r} on a {dtype} value: "
+                f"like torch.mean, an average needs a floating or complex dtype; convert the parts "
+                f"(e.g. .float()) or use Partial('sum') and divide"
+            )
 
 
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:

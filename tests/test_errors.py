@@ -1,0 +1,179 @@
+"""Bad input gets a clear, documented error naming the culprit (issue 11): never an
+AttributeError/IndexError/KeyError, a bare torch RuntimeError, or a crash."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn import ImmutableError, NamedSharding, P, Partial, Replicate, Shard, ShardedArray, ShardingError
+from shardfn import dispatch as _dispatch
+
+
+# -- placements, meshes, NamedSharding ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [1.5, "0", True, None])
+def test_shard_dim_must_be_an_int(dim):
+    with pytest.raises(ShardingError, match=r"Shard\(dim=.*must be an int"):
+        Shard(dim)
+
+
+@pytest.mark.parametrize("bad", ["m", 3, None.__class__, ("x",)])
+def test_mesh_argument_must_be_a_mesh(mesh22, bad):
+    t = torch.ones(4, 4)
+    with pytest.raises(ShardingError, match=r"mesh= is .* not a Mesh"):
+        sf.distribute(t, P("x"), mesh=bad)
+    with pytest.raises(ShardingError, match=r"not a Mesh"):
+        sf.zeros((4,), P("x"), mesh=bad)
+    with pytest.raises(ShardingError, match=r"not a Mesh"):
+        ShardedArray.from_local([t] * 4, P(), mesh=bad)
+    with pytest.raises(ShardingError, match=r"not a Mesh"):
+        sf.shard_map(lambda a: a, mesh=bad, in_specs=P(), out_specs=P())(t)
+    with pytest.raises(ShardingError, match=r"not a Mesh"):
+        sf.plan_redistribute(P("x"), P(), (4,), mesh=bad)
+
+
+def test_named_sharding_checks_mesh_and_spec(mesh22):
+    with pytest.raises(ShardingError, match=r"NamedSharding\(mesh=...\) is 'm' \(str\), not a Mesh"):
+        NamedSharding("m", P("x"))
+    with pytest.raises(ShardingError, match=r"NamedSharding\(spec=None\): spec must be a P"):
+        NamedSharding(mesh22, None)
+    assert NamedSharding(mesh22, ("x", None)).spec == P("x", None)
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "bogus", "cpu:0", 5])
+def test_mesh_device_type_must_exist_here(device_type):
+    if device_type == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ShardingError, match=r"device_type"):
+        sf.Mesh((2,), ("x",), device_type=device_type)
+    assert sf.Mesh((2,), ("x",), device_type="cpu").device_type == "cpu"
+
+
+# -- plan_redistribute shapes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [None, (-4,), "44", (4, 1.5), (True,)])
+def test_plan_redistribute_rejects_non_shapes(mesh22, shape):
+    src, dst = NamedSharding(mesh22, P("x")), NamedSharding(mesh22, P())
+    with pytest.raises(ShardingError, match=r"plan_redistribute: shape=.* is not a shape"):
+        sf.plan_redistribute(src, dst, shape)
+    assert sf.plan_redistribute(src, dst, torch.Size([4, 4])).shape == (4, 4)
+
+
+# -- pending reductions the dtype cannot do ----------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_partial_max_min_on_complex_rejected_where_built(mesh22, op):
+    c = torch.ones(4, dtype=torch.complex64)
+    with pytest.raises(ShardingError, match=rf"Partial\('{op}'\) over mesh axis 'x' on a torch.complex64"):
+        sf.distribute(c, P(partial={"x": op}), mesh=mesh22)
+    with pytest.raises(ShardingError, match="complex numbers have no order"):
+        ShardedArray.from_local([c] * 4, (Partial(op), Replicate()), mesh=mesh22)
+    x = sf.distribute(c, P(), mesh=mesh22)
+    with pytest.raises(ShardingError, match="complex numbers have no order"):
+        sf.reshard(x, P(partial={"y": op}))
+    with pytest.raises(ShardingError, match="complex numbers have no order"):
+        sf.full((4,), 1 + 1j, P(partial={"y": op}), mesh=mesh22)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8])
+def test_partial_avg_needs_a_floating_dtype(mesh22, mesh24, dtype):
+    """Like torch.mean: no mesh-shape-dependent integer rounding, one answer or an error."""
+    parts = [torch.tensor([1]).to(dtype), torch.tensor([2]).to(dtype)] * 2
+    with pytest.raises(ShardingError, match=r"Partial\('avg'\) over mesh axis 'x' .*floating"):
+        ShardedArray.from_local(parts, P(partial={"x": "avg", "y": "avg"}), mesh=mesh22)
+    with pytest.raises(ShardingError, match=r"Partial\('avg'\)"):
+        sf.distribute(torch.ones(4, dtype=dtype), P(partial={"y": "avg"}), mesh=mesh24)
+    with pytest.raises(ShardingError, match=r"Partial\('avg'\)"):
+        sf.zeros((4,), P(partial="x"), mesh=mesh22, dtype=dtype).redistribute(P(partial={"y": "avg"}))
+    floats = ShardedArray.from_local([p.double() for p in parts], P(partial={"x": "avg", "y": "avg"}), mesh=mesh22)
+    assert floats.full_tensor().item() == torch.stack(parts).double().mean().item()
+
+
+# -- methods that bypass __torch_dispatch__ ----------------------------------------------------
+
+_CRASHERS = ["x.share_memory_()", "x.apply_(lambda v: v)", "x.map_(x, lambda a, b: a)",
+             "x.map2_(x, x, lambda a, b, c: a)"]
+
+
+@pytest.mark.parametrize("code", _CRASHERS)
+def test_in_place_python_methods_raise_immutable_error(code):
+    """These used to kill the interpreter (SIGSEGV): run them in a child process."""
+    prog = (
+        "import torch, shardfn as sf\n"
+        "mesh = sf.Mesh((2, 2), ('x', 'y'), backend='local')\n"
+        "x = sf.distribute(torch.arange(8.0), sf.P('x'), mesh=mesh)\n"
+        "try:\n"
+        f"    {code}\n"
+        "except sf.ImmutableError as e:\n"
+        "    print('ImmutableError', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ImmutableError") and "immutable" in out.stdout
+
+
+@pytest.mark.parametrize("method", ["storage", "untyped_storage", "_typed_storage", "__dlpack__", "pin_memory"])
+def test_storage_access_is_a_clear_type_error(mesh22, method):
+    x = sf.distribute(torch.arange(8.0), P("x"), mesh=mesh22)
+    with pytest.raises(TypeError, match="ShardedArray"):
+        getattr(x, method)()
+
+
+def test_numpy_and_tolist_gather(mesh22):
+    t = torch.arange(8.0)
+    x = sf.distribute(t, P("x"), mesh=mesh22)
+    assert x.tolist() == t.tolist()
+    assert (x.numpy() == t.numpy()).all()
+
+
+def test_data_setter_rebinds_whole_arrays_only(mesh22):
+    x = sf.distribute(torch.arange(8.0), P("x"), mesh=mesh22)
+    with pytest.raises(ImmutableError, match=r"x.data = Tensor"):
+        x.data = torch.ones(3)
+    assert tuple(x.shape) == (8,) and torch.equal(x.full_tensor(), torch.arange(8.0))
+    x.data = sf.distribute(torch.ones(3), P("y"), mesh=mesh22)
+    assert tuple(x.shape) == (3,) and x.spec == P("y") and torch.equal(x.full_tensor(), torch.ones(3))
+
+
+def test_copy_copy_is_like_deepcopy(mesh22):
+    t = torch.arange(8.0)
+    x = sf.distribute(t, P("x"), mesh=mesh22)
+    for y in (copy.copy(x), copy.deepcopy(x)):
+        assert isinstance(y, ShardedArray) and y is not x and y.spec == x.spec
+        assert torch.equal(y.full_tensor(), t)
+
+
+# -- the dispatch cache ----------------------------------------------------------------------------
+
+
+def test_cache_key_tells_true_one_and_one_point_zero_apart(mesh22):
+    t = torch.tensor([True, False, True, True])
+    b = sf.distribute(t, P("x"), mesh=mesh22)
+    for scalar in (1, True, 1.0, True, 1):
+        y = b * scalar
+        want = t * scalar
+        assert y.dtype == want.dtype and all(s.dtype == want.dtype for s in y.local_shards())
+        assert torch.equal(y.full_tensor(), want)
+
+
+def test_dispatch_cache_stays_bounded(mesh22, monkeypatch):
+    monkeypatch.setattr(_dispatch, "_CACHE_MAX", 64)
+    x = sf.distribute(torch.arange(8), P("x"), mesh=mesh22)
+    for i in range(300):
+        y = x + i
+        assert len(_dispatch._cache) <= 64
+    assert torch.equal(y.full_tensor(), torch.arange(8) + 299)
+
+
+def test_default_cache_bound_holds_for_20000_scalars(mesh22):
+    x = sf.distribute(torch.arange(8), P("x"), mesh=mesh22)
+    for i in range(20_000):
+        x + i
+    assert len(_dispatch._cache) <= _dispatch._CACHE_MAX
