@@ -177,3 +177,48 @@ def test_default_cache_bound_holds_for_20000_scalars(mesh22):
     for i in range(20_000):
         x + i
     assert len(_dispatch._cache) <= _dispatch._CACHE_MAX
+
+
+# -- factories -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, dtype", [
+    (1.5, torch.int64), (300, torch.uint8), (-1, torch.uint8), (2, torch.bool), (1 + 1j, torch.float32),
+    (1e6, torch.float16), (float("nan"), torch.int32), (2**63, None),
+])
+def test_full_rejects_a_fill_value_the_dtype_cannot_hold(mesh22, value, dtype):
+    with pytest.raises(ShardingError, match=r"full: fill_value=.*(does not fit|cannot be held)"):
+        sf.full((4,), value, P("x"), mesh=mesh22, dtype=dtype)
+    with pytest.raises(ShardingError, match=r"full: fill_value="):
+        sf.full((4,), value, dtype=dtype)
+
+
+def test_full_rejects_non_numbers(mesh22):
+    with pytest.raises(ShardingError, match=r"fill_value='a' \(str\) is not a number"):
+        sf.full((4,), "a", P("x"), mesh=mesh22)
+
+
+@pytest.mark.parametrize("value, dtype", [(1.0, torch.int32), (True, torch.int64), (0.1, torch.complex64),
+                                          (3, torch.float16), (1, torch.bool)])
+def test_full_keeps_values_the_dtype_holds(mesh22, value, dtype):
+    x = sf.full((4,), value, P("x"), mesh=mesh22, dtype=dtype)
+    assert x.dtype == dtype and torch.equal(x.full_tensor(), torch.full((4,), value, dtype=dtype))
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: sf.full((2**40, 2**20), 1.0, P("x"), mesh=m),
+    lambda m: sf.zeros((2**62, 4), P("x"), mesh=m),
+    lambda m: sf.empty((2**40, 2**20), P("x"), mesh=m),
+    lambda m: sf.rand((2**40, 2**20), P("x"), mesh=m),
+    lambda m: sf.zeros((2**40, 2**20)),
+])
+def test_factories_name_a_size_that_cannot_be_allocated(mesh22, make):
+    with pytest.raises(ShardingError, match=r"cannot allocate an array of shape \((1099511627776|4611686018427387904)"):
+        make(mesh22)
+
+
+def test_factories_reject_negative_sizes(mesh22):
+    with pytest.raises(ShardingError, match=r"shape=\(-1,\) is not a shape"):
+        sf.zeros((-1,), P("x"), mesh=mesh22)
+    with pytest.raises(ShardingError, match=r"shape=\(4, -2\) is not a shape"):
+        sf.full((4, -2), 1.0, P("x"), mesh=mesh22)
