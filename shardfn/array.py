@@ -111,7 +111,7 @@ class ShardedArray(torch.Tensor):
                    shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> ShardedArray:
         """Build a ShardedArray from shards: a list, one per device (local backend), or
         this rank's tensor (dist). Shard shapes are checked against the layout."""
-        return _from_local(local, sharding, mesh, shape, stride)
+        return _from_local(local, sharding, mesh, shape, stride, check_replicas=True)
 
     # -- torch integration ---------------------------------------------------------------
     @classmethod
@@ -517,7 +517,7 @@ def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
 
 
 def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequence[int] | None,
-                stride: Sequence[int] | None) -> ShardedArray:
+                stride: Sequence[int] | None, *, check_replicas: bool = False) -> ShardedArray:
     if mesh is not None:
         check_mesh(mesh, "from_local(mesh=...)")
     if mesh is None and not isinstance(sharding, NamedSharding | Layout):
@@ -527,7 +527,51 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape)
+    if check_replicas and layout.mesh.backend == "local":
+        _check_replicas_agree(shards, layout)
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
+
+
+def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:
+    """Shards on devices that differ only along replicated mesh axes hold one value: a
+    ShardingError names the devices that disagree (the local backend sees every shard)."""
+    mesh = layout.mesh
+    split = set(layout.axis_dim) | set(layout.partial_ops)
+    replicated = [i for i, a in enumerate(mesh.axis_names) if a not in split and mesh.shape[i] > 1]
+    if not replicated:
+        return
+    bad = []
+    for dev, shard in enumerate(shards):
+        coords = list(mesh.coords(dev))
+        for i in replicated:
+            coords[i] = 0
+        first = _device_index(mesh, coords)
+        if first != dev and not _same_values(shards[first], shard):
+            bad.append((first, dev))
+    if bad:
+        axes = [mesh.axis_names[i] for i in replicated]
+        pairs = ", ".join(f"{a} vs {b}" for a, b in bad[:8])
+        raise ShardingError(
+            f"from_local: {layout.spec_str()} replicates over mesh axes {axes!r}, but the shards of "
+            f"devices {pairs} differ; replicas must hold equal values (shard the value, declare it "
+            f"Partial, or pass equal shards)"
+        )
+
+
+def _device_index(mesh: Mesh, coords: Sequence[int]) -> int:
+    dev = 0
+    for n, c in zip(mesh.shape, coords):
+        dev = dev * n + c
+    return dev
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN equal to NaN, as a copy would be)."""
+    if a.shape != b.shape or torch.equal(a, b):
+        return a.shape == b.shape
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return False
 
 
 def _sharding_mesh(sharding: Any) -> Mesh | None:

@@ -222,3 +222,33 @@ def test_factories_reject_negative_sizes(mesh22):
         sf.zeros((-1,), P("x"), mesh=mesh22)
     with pytest.raises(ShardingError, match=r"shape=\(4, -2\) is not a shape"):
         sf.full((4, -2), 1.0, P("x"), mesh=mesh22)
+
+
+# -- from_local with replicas that disagree ---------------------------------------------------------
+
+
+def test_from_local_replicated_parts_must_agree(mesh22):
+    parts = [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([2.0]), torch.tensor([2.0])]
+    with pytest.raises(ShardingError, match=r"from_local: P\(None\) replicates over mesh axes \['x', 'y'\].*devices 0 vs 1, 0 vs 2, 0 vs 3"):
+        ShardedArray.from_local(parts, P(), mesh=mesh22)
+
+
+def test_from_local_replicas_checked_per_group(mesh22):
+    """P('x') replicates over 'y': devices (0, 1) and (2, 3) form the groups."""
+    a, b = torch.tensor([1.0]), torch.tensor([3.0])
+    x = ShardedArray.from_local([a, a, b, b], P("x"), mesh=mesh22)
+    assert torch.equal(x.full_tensor(), torch.tensor([1.0, 3.0]))
+    with pytest.raises(ShardingError, match=r"axes \['y'\].*devices 2 vs 3"):
+        ShardedArray.from_local([a, a, b, a], P("x"), mesh=mesh22)
+
+
+def test_from_local_equal_nan_replicas_agree(mesh22):
+    n = torch.tensor([float("nan"), 1.0])
+    x = ShardedArray.from_local([n.clone() for _ in range(4)], P(), mesh=mesh22)
+    assert torch.equal(x.full_tensor().isnan(), n.isnan())
+
+
+def test_from_local_partial_parts_may_differ(mesh22):
+    parts = [torch.tensor([float(i)]) for i in range(4)]
+    x = ShardedArray.from_local(parts, P(partial=("x", "y")), mesh=mesh22)
+    assert x.full_tensor().item() == 6.0
