@@ -252,3 +252,47 @@ def test_from_local_partial_parts_may_differ(mesh22):
     parts = [torch.tensor([float(i)]) for i in range(4)]
     x = ShardedArray.from_local(parts, P(partial=("x", "y")), mesh=mesh22)
     assert x.full_tensor().item() == 6.0
+
+
+# -- register_sharding validates einsum rules ------------------------------------------------------
+
+_lib = torch.library.Library("shardfn_errors_test", "FRAGMENT")
+_lib.define("mm(Tensor a, Tensor b) -> Tensor")
+_lib.impl("mm", lambda a, b: a @ b, "CPU")
+_lib.impl("mm", lambda a, b: a.new_empty(a.shape[0], b.shape[1]), "Meta")
+_lib.define("pair(Tensor a) -> Tensor[]")
+_lib.impl("pair", lambda a: [a.clone(), a.clone()], "CPU")
+_lib.impl("pair", lambda a: [torch.empty_like(a), torch.empty_like(a)], "Meta")
+_mm = torch.ops.shardfn_errors_test.mm
+
+
+@pytest.mark.parametrize("eq, match", [
+    ("mk,kn", "exactly one '->'"), ("mk,kn->mn->x", "exactly one '->'"), ("m1,kn->mn", "not letters only"),
+    ("mm,kn->mn", "repeats a letter"), ("mk,kn->mz", r"output letter\(s\) \['z'\]"),
+    ("mk->mk", r"has 1 input\(s\) but .* takes 2"), ("mk,kn,nq->mq", r"has 3 input\(s\)"),
+])
+def test_register_sharding_checks_einsum_when_registered(eq, match):
+    with pytest.raises(ShardingError, match=match):
+        sf.register_sharding(_mm, eq)
+
+
+def test_register_sharding_einsum_needs_one_tensor_output():
+    with pytest.raises(ShardingError, match="returns"):
+        sf.register_sharding(torch.ops.shardfn_errors_test.pair, "ab->ab")
+
+
+def test_register_sharding_output_letters_checked_against_real_sizes(mesh22):
+    sf.register_sharding(_mm, "mk,kn->nm")
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    xa, xb = sf.distribute(a, P("x"), mesh=mesh22), sf.distribute(b, P(), mesh=mesh22)
+    with pytest.raises(ShardingError, match=r"output dim 0 is 'n' of size 4 .* output has shape \(8, 4\)"):
+        _mm(xa, xb)
+    sf.register_sharding(_mm, "mk,kn->mn")
+    torch.testing.assert_close(_mm(xa, xb).full_tensor(), a @ b)
+
+
+def test_register_sharding_letter_sizes_must_agree(mesh22):
+    sf.register_sharding(_mm, "mk,nk->mn")
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    with pytest.raises(ShardingError, match=r"letter 'k' size 6 \(input 0 dim 1\) and size 4"):
+        _mm(sf.distribute(a, P("x"), mesh=mesh22), sf.distribute(b, P(), mesh=mesh22))
