@@ -332,6 +332,10 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
+    if layout.mesh.backend == "dist":
+        from .backends import dist as _dist
+
+        _dist.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     return _Distribute.apply(tensor, layout)
 
 
