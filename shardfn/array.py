@@ -110,7 +110,10 @@ class ShardedArray(torch.Tensor):
     def from_local(cls, local: Any, sharding: Sharding, *, mesh: Mesh | None = None,
                    shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> ShardedArray:
         """Build a ShardedArray from shards: a list, one per device (local backend), or
-        this rank's tensor (dist). Shard shapes are checked against the layout."""
+        this rank's tensor (dist). Shard shapes are checked against the layout; on the
+        local backend shards replicated over an axis must be equal (a ShardingError names
+        the devices that differ); on dist every rank's global shape and dtype are checked
+        against the others' (values are trusted, as in JAX/DTensor)."""
         return _from_local(local, sharding, mesh, shape, stride, check_replicas=True)
 
     # -- torch integration ---------------------------------------------------------------

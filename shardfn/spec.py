@@ -140,7 +140,12 @@ class Replicate:
 
 @attrs.frozen
 class Partial:
-    """Devices along this mesh axis hold parts whose reduction by ``op`` is the value."""
+    """Devices along this mesh axis hold parts whose reduction by ``op`` is the value.
+
+    ``op`` is "sum", "avg", "max" or "min". "avg" needs a floating or complex dtype (as
+    ``torch.mean`` does: an integer average would round differently on different mesh
+    shapes); "max"/"min" need a real dtype. Both are checked where the layout meets the
+    value (distribute, from_local, reshard, factories) with a ShardingError."""
 
     op: str = attrs.field(default="sum")
 
