@@ -227,17 +227,12 @@ class ShardedArray(torch.Tensor):
             "use an out-of-place op and rebind the result"
         )
 
-    def untyped_storage(self) -> Any:
+    # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it
+    def storage(self) -> Any:
         raise TypeError(
             "a ShardedArray has no single storage (its shards live on the mesh's devices); "
             "use x.local_shards() or x.full_tensor()"
         )
-
-    def storage(self) -> Any:
-        return self.untyped_storage()
-
-    def _typed_storage(self) -> Any:
-        return self.untyped_storage()
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a ShardedArray cannot be exported with DLPack; export x.full_tensor() or its local_shards()")

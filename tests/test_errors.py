@@ -119,7 +119,7 @@ def test_in_place_python_methods_raise_immutable_error(code):
     assert out.stdout.startswith("ImmutableError") and "immutable" in out.stdout
 
 
-@pytest.mark.parametrize("method", ["storage", "untyped_storage", "_typed_storage", "__dlpack__", "pin_memory"])
+@pytest.mark.parametrize("method", ["storage", "__dlpack__", "pin_memory"])
 def test_storage_access_is_a_clear_type_error(mesh22, method):
     x = sf.distribute(torch.arange(8.0), P("x"), mesh=mesh22)
     with pytest.raises(TypeError, match="ShardedArray"):
