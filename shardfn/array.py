@@ -524,6 +524,10 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
         check_mesh(mesh, "from_local(mesh=...)")
     if mesh is None and not isinstance(sharding, NamedSharding | Layout):
         mesh = current_mesh()
+    if shape is not None:
+        from .plan import check_shape
+
+        shape = check_shape(shape, "from_local")
     shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
     ndim = shards[0].dim()
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
@@ -595,6 +599,11 @@ def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:
                 f"from_local on the local backend takes a list of {mesh.size} tensors (one per "
                 f"device of {mesh!r}), got a single tensor of shape {tuple(local.shape)}"
             )
+    if not isinstance(local, (list, tuple)):
+        raise ShardingError(
+            f"from_local on the local backend takes a list of {mesh.size} tensors (one per device "
+            f"of {mesh!r}), got {type(local).__name__}"
+        )
     local = list(local)
     if len(local) != mesh.size:
         raise ShardingError(

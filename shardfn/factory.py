@@ -171,6 +171,12 @@ def make_array_from_callback(shape: ShapeLike, sharding: Sharding,
     boxes = _local_boxes(layout, shape)
     probe = data_callback(tuple(slice(lo, hi) for lo, hi in boxes[0]))
     first = boxes[0]
+    if not isinstance(probe, torch.Tensor) or tuple(probe.shape) != _box_shape(first):
+        got = tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__
+        raise ShardingError(
+            f"make_array_from_callback: data_callback returned {got} for the shard at "
+            f"{[f'{lo}:{hi}' for lo, hi in first]}; it must return a tensor of shape {_box_shape(first)}"
+        )
 
     def make(box: Box) -> torch.Tensor:
         t = probe if box == first else data_callback(tuple(slice(lo, hi) for lo, hi in box))

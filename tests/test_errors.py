@@ -296,3 +296,33 @@ def test_register_sharding_letter_sizes_must_agree(mesh22):
     a, b = torch.randn(8, 6), torch.randn(6, 4)
     with pytest.raises(ShardingError, match=r"letter 'k' size 6 \(input 0 dim 1\) and size 4"):
         _mm(sf.distribute(a, P("x"), mesh=mesh22), sf.distribute(b, P(), mesh=mesh22))
+
+
+# -- more arguments of the wrong type ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["22", (-2,), (2.5,)])
+def test_from_local_shape_must_be_a_shape(mesh22, shape):
+    with pytest.raises(ShardingError, match=r"from_local: shape=.* is not a shape"):
+        ShardedArray.from_local([torch.ones(2)] * 4, P(), mesh=mesh22, shape=shape)
+
+
+def test_from_local_takes_a_list_of_tensors(mesh22):
+    with pytest.raises(ShardingError, match=r"takes a list of 4 tensors .* got int"):
+        ShardedArray.from_local(5, P(), mesh=mesh22)
+
+
+def test_make_array_from_callback_checks_the_first_shard(mesh22):
+    with pytest.raises(ShardingError, match=r"data_callback returned int .* must return a tensor of shape \(2,\)"):
+        sf.make_array_from_callback((4,), P("x"), lambda idx: 5, mesh=mesh22)
+
+
+def test_plan_redistribute_dtype_must_be_a_dtype(mesh22):
+    with pytest.raises(ShardingError, match=r"dtype='float32' is not a torch.dtype"):
+        sf.plan_redistribute(NamedSharding(mesh22, P("x")), NamedSharding(mesh22, P()), (4,), dtype="float32")
+
+
+def test_from_dtensor_takes_a_dtensor(mesh22):
+    x = sf.distribute(torch.ones(4), P("x"), mesh=mesh22)
+    with pytest.raises(ShardingError, match="from_dtensor takes a torch DTensor, got ShardedArray"):
+        sf.from_dtensor(x)
