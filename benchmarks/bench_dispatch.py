@@ -25,16 +25,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-import shardfn as sf
-from shardfn import P
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's shardfn
+
+import shardfn as sf  # noqa: E402
+from shardfn import P  # noqa: E402
 
 OPS: dict[str, Callable[..., torch.Tensor]] = {
     "add": lambda x, w, b: x + x,

@@ -23,13 +23,17 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-import shardfn as sf
-from shardfn import P
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's shardfn
+
+import shardfn as sf  # noqa: E402
+from shardfn import P  # noqa: E402
 
 FULL = {"dim": 256, "heads": 8, "hidden": 1024, "seq": 64, "batch": 16}
 QUICK = {"dim": 32, "heads": 4, "hidden": 64, "seq": 8, "batch": 8}

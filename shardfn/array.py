@@ -263,7 +263,7 @@ def gather(x: ShardedArray) -> torch.Tensor:
 
 def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
     """The backend value of ``x`` laid out as ``dst`` (no autograd)."""
-    if dst == x._layout:
+    if dst is x._layout or dst == x._layout:
         return x._local
     return execute(plan_layouts(x._layout, dst, _ft.hint_shape(x.shape), x.dtype), x._local, tuple(x.shape))
 
