@@ -1,8 +1,8 @@
 """Simulated training on the local backend vs the same step unsharded.
 
-A transformer block (dim 256, 8 heads, MLP 1024, seq 64, batch 16; pre-norm attention and
-MLP), one training step = forward + backward (``torch.autograd.grad``) + an SGD update,
-timed on plain tensors and on ShardedArrays of a simulated mesh in three configurations:
+A transformer block (dim 256, 8 heads, MLP 1024, seq 64, batch 16; pre-norm causal
+attention (``scaled_dot_product_attention``) and MLP); one training step = forward +
+backward (``torch.autograd.grad``) + an SGD update, timed on plain tensors and on ShardedArrays of a simulated mesh in three configurations:
 
 - ``dp (8,)``: data parallel on ``Mesh((8,), ('dp',))`` (batch split, params replicated);
 - ``dp x tp (2, 4)``: Megatron on ``Mesh((2, 4), ('dp', 'tp'))`` (batch over 'dp',
@@ -10,9 +10,10 @@ timed on plain tensors and on ShardedArrays of a simulated mesh in three configu
 - ``dp of (2, 4)``: data parallel over 'dp' of the (2, 4) mesh, replicated over 'tp'.
 
 Every configuration's losses (several steps) must equal the unsharded losses within 1e-5
-relative. Printed: unsharded ms, simulated ms, ratio (target <= 1.5).
+relative. Printed: unsharded ms, simulated ms, ratio (target <= 1.5), in wall time and in process
+CPU time (steadier on a shared machine).
 
-    python benchmarks/bench_sim.py [--steps 10] [--quick]
+    python benchmarks/bench_sim.py [--steps 10] [--threads N] [--quick]
 
 ``--quick`` (or ``SHARDFN_BENCH_QUICK=1``) uses a small model and two steps, for a smoke test.
 """
@@ -84,9 +85,7 @@ def _attention(h: torch.Tensor, p: dict[str, Any], heads: int) -> torch.Tensor:
         return z.reshape(b, t, heads, hd).transpose(1, 2)
 
     q, k, v = split(h @ p["wq"]), split(h @ p["wk"]), split(h @ p["wv"])
-    scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    out = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     return out.transpose(1, 2).reshape(b, t, d) @ p["wo"]
 
 
@@ -116,55 +115,65 @@ def _shard(cfg: dict[str, int], config: str) -> tuple[dict, Any]:
     return params, mesh
 
 
-def run(cfg: dict[str, int], config: str | None, steps: int) -> tuple[list[float], float]:
-    """Losses of ``steps`` steps and the median step time (seconds, steps after the first)."""
+def run(cfg: dict[str, int], config: str | None, steps: int) -> tuple[list[float], float, float]:
+    """Losses of ``steps`` steps and the median step wall and CPU times (seconds; the
+    first step, which fills the caches, is left out)."""
     if config is None:
         params, mesh = init_params(cfg), None
     else:
         params, mesh = _shard(cfg, config)
-    losses, times = [], []
-    for s in range(steps):
+    losses, walls, cpus = [], [], []
+    for s in range(steps + 1):
         x, y = make_batch(cfg, s)
         if mesh is not None:
             x, y = sf.distribute(x, P("dp"), mesh=mesh), sf.distribute(y, P("dp"), mesh=mesh)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         params, loss = train_step(params, x, y, cfg["heads"])
-        times.append(time.perf_counter() - t0)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
         losses.append(float(loss.full_tensor() if isinstance(loss, sf.ShardedArray) else loss))
-    return losses, statistics.median(times[1:] if len(times) > 1 else times)
+    return losses, statistics.median(walls[1:]), statistics.median(cpus[1:])
 
 
-def measure(cfg: dict[str, int], steps: int) -> list[tuple[str, float, float]]:
-    """(config, unsharded seconds, simulated seconds) per configuration, the unsharded
-    step timed again next to each simulated one; losses checked against unsharded."""
-    want, _ = run(cfg, None, steps)
+def measure(cfg: dict[str, int], steps: int) -> list[tuple[str, float, float, float, float]]:
+    """(config, unsharded wall, simulated wall, unsharded CPU, simulated CPU) seconds per
+    configuration, the unsharded step timed again next to each simulated one; losses
+    checked against unsharded."""
+    want, _, _ = run(cfg, None, steps)
     rows = []
     for config in CONFIGS:
-        got, t_sim = run(cfg, config, steps)
+        got, wall, cpu = run(cfg, config, steps)
         for s, (a, b) in enumerate(zip(got, want)):
             if abs(a - b) > 1e-5 * abs(b):
                 raise AssertionError(f"{config}: step {s} loss {a} differs from unsharded {b}")
-        rows.append((config, run(cfg, None, steps)[1], t_sim))
+        _, wall0, cpu0 = run(cfg, None, steps)
+        rows.append((config, wall0, wall, cpu0, cpu))
     return rows
 
 
-def report(cfg: dict[str, int], rows: list[tuple[str, float, float]]) -> str:
+def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]]) -> str:
     lines = [
         f"training step of a transformer block (dim {cfg['dim']}, seq {cfg['seq']}, batch {cfg['batch']}; "
         f"fwd + bwd + SGD), torch {torch.__version__}, {torch.get_num_threads()} threads",
-        f"{'configuration':18s}{'unsharded ms':>14s}{'simulated ms':>14s}{'ratio':>8s}",
+        f"{'configuration':16s}{'unsharded ms':>14s}{'simulated ms':>14s}{'ratio':>8s}"
+        f"{'CPU ms unsh.':>14s}{'CPU ms sim.':>13s}{'ratio':>8s}",
     ]
-    for config, plain, sim in rows:
-        lines.append(f"{config:18s}{plain * 1e3:14.1f}{sim * 1e3:14.1f}{sim / plain:7.2f}x")
-    lines.append("losses equal unsharded within 1e-5 relative in every configuration (target ratio <= 1.5)")
+    for config, w0, w, c0, c in rows:
+        lines.append(f"{config:16s}{w0 * 1e3:14.1f}{w * 1e3:14.1f}{w / w0:7.2f}x"
+                     f"{c0 * 1e3:14.1f}{c * 1e3:13.1f}{c / c0:7.2f}x")
+    lines.append("losses equal unsharded within 1e-5 relative in every configuration (target ratio <= 1.5; "
+                 "CPU time = process time, steadier on a busy machine)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true", help="small model, two steps (a smoke run)")
     ns = parser.parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
     cfg = QUICK if quick else FULL
     print(report(cfg, measure(cfg, 2 if quick else ns.steps)))
