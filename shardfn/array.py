@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -113,9 +113,7 @@ class ShardedArray(torch.Tensor):
     # -- torch integration ---------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatcher()(func, args, kwargs or {})
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         if isinstance(self._local, tuple):
@@ -203,6 +201,15 @@ def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> N
 @functools.lru_cache(maxsize=4096)
 def _named(layout: Layout) -> NamedSharding:
     return NamedSharding(layout.mesh, layout_to_spec(layout))
+
+
+@functools.cache
+def _dispatcher() -> Callable:
+    """``dispatch.dispatch`` (imported on first use: dispatch imports this module); cached,
+    since an import statement costs microseconds on every op."""
+    from .dispatch import dispatch
+
+    return dispatch
 
 
 def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:

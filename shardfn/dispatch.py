@@ -24,6 +24,7 @@ from . import _functorch as _ft
 from . import rules as _rules
 from .array import ShardedArray, _contiguous_strides, raw_full, raw_reshard, wrap
 from .backends import backend_for
+from .backends import local as _local_backend
 from .errors import FallbackWarning, ImmutableError, ShardingError
 from .layout import Layout, describe, is_even
 from .plan import plan_layouts
@@ -317,8 +318,11 @@ class _Entry:
         self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_strides = [None if s is None else _contiguous_strides(s) for s in self.out_shapes]
-        # the key holds the input layouts, so which inputs need resharding is fixed
-        self.moves = [v._layout != want for (_, v), want in zip(self.call.arrays, self.cand.in_layouts)]
+        # the key holds the input layouts and shapes, so which inputs need resharding is fixed
+        self.moves = [
+            v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
+            for (_, v), want in zip(self.call.arrays, self.cand.in_layouts)
+        ]
         paths = tuple(p for p, _ in self.call.arrays)
         self.positional = paths if all(isinstance(p, int) for p in paths) else None
         c = self.cand
@@ -365,8 +369,7 @@ class _Entry:
         """One local call on the stacked values; mesh dims of size 1 (the same on every
         device) broadcast, unless this op was seen not to broadcast over leading dims, in
         which case they are expanded first."""
-        from .backends import local
-
+        local = _local_backend
         mesh = self.call.mesh
         adapt = stacked_args or self.cand.stacked_args
         fn = self.cand.stacked_fn or self.func

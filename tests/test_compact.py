@@ -69,3 +69,18 @@ def test_an_op_that_does_not_broadcast_over_the_mesh_dims_is_still_right(mesh24)
     i = sf.distribute(idx, P("x"), mesh=mesh24)
     torch.testing.assert_close(torch.gather(x, 1, i).full_tensor(), torch.gather(t, 1, idx))
     torch.testing.assert_close(torch.cat([x, x * 2], 1).full_tensor(), torch.cat([t, t * 2], 1))
+
+
+def test_attention_runs_once_for_the_mesh_and_matches_torch(mesh24) -> None:
+    """CPU flash attention folds the mesh dims into the batch (values and gradients)."""
+    q, k, v = (torch.randn(4, 8, 6, 4, requires_grad=True) for _ in range(3))
+    specs = [P("x", "y"), P("x"), P()]
+    for spec in specs:
+        sq, sk, sv = (sf.distribute(t.detach(), spec, mesh=mesh24).requires_grad_(True) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(sq, sk, sv, is_causal=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(out.full_tensor(), want)
+        grads = torch.autograd.grad(out.full_tensor().square().sum(), (sq, sk, sv))
+        wants = torch.autograd.grad(want.square().sum(), (q, k, v))
+        for g, w in zip(grads, wants):
+            torch.testing.assert_close(g.full_tensor(), w)
