@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -119,9 +119,7 @@ class ShardedArray(torch.Tensor):
     # -- torch integration ---------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatcher()(func, args, kwargs or {})
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         if isinstance(self._local, tuple):
@@ -302,6 +300,15 @@ def _named(layout: Layout) -> NamedSharding:
     return NamedSharding(layout.mesh, layout_to_spec(layout))
 
 
+@functools.cache
+def _dispatcher() -> Callable:
+    """``dispatch.dispatch`` (imported on first use: dispatch imports this module); cached,
+    since an import statement costs microseconds on every op."""
+    from .dispatch import dispatch
+
+    return dispatch
+
+
 def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:
     return ShardedArray(local, layout, tuple(shape), dtype, requires_grad=requires_grad)
 
@@ -366,7 +373,7 @@ def gather(x: ShardedArray) -> torch.Tensor:
 
 def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
     """The backend value of ``x`` laid out as ``dst`` (no autograd)."""
-    if dst == x._layout:
+    if dst is x._layout or dst == x._layout:
         return x._local
     return execute(plan_layouts(x._layout, dst, _ft.hint_shape(x.shape), x.dtype), x._local, tuple(x.shape))
 

@@ -120,7 +120,7 @@ def _from_boxes(layout: Layout, shape: tuple[int, ...], make: MakeShard, dtype: 
 
 
 def _stacked(layout: Layout, shape: tuple[int, ...], make: MakeShard) -> torch.Tensor:
-    """An even local value: one shard per distinct box, expanded over replicating axes."""
+    """An even local value: one shard per distinct box, size 1 on the axes it does not vary over."""
     mesh = layout.mesh
     used = set(layout.axis_dim)
     sub = tuple(n if a in used else 1 for a, n in zip(mesh.axis_names, mesh.shape))
@@ -129,8 +129,7 @@ def _stacked(layout: Layout, shape: tuple[int, ...], make: MakeShard) -> torch.T
     for coords in itertools.product(*(range(n) for n in sub)):
         dev = _device_at(mesh.shape, coords)
         shards.append(make(dev, device_box(layout, shape, dev)))
-    stacked = shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
-    return stacked.expand(*mesh.shape, *local)
+    return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
 
 
 def _device_at(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
