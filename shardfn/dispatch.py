@@ -33,6 +33,7 @@ from .rules.base import Candidate, OpCall
 aten = torch.ops.aten
 
 _cache: dict[tuple, "_Entry"] = {}
+_CACHE_MAX = 4096  # entries; the oldest is dropped first (keys hold int arguments' values)
 _warned: set[str] = set()
 
 
@@ -54,8 +55,17 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             return _dispatch_symbolic(func, args, kwargs, leaves)
         raise
     if entry is None:
-        entry = _cache[key] = _compile(func, args, kwargs, leaves)
+        entry = _remember(key, _compile(func, args, kwargs, leaves))
     return entry.run(args, kwargs, leaves)
+
+
+def _remember(key: tuple, entry: Any) -> Any:
+    """Cache ``entry``, dropping the oldest entries beyond ``_CACHE_MAX`` (a miss only:
+    hits cost nothing extra)."""
+    while len(_cache) >= _CACHE_MAX:
+        del _cache[next(iter(_cache))]
+    _cache[key] = entry
+    return entry
 
 
 # -- symbolic (dynamic) shapes under torch.compile ----------------------------------------------
@@ -86,7 +96,7 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
     key = _key(func, hleaves)
     entry = _cache.get(key)
     if entry is None:
-        entry = _cache[key] = _compile(func, hargs, hkwargs, hleaves)
+        entry = _remember(key, _compile(func, hargs, hkwargs, hleaves))
     if not isinstance(entry, _Entry) or not entry.stacked:
         # uneven shards or the replicate fallback: sizes cannot stay symbolic, so
         # specialise them (a guard; a dim marked dynamic is then reported by Dynamo)
@@ -205,6 +215,8 @@ def _key(func: Any, leaves: list) -> tuple:
             parts.append((path, "f"))
         elif isinstance(v, complex):
             parts.append((path, "c"))
+        elif v is True or v is False:  # True == 1 as a dict key, but promotes differently
+            parts.append((path, "b", v))
         else:
             parts.append((path, v))
     return tuple(parts)
