@@ -9,7 +9,10 @@ from .array import device_put as device_put
 from .array import distribute as distribute
 from .array import gather as gather
 from .array import reshard as reshard
+from ._explicit import explicit as explicit
 from .errors import FallbackWarning as FallbackWarning
+from .errors import ImplicitReshardError as ImplicitReshardError
+from .errors import ImplicitReshardWarning as ImplicitReshardWarning
 from .errors import ImmutableError as ImmutableError
 from .errors import ShardingError as ShardingError
 from .factory import empty as empty

@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from . import _functorch as _ft
+from . import _explicit
 from . import rules as _rules
 from .array import ShardedArray, raw_full, raw_reshard, wrap
 from .backends import backend_for
@@ -54,6 +55,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         raise
     if entry is None:
         entry = _cache[key] = _compile(func, args, kwargs, leaves)
+    if _explicit._stack:
+        _explicit.check(func, entry, leaves)
     return entry.run(args, kwargs, leaves)
 
 
