@@ -26,6 +26,8 @@ from .interop import from_dtensor as from_dtensor
 from .mesh import Mesh as Mesh
 from .mesh import current_mesh as current_mesh
 from .plan import Plan as Plan
+from .products import einsum as einsum
+from .products import matmul as matmul
 from .plan import Step as Step
 from .plan import plan_redistribute as plan_redistribute
 from .rules.custom import register_sharding as register_sharding

@@ -15,6 +15,8 @@ import contextlib
 import warnings
 from typing import Any
 
+import torch
+
 from .errors import ImplicitReshardError, ImplicitReshardWarning, ShardingError
 from .layout import Layout, describe
 from .plan import COMM_KINDS, plan_layouts
@@ -62,7 +64,7 @@ def check(func: Any, entry: Any, leaves: list) -> None:
     """Raise or warn when running ``entry`` (a compiled dispatch strategy) on ``leaves``
     would move data between devices. Called by dispatch only while a mode is active."""
     mode = current_mode()
-    if mode == "off":
+    if mode == "off" or _in_backward():
         return
     from .array import ShardedArray
 
@@ -81,6 +83,12 @@ def check(func: Any, entry: Any, leaves: list) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(_message(name, entry, moves), ImplicitReshardWarning, stacklevel=5)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward: gradient layouts follow from
+    the forward (constrain them with with_sharding_constraint), there is no code to edit."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _data_moves(entry: Any, arrays: list) -> list[tuple[int, Any, Any, Layout, tuple[str, ...]]]:
