@@ -77,7 +77,7 @@ def test_out_sharding_none_is_propagation(mesh):
 
 def test_bad_out_sharding_names_it(mesh):
     hs = sf.distribute(torch.randn(8, 6), P("dp", "tp"), mesh=mesh)
-    with pytest.raises(sf.ShardingError, match=r"sf\.matmul: .*'pp'"):
+    with pytest.raises(sf.ShardingError, match=r"sf\.matmul out_sharding: .*'pp'"):
         sf.matmul(hs, hs.T, out_sharding=P("pp"))
     with pytest.raises(sf.ShardingError, match=r"sf\.einsum\('ij,kj->ik'\).*out_sharding"):
         sf.einsum("ij,kj->ik", hs, hs, out_sharding=P(None, None, None))
