@@ -94,6 +94,30 @@ def _in_shard_map() -> bool:
     return bool(_bodies())
 
 
+def _manual_stack() -> list[frozenset[str]]:
+    stack = getattr(_tls, "manual", None)
+    if stack is None:
+        stack = _tls.manual = []
+    return stack
+
+
+@contextlib.contextmanager
+def _manual_axes(axes: frozenset[str]) -> Iterator[None]:
+    """Limit collectives in this thread to ``axes`` (shard_map ``axis_names``)."""
+    stack = _manual_stack()
+    stack.append(frozenset(axes))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _manual_set(mesh: Mesh) -> frozenset[str]:
+    """The axes collectives may name here (all of the mesh unless limited)."""
+    stack = _manual_stack()
+    return stack[-1] if stack else frozenset(mesh.axis_names)
+
+
 def _context(fn: str, axis_name: Any) -> tuple[Collectives, tuple[str, ...]]:
     stack = _bodies()
     if not stack:
@@ -121,6 +145,13 @@ def _axes(fn: str, axis_name: Any, mesh: Mesh) -> tuple[str, ...]:
             )
     if len(set(axes)) != len(axes):
         raise ShardingError(f"sf.lax.{fn}: axis_name {tuple(axes)!r} repeats an axis")
+    manual = _manual_set(mesh)
+    for a in axes:
+        if a not in manual:
+            raise ShardingError(
+                f"sf.lax.{fn}: axis {a!r} is not manual in this shard_map (axis_names={sorted(manual)!r}); "
+                f"collectives may name only manual axes; the body sees whole values over {a!r}"
+            )
     return tuple(axes)
 
 

@@ -100,15 +100,17 @@ def _local_shape(shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
 
 
 @overload
-def shard_map(f: F, *, mesh: Mesh | None = None, in_specs: Any, out_specs: Any, check_vma: bool = True) -> F: ...
+def shard_map(f: F, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any, check_vma: bool = True,
+              axis_names: Any = None) -> F: ...
 
 
 @overload
-def shard_map(f: None = None, *, mesh: Mesh | None = None, in_specs: Any, out_specs: Any,
-              check_vma: bool = True) -> Callable[[F], F]: ...
+def shard_map(f: None = None, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any,
+              check_vma: bool = True, axis_names: Any = None) -> Callable[[F], F]: ...
 
 
-def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any, out_specs: Any, check_vma: bool = True) -> Any:
+def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any,
+              check_vma: bool = True, axis_names: Any = None) -> Any:
     """Map ``f`` over the shards of its arguments (JAX's ``shard_map``).
 
     Args:
@@ -118,11 +120,18 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any, out_spe
         in_specs: a P per positional argument, or a tree prefix of the arguments; a single
             P applies to all of them. ShardedArrays are resharded to their spec, plain
             tensors distributed. Non-tensor leaves are passed through unchanged.
+            ``None``: each ShardedArray argument keeps its own spec (a plain tensor is
+            then an error).
         out_specs: a tree prefix of the outputs; each output becomes a ShardedArray whose
             shards are the devices' local outputs. ``P(..., partial=axis)`` declares the
             local outputs pending sums over ``axis``.
         check_vma: raise a ShardingError when an output varies over a mesh axis its
-            out_spec leaves out (psum / all_gather results count as replicated).
+            out_spec leaves out (psum / all_gather results count as replicated), or
+            when ``partial=`` names an axis the output does not vary over.
+        axis_names: the mesh axes the body is manual over (default: all). Collectives
+            may name only these; over the other axes the body sees whole values (the
+            arguments are gathered over them on entry and the results laid out as their
+            out_specs say on exit, without communication).
 
     Returns:
         The mapped function. Results and gradients equal those of the unsharded
@@ -135,10 +144,15 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any, out_spe
             return sf.lax.psum(((x @ w) ** 2).sum(), 'x')
     """
     if f is None:
-        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
+                                 axis_names=axis_names)
 
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
+        if axis_names is not None or _manual_context():
+            from ._manual import shard_map_manual
+
+            return shard_map_manual(f, mesh, in_specs, out_specs, check_vma, axis_names, args, kwargs)
         return _shard_map(f, mesh, in_specs, out_specs, check_vma, args, kwargs)
 
     return _dynamo.in_graph(mapped)
@@ -148,7 +162,7 @@ class _Inputs:
     """The flattened arguments of one shard_map call and their layouts."""
 
     def __init__(self, in_specs: Any, args: tuple, mesh: Mesh | None) -> None:
-        specs = _arg_specs(in_specs, args, "shard_map in_specs")
+        specs = _own_specs(args) if in_specs is None else _arg_specs(in_specs, args, "shard_map in_specs")
         self.paths, self.leaves, specs, self.treespec = _match(specs, args, "shard_map in_specs", "args")
         self.mesh = _mesh_for(mesh, self.leaves, "shard_map")
         self.layouts: list[Layout | None] = []
@@ -171,6 +185,26 @@ class _Inputs:
 
     def rebuild(self, leaves: list) -> tuple:
         return optree.tree_unflatten(self.treespec, leaves)
+
+
+def _own_specs(args: tuple) -> tuple:
+    """in_specs=None: each ShardedArray argument's own spec (plain tensors are an error)."""
+    paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
+    specs = []
+    for path, v in zip(paths, leaves):
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+            raise ShardingError(
+                f"shard_map with in_specs=None takes each argument's own spec, but {_path_str('args', path)} "
+                f"is a plain tensor with no spec; pass in_specs=, or sf.distribute it first"
+            )
+        specs.append(v._layout if isinstance(v, ShardedArray) else None)
+    return tuple(optree.tree_unflatten(treespec, specs))
+
+
+def _manual_context() -> bool:
+    from .lax import _in_shard_map
+
+    return _in_shard_map()
 
 
 def _shard_map(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: Any, check_vma: bool,
@@ -200,6 +234,13 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
                 f"leaves {a!r} out, so the devices along {a!r} would disagree on its value; "
                 f"reduce it with sf.lax.psum(y, {a!r}) (or pmean / pmax / all_gather), or add "
                 f"{a!r} to the out_spec (e.g. {hint}); check_vma=False takes device {a}=0's value"
+            )
+        if a in layout.partial_ops and a not in varying:
+            raise ShardingError(
+                f"shard_map {path} has out_spec {spec!r} with partial over mesh axis {a!r}, but it does "
+                f"not vary over {a!r}: summing its identical copies would multiply it by "
+                f"{mesh.axis_size(a)}; drop {a!r} from partial= (or psum over {a!r} in the body "
+                f"only where the value really differs)"
             )
 
 
