@@ -31,6 +31,7 @@ from .products import matmul as matmul
 from .plan import Step as Step
 from .plan import plan_redistribute as plan_redistribute
 from .rules.custom import register_sharding as register_sharding
+from .smap import smap as smap
 from .spec import NamedSharding as NamedSharding
 from .spec import P as P
 from .spec import Partial as Partial

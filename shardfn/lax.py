@@ -33,11 +33,13 @@ AxisName = str | tuple[str, ...]
 
 __all__ = [
     "all_gather",
+    "all_gather_invariant",
     "all_to_all",
     "axis_index",
     "axis_size",
     "pmax",
     "pmean",
+    "pcast",
     "pmin",
     "ppermute",
     "psum",
@@ -262,6 +264,37 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
     return body.all_gather(x, axes, axis)
 
 
+def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0,
+                         tiled: bool = False) -> torch.Tensor:
+    """An all_gather whose result is replicated (invariant) over ``axis_name``; its
+    transpose takes this device's slice of the cotangent (JAX's ``all_gather_invariant``).
+
+    shardfn's ``all_gather`` already types its result as replicated (check_vma), so the
+    two agree on values and on the gradients of the whole computation.
+    Example, 2 devices holding ``[0]`` and ``[1]``: the result is ``[0, 1]`` (tiled) on both.
+    """
+    _context("all_gather_invariant", axis_name)
+    return all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+def pcast(x: Any, axis_name: AxisName, *, to: str = "varying") -> Any:
+    """Mark ``x`` (replicated over ``axis_name``) as varying over it: no data moves, the
+    value is unchanged, and the transpose is a ``psum`` over the axis (JAX's ``pcast``).
+    Used to give check_vma the varying type it expects, e.g. for a loop carry that
+    becomes varying after a ppermute. ``x`` may be a pytree."""
+    if to != "varying":
+        raise ShardingError(f"sf.lax.pcast: to={to!r} is not supported; use to='varying'")
+    body, axes = _context("pcast", axis_name)
+    one = body.axis_index(axes) * 0 + 1
+
+    def cast(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            raise ShardingError(f"sf.lax.pcast takes tensors, got {type(t).__name__}")
+        return t * one.to(t.dtype)
+
+    return optree.tree_map(cast, x)
+
+
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0,
                  tiled: bool = False) -> torch.Tensor:
     """Sum ``x`` over ``axis_name`` and give device ``i`` of the group the ``i``-th piece.
@@ -321,7 +354,28 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     return body.ppermute(x, axes, pairs)
 
 
+_perms: dict[int, tuple[Any, tuple]] = {}
+
+
+def _materialised(perm: Any) -> Any:
+    """A one-shot iterator (``zip(...)``) as ``perm``, read once and remembered: the body
+    runs once per device and per call, and a second read would find it empty."""
+    if not isinstance(perm, Iterator):
+        return perm
+    with _perm_lock:
+        hit = _perms.get(id(perm))
+        if hit is None or hit[0] is not perm:
+            if len(_perms) > 256:
+                _perms.clear()
+            hit = _perms[id(perm)] = (perm, tuple(perm))
+    return hit[1]
+
+
+_perm_lock = threading.Lock()
+
+
 def _check_perm(perm: Any, g: int, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    perm = _materialised(perm)
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
     except (TypeError, ValueError):
