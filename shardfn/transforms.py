@@ -170,7 +170,10 @@ class _Inputs:
             self.layouts.append(self._layout(path, v, s))
 
     def _layout(self, path: str, v: Any, spec: Any) -> Layout | None:
-        if not isinstance(v, torch.Tensor) or spec is None:
+        if not isinstance(v, torch.Tensor):
+            check_scalar_spec(path, v, spec, "in_specs")
+            return None
+        if spec is None:
             return None
         layout = _layout(spec, v.dim(), self.mesh, f"shard_map in_specs for {path}")
         if layout.partial:
@@ -244,6 +247,32 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
             )
 
 
+def check_scalar_spec(path: str, v: Any, spec: Any, what: str) -> None:
+    """A non-tensor leaf (a Python number) is the same on every device: only a spec that
+    shards nothing and sums nothing can hold for it."""
+    if spec is None or _is_trivial(spec):
+        return
+    raise ShardingError(
+        f"shard_map {what} for {path} is {spec!r}, but {path} is a {type(v).__name__}, not a tensor: "
+        f"it has no dims to split and is the same on every device, so that spec cannot hold; use P() "
+        f"(or None), or make it a tensor"
+    )
+
+
+def _is_trivial(spec: Any) -> bool:
+    if isinstance(spec, NamedSharding):
+        spec = spec.spec
+    if isinstance(spec, Layout):
+        return spec.is_replicated()
+    if _is_placements(spec):
+        from .spec import Replicate
+
+        return all(isinstance(p, Replicate) for p in spec)
+    if isinstance(spec, P):
+        return not spec.partial and all(e is None for e in spec)
+    return False
+
+
 def _out_layout(path: str, spec: Any, ndim: int, mesh: Mesh) -> Layout:
     if spec is None:
         raise ShardingError(f"shard_map out_specs for {path} is None; tensor outputs need a P(...)")
@@ -296,6 +325,7 @@ def _run_stacked(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, 
 
 def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool) -> Any:
     if not isinstance(c, torch.Tensor):
+        check_scalar_spec(path, c, spec, "out_specs")
         return c
     m = mesh.ndim
     layout = _out_layout(path, spec, c.dim() - m, mesh)
@@ -382,6 +412,7 @@ def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool
                    vma_of: Callable[[Any], frozenset[str]] | None, exchange: bool = False) -> Any:
     """One ShardedArray from the local outputs of the devices this process holds."""
     if not isinstance(outs[0], torch.Tensor):
+        check_scalar_spec(path, outs[0], spec, "out_specs")
         return outs[0]
     layout = _out_layout(path, spec, outs[0].dim(), mesh)
     if check_vma and vma_of is not None:

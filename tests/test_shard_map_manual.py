@@ -132,3 +132,18 @@ def test_nested_over_outer_manual_axis_is_named(mesh):
     f = sf.shard_map(outer, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"})
     with pytest.raises(sf.ShardingError, match=r"axis_names names 'dp', which the enclosing shard_map is already manual"):
         f(xs)
+
+
+@pytest.mark.parametrize("m", [8, 7])
+def test_specs_on_python_scalars_must_hold(mesh, m):
+    xs = sf.distribute(torch.randn(m, 4), P("dp"), mesh=mesh)
+    ok = sf.shard_map(lambda a, k: (a * k, 2.5), mesh=mesh, in_specs=(P("dp"), P()), out_specs=(P("dp"), P()))
+    y, c = ok(xs, 3.0)
+    assert c == 2.5
+    torch.testing.assert_close(y.full_tensor(), xs.full_tensor() * 3)
+    bad_in = sf.shard_map(lambda a, k: a * k, mesh=mesh, in_specs=(P("dp"), P("tp")), out_specs=P("dp"))
+    with pytest.raises(sf.ShardingError, match=r"in_specs for args\[1\] is P\('tp'\), but args\[1\] is a float"):
+        bad_in(xs, 3.0)
+    bad_out = sf.shard_map(lambda a: (a, 1), mesh=mesh, in_specs=P("dp"), out_specs=(P("dp"), P(partial="tp")))
+    with pytest.raises(sf.ShardingError, match=r"out_specs for output\[1\] is P\(partial='tp'\), but output\[1\] is a int"):
+        bad_out(xs)
