@@ -132,3 +132,14 @@ def test_gradients_under_explicit(mesh):
 def test_bad_mode():
     with pytest.raises(sf.ShardingError, match="mode='loud'"):
         sf.explicit(mode="loud")
+
+
+def test_explicit_mlp_example(capsys):
+    from conftest import load_example
+
+    results = load_example("explicit_mlp").main()
+    out = capsys.readouterr().out
+    assert "same loss and gradients: True" in out
+    assert results["propagation"][2]["forward"] == {"all_reduce": 1}
+    assert results["explicit"][2]["forward"] == {"reduce_scatter": 1}
+    assert "aten.sub would redistribute" in out and "sf.reshard(input_0, P('dp', None))" in out
