@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
-
-import functools
 
 import optree
 import torch
