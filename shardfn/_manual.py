@@ -1,9 +1,11 @@
 """shard_map manual over some mesh axes only (``axis_names=``), and shard_map nested in
 a shard_map body over axes the outer one left automatic.
 
-Over the automatic axes the body sees whole values: arguments are gathered over those
-axes on entry and results laid out as their out_specs say on exit (a slice, no
-communication), so values and gradients are those of the unsharded computation. Inside,
+Over the automatic axes, the arguments are gathered on entry and the body sees them as
+ShardedArrays over a submesh of those axes (simulated in this process), laid out as
+their in_specs say there, with ordinary propagation; its ShardedArray results are
+gathered back and laid out as their out_specs say on exit (a slice, no communication).
+Values and gradients are those of the unsharded computation. Inside,
 ``sf.lax`` collectives may name only the manual axes (``lax._manual_axes``). A nested
 shard_map splits its arguments over its own axes by ``axis_index`` and gathers its
 results back with ``all_gather`` / ``psum``, which are differentiable collectives.
@@ -12,6 +14,7 @@ results back with ``all_gather`` / ``psum``, which are differentiable collective
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +22,7 @@ import optree
 import torch
 
 from . import lax
-from .array import ShardedArray, reshard
+from .array import ShardedArray, distribute, gather, reshard
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
@@ -40,6 +43,8 @@ def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: A
     body = _restricted(f, manual)
     if not auto:
         return _shard_map(body, m, in_specs, out_specs, check_vma, args, kwargs)
+    sub = Mesh(tuple(m.axis_size(a) for a in auto), auto, backend="local", device_type=m.device_type)
+    body = _on_submesh(body, sub, [None if l is None else _keep(l, sub) for l in inputs.layouts])
     whole_in = inputs.rebuild([None if l is None else _drop(l, auto) for l in inputs.layouts])
     whole_out = optree.tree_map(lambda s: _strip(s, auto, m), out_specs, is_leaf=_is_spec_leaf, none_is_leaf=True)
     out = _shard_map(body, m, tuple(whole_in), whole_out, check_vma, inputs.rebuild(inputs.leaves), kwargs)
@@ -84,6 +89,62 @@ def _restricted(f: Callable, manual: frozenset) -> Callable:
             return f(*args, **kwargs)
 
     return body
+
+
+def _on_submesh(f: Callable, sub: Mesh, layouts: list) -> Callable:
+    """``f`` seeing its tensor arguments as ShardedArrays over ``sub`` (the automatic
+    axes), laid out as their in_specs say there; its ShardedArray results are gathered
+    back to whole values. The submesh is simulated in this process (local backend)."""
+
+    @functools.wraps(f)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        leaves, treespec = optree.tree_flatten(args, none_is_leaf=True)
+        leaves = [
+            distribute(v, l) if l is not None and isinstance(v, torch.Tensor) else v for v, l in zip(leaves, layouts)
+        ]
+        _subs().append(sub)
+        try:
+            with sub:
+                out = f(*optree.tree_unflatten(treespec, leaves), **kwargs)
+        finally:
+            _subs().pop()
+        return optree.tree_map(_whole_value, out, none_is_leaf=True)
+
+    return body
+
+
+_tls = threading.local()
+
+
+def _subs() -> list[Mesh]:
+    """The submeshes of the partial-manual bodies running in this thread."""
+    stack = getattr(_tls, "subs", None)
+    if stack is None:
+        stack = _tls.subs = []
+    return stack
+
+
+def _as_body_value(v: Any) -> Any:
+    """A whole tensor made inside a partial-manual body, as a ShardedArray replicated over
+    its submesh (so gradients never mix plain tensors and ShardedArrays)."""
+    subs = _subs()
+    if not subs or not isinstance(v, torch.Tensor):
+        return v
+    return distribute(v, Layout(subs[-1], ((),) * v.dim(), ()))
+
+
+def _whole_value(v: Any) -> Any:
+    from . import _functorch as _ft
+
+    if isinstance(v, torch.Tensor) and (isinstance(v, ShardedArray) or _ft.base_array(v) is not None):
+        return gather(v)
+    return v
+
+
+def _keep(layout: Layout, sub: Mesh) -> Layout:
+    """The part of ``layout`` over the axes of ``sub``, said on ``sub``."""
+    dims = tuple(tuple(a for a in d if a in sub.axis_names) for d in layout.dims)
+    return Layout(sub, dims, ())
 
 
 def _drop(layout: Layout, axes: tuple[str, ...]) -> Layout:
@@ -147,7 +208,7 @@ def _nested(f: Callable, in_specs: Any, out_specs: Any, axis_names: Any, args: t
         pieces = [_split(p, v, s, inner, "in_specs") for p, v, s in zip(paths, leaves, specs)]
         out = f(*optree.tree_unflatten(treespec, pieces), **kwargs)
         opaths, outs, ospecs, otree = _match(out_specs, out, "nested shard_map out_specs", "output")
-        whole = [_gather(p, v, s, inner) for p, v, s in zip(opaths, outs, ospecs)]
+        whole = [_as_body_value(_gather(p, v, s, inner)) for p, v, s in zip(opaths, outs, ospecs)]
     return optree.tree_unflatten(otree, whole)
 
 
@@ -171,6 +232,7 @@ def _entries(path: str, spec: Any, ndim: int, inner: frozenset, what: str) -> tu
 def _split(path: str, v: Any, spec: Any, inner: frozenset, what: str) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
+    v = _whole_value(v)  # a ShardedArray over the outer automatic axes: its whole value
     dims, partial = _entries(path, spec, v.dim(), inner, what)
     if partial:
         raise ShardingError(f"nested shard_map in_specs for {path} is partial; an in_spec cannot be partial")

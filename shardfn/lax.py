@@ -190,6 +190,40 @@ def _tensor(fn: str, x: Any) -> torch.Tensor:
     return x
 
 
+def _sharded_layout(x: Any) -> Any:
+    """The layout of ``x`` if it is a ShardedArray (a body value over the automatic axes
+    of a partial-manual shard_map), else None."""
+    from . import _functorch as _ft
+    from .array import ShardedArray
+
+    if not isinstance(x, torch.Tensor):
+        return None
+    if isinstance(x, ShardedArray):
+        return x._layout
+    return _ft.layout_of(x) if _ft.base_array(x) is not None else None
+
+
+def _on_whole(fn: Any) -> Any:
+    """Run collective ``fn`` on the whole value of a ShardedArray first argument (a
+    per-device value of the manual axes, sharded over the automatic ones) and lay the
+    result out the same way (replicated if its rank changed)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(x: Any, *args: Any, **kwargs: Any) -> Any:
+        layout = _sharded_layout(x)
+        if layout is None:
+            return fn(x, *args, **kwargs)
+        from .array import distribute, gather
+        from .layout import Layout
+
+        out = fn(gather(x), *args, **kwargs)
+        dims = layout.dims if out.dim() == layout.ndim else ((),) * out.dim()
+        return distribute(out, Layout(layout.mesh, dims, ()))
+
+    return run
+
+
 def _dim(fn: str, arg: str, d: int, ndim: int) -> int:
     if not -ndim <= d < ndim:
         raise ShardingError(
@@ -212,7 +246,7 @@ def _reduce(fn: str, x: Any, axis_name: AxisName, op: str) -> Any:
         _record(body, "all_reduce", axes, t, op)
         return body.reduce(t, axes, op)
 
-    return optree.tree_map(one, x)
+    return optree.tree_map(_on_whole(one), x)
 
 
 def psum(x: Any, axis_name: AxisName) -> Any:
@@ -245,6 +279,7 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
 # -- data movement -------------------------------------------------------------------------
 
 
+@_on_whole
 def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
     """Gather ``x`` from every device of ``axis_name``; the result is replicated there.
 
@@ -292,9 +327,12 @@ def pcast(x: Any, axis_name: AxisName, *, to: str = "varying") -> Any:
             raise ShardingError(f"sf.lax.pcast takes tensors, got {type(t).__name__}")
         return t * one.to(t.dtype)
 
+    cast = _on_whole(cast)
+
     return optree.tree_map(cast, x)
 
 
+@_on_whole
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0,
                  tiled: bool = False) -> torch.Tensor:
     """Sum ``x`` over ``axis_name`` and give device ``i`` of the group the ``i``-th piece.
@@ -314,6 +352,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     return out if tiled else out.squeeze(d)
 
 
+@_on_whole
 def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int, *,
                tiled: bool = False) -> torch.Tensor:
     """Split ``x`` along ``split_axis`` into one piece per device of ``axis_name``, send
@@ -341,6 +380,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
     return body.all_to_all(x, axes, sa, ca).squeeze(sa)
 
 
+@_on_whole
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Send ``x`` from device ``src`` to device ``dst`` for each ``(src, dst)`` in
     ``perm`` (indices along ``axis_name``); devices that receive nothing get zeros.

@@ -147,3 +147,20 @@ def test_specs_on_python_scalars_must_hold(mesh, m):
     bad_out = sf.shard_map(lambda a: (a, 1), mesh=mesh, in_specs=P("dp"), out_specs=(P("dp"), P(partial="tp")))
     with pytest.raises(sf.ShardingError, match=r"out_specs for output\[1\] is P\(partial='tp'\), but output\[1\] is a int"):
         bad_out(xs)
+
+
+def test_partial_manual_body_propagates_over_the_automatic_axes(mesh):
+    """Inside, values are sharded over 'tp' as in_specs say: a contraction over 'tp' is a
+    pending sum that reshard reduces with one all_reduce over the 'tp' submesh."""
+    x, w = torch.randn(8, 6), torch.randn(6, 4)
+    counts = []
+
+    def body(a, b):
+        with sf.debug.CommCounter() as c:
+            y = sf.reshard(a @ b, P())
+        counts.append(dict(c.counts))
+        return y
+
+    f = sf.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P("dp"), axis_names={"dp"})
+    _close(f(x, w).full_tensor(), x @ w)
+    assert counts == [{"all_reduce": 1}]
