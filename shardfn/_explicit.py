@@ -26,7 +26,7 @@ __all__ = ["explicit"]
 _MODES = ("raise", "warn", "off")
 _stack: list[str] = []
 _warned: set[tuple] = set()
-_moves: dict[int, list] = {}
+_moves: dict[int, tuple[Any, list]] = {}
 
 
 class explicit(contextlib.ContextDecorator):
@@ -69,9 +69,10 @@ def check(func: Any, entry: Any, leaves: list) -> None:
     from .array import ShardedArray
 
     arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
-    moves = _moves.get(id(entry))
-    if moves is None:
-        moves = _moves[id(entry)] = _data_moves(entry, arrays)
+    hit = _moves.get(id(entry))
+    if hit is None or hit[0] is not entry:  # keyed by id, the entry kept alive with it
+        hit = _moves[id(entry)] = (entry, _data_moves(entry, arrays))
+    moves = hit[1]
     if not moves:
         return
     from .dispatch import _op_name
