@@ -24,7 +24,10 @@ from .mesh import Mesh
 def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
     """The fine mesh of ``a`` and ``b`` and, per axis of either, its fine axes (major first)."""
     if a.size != b.size or a.backend != b.backend:
-        raise ShardingError(f"{b!r} is not a view of {a!r}: views have the same devices and backend")
+        raise ShardingError(
+            f"the value is on {a!r} but the target sharding is on a different mesh {b!r}, which is not "
+            f"a view of it (views have the same devices and backend; see Mesh.flatten / Mesh.unflatten)"
+        )
     sizes: list[int] = []
     owner: dict[str, list[str]] = {n: [] for n in (*a.axis_names, *b.axis_names)}
     ia = ib = 0
@@ -39,7 +42,7 @@ def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
         f = min(ra, rb)
         if max(ra, rb) % f:
             raise ShardingError(
-                f"{b!r} is not a view of {a!r}: axis {b.axis_names[ib]!r} (size {b.shape[ib]}) does not "
+                f"the target sharding is on a different mesh {b!r}, which is not a view of {a!r}: axis {b.axis_names[ib]!r} (size {b.shape[ib]}) does not "
                 f"line up with axis {a.axis_names[ia]!r} (size {a.shape[ia]})"
             )
         name = f"_f{len(sizes)}"
