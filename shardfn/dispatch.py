@@ -89,6 +89,8 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
     entry = _cache.get(key)
     if entry is None:
         entry = _cache[key] = _compile(func, hargs, hkwargs, hleaves)
+    if _explicit._stack:
+        _explicit.check(func, entry, hleaves)
     if not isinstance(entry, _Entry) or not entry.stacked:
         # uneven shards or the replicate fallback: sizes cannot stay symbolic, so
         # specialise them (a guard; a dim marked dynamic is then reported by Dynamo)
