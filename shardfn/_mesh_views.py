@@ -130,7 +130,7 @@ class _Across(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.src = inputs[0]._layout
+        ctx.src, ctx.dst = inputs[0]._layout, inputs[1]
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
@@ -142,7 +142,9 @@ class _Across(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, t: Any, _: Any) -> Any:
-        raise ShardingError("forward-mode AD across mesh views is not supported; reshard outside torch.func.jvp")
+        from .array import reshard
+
+        return _move(reshard(t, ctx.src), ctx.dst)
 
 
 def flatten(mesh: Mesh, axes: tuple[str, ...], name: str) -> Mesh:

@@ -75,3 +75,15 @@ def test_reshard_onto_a_mesh_that_is_not_a_view(mesh):
     other = sf.Mesh((3,), ("x",), backend="local")
     with pytest.raises(sf.ShardingError, match="is not a view"):
         sf.reshard(xs, NS(other, P("x")))
+
+
+def test_reshard_onto_view_forward_mode(mesh):
+    import torch.autograd.forward_ad as fwAD
+
+    flat = mesh.flatten(("dp", "tp"), "dptp")
+    x, t = torch.randn(8, 3), torch.randn(8, 3)
+    with fwAD.dual_level():
+        xs = sf.distribute(fwAD.make_dual(x, t), P(("dp", "tp")), mesh=mesh)
+        y = sf.reshard(xs, NS(flat, P("dptp")))
+        tangent = fwAD.unpack_dual(sf.gather(y)).tangent
+    torch.testing.assert_close(tangent, t)
