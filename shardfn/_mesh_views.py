@@ -102,7 +102,7 @@ def relabel(value: Any, src: Mesh, dst: Mesh) -> Any:
     if src.backend != "local" or isinstance(value, tuple):
         return value  # one tensor per rank, or per-device shards in row-major order
     local = value.shape[src.ndim:]
-    return value.reshape(*dst.shape, *local)
+    return value.expand(*src.shape, *local).reshape(*dst.shape, *local)  # mesh dims may be broadcast (size 1)
 
 
 def reshard_across(x: Any, dst: Layout) -> Any:
