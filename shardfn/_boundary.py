@@ -83,31 +83,87 @@ def _float(t: torch.Tensor) -> bool:
 
 
 # -- stacked (even) crossings: ShardedArray <-> canonical tensor ---------------------------------
+#
+# EnterStacked and ExitStacked are each other's transposes, so their backwards are built
+# from each other (differentiable to any order), and each has jvp and vmap rules: the
+# crossings compose with torch.func.grad/jvp/vmap/jacfwd and nested autograd.
+
+
+def stacked_modes(layout: Layout, dims: tuple[int, ...]) -> tuple[str, ...]:
+    """How each mesh dim of a stacked value in ``layout`` becomes the canonical dim of
+    size ``dims[k]``: "keep" it, take the "first" replica (an axis the layout neither
+    shards nor reduces over), or "sum" the copies (tiled or pending-sum copies of an
+    invariant value)."""
+    mesh = layout.mesh
+    keep = used_axes(layout)
+    return tuple(
+        "keep" if d == n else ("sum" if a in keep else "first")
+        for a, n, d in zip(mesh.axis_names, mesh.shape, dims)
+    )
+
+
+def _sum_partial(layout: Layout, modes: tuple[str, ...]) -> Layout:
+    """``layout`` with a pending sum over each "sum" axis it does not use (the layout in
+    which expanding a cotangent transposes summing the copies)."""
+    extra = {a: "sum" for a, m in zip(layout.mesh.axis_names, modes) if m == "sum" and a not in used_axes(layout)}
+    return layout.with_partial(extra) if extra else layout
+
+
+def _as_sharded(t: Any, layout: Layout) -> Any:
+    """A cotangent or tangent as an array in ``layout`` (plain tensors are full values)."""
+    from ._functorch import base_array
+    from .array import distribute, reshard
+
+    if not isinstance(t, ShardedArray) and base_array(t) is None:
+        t = distribute(t, Layout(layout.mesh, ((),) * t.dim()))
+    return reshard(t, layout)
 
 
 class EnterStacked(torch.autograd.Function):
-    """ShardedArray (even) -> canonical tensor: the stacked shards, mesh dims the value
-    is replicated over cut to size 1."""
+    """ShardedArray (even) -> canonical tensor: the stacked shards, each mesh dim kept,
+    cut to its first replica, or summed over (``modes``, see :func:`stacked_modes`)."""
 
     @staticmethod
-    def forward(x: ShardedArray, varying: tuple[bool, ...]) -> torch.Tensor:
+    def forward(x: ShardedArray, modes: tuple[str, ...]) -> torch.Tensor:
         t = x._local
-        for k, v in enumerate(varying):
-            if not v:
+        for k, mode in enumerate(modes):
+            if mode == "first":
                 t = t.narrow(k, 0, 1)
+            elif mode == "sum":
+                t = t.sum(k, keepdim=True, dtype=t.dtype)
         return t.view(t.shape)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        x, _ = inputs
-        ctx.meta = (x._layout, tuple(x.shape), x.dtype)
+        from ._functorch import layout_of
+
+        x, modes = inputs
+        ctx.meta = (layout_of(x), tuple(x.shape), modes)
+        if not _float(x):
+            ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
-        layout, shape, dtype = ctx.meta
-        mesh = layout.mesh
-        stacked = ct.expand(*mesh.shape, *ct.shape[mesh.ndim:])
-        return wrap(stacked, layout, shape, dtype), None
+        layout, shape, modes = ctx.meta
+        return ExitStacked.apply(ct, _sum_partial(layout.without_partial(), modes), shape), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any) -> Any:
+        layout, _, modes = ctx.meta
+        return EnterStacked.apply(_as_sharded(t, layout), modes)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any, modes: tuple[str, ...]) -> tuple:
+        from ._functorch import layout_of
+        from .array import reshard
+
+        b = in_dims[0]
+        if b is None:
+            return EnterStacked.apply(x, modes), None
+        layout = layout_of(x)
+        if layout.dims[b]:  # the vmapped dim is sharded: gather it (the body maps over it)
+            x = reshard(x, Layout(layout.mesh, layout.dims[:b] + ((),) + layout.dims[b + 1:], layout.partial))
+        return EnterStacked.apply(x, modes), layout.mesh.ndim + b
 
 
 class ExitStacked(torch.autograd.Function):
@@ -121,20 +177,31 @@ class ExitStacked(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        c, layout, _ = inputs
-        ctx.meta = (layout, tuple(c.shape[:layout.mesh.ndim]))
+        c, layout, shape = inputs
+        ctx.meta = (layout, shape, stacked_modes(layout, tuple(c.shape[:layout.mesh.ndim])))
+        if not _float(c):
+            ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: Any) -> Any:
-        layout, dims = ctx.meta
-        mesh = layout.mesh
-        g = grad_value(ct, layout.without_partial())
-        keep = used_axes(layout)
-        for k, (a, d) in enumerate(zip(mesh.axis_names, dims)):
-            if d == 1 and mesh.shape[k] > 1:
-                # an invariant value: tiled / summed copies add up, replicas count once
-                g = g.sum(k, keepdim=True) if a in keep else g.narrow(k, 0, 1)
-        return g, None, None
+        layout, _, modes = ctx.meta
+        # an invariant value: tiled / summed copies add up, replicas count once
+        return EnterStacked.apply(_as_sharded(ct, layout.without_partial()), modes), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any, __: Any) -> Any:
+        layout, shape, _ = ctx.meta
+        return ExitStacked.apply(t, layout, shape)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, c: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> tuple:
+        from ._functorch import insert_dim
+
+        b = in_dims[0]
+        if b is None:
+            return ExitStacked.apply(c, layout, shape), None
+        c = c.movedim(b, layout.mesh.ndim)
+        return ExitStacked.apply(c, insert_dim(layout, 0), (info.batch_size, *shape)), 0
 
 
 # -- per-device crossings: ShardedArray <-> list of local tensors ------------------------------------
