@@ -261,3 +261,153 @@ def test_systematic_derivatives_to_second_order(case):
     second = torch.autograd.grad(sum((t * w).sum() for t, w in zip(gs, tangents)), xs, allow_unused=True)
     for a, b in zip(second, gg_r(*args)):
         _close(torch.zeros_like(b) if a is None else a, b, "autograd double backward")
+
+
+def _batched_args(case, seed, size=3):
+    """Each argument given a batch dim at a random position (or none), as JAX's test_vmap."""
+    _, _, _, _, _, args = case
+    rng = random.Random(seed)
+    while True:
+        bdims = tuple(rng.choice([None, *range(a.dim() + 1)]) for a in args)
+        if any(b is not None for b in bdims):
+            break
+    batched = []
+    for a, b in zip(args, bdims):
+        if b is None:
+            batched.append(a)
+        else:
+            scale = torch.arange(1, size + 1, dtype=a.dtype).reshape([-1 if i == b else 1 for i in range(a.dim() + 1)])
+            batched.append(a.unsqueeze(b) * scale)
+    return bdims, tuple(batched)
+
+
+def _stack_slices(f, bdims, batched, size=3):
+    outs = [f(*[a if b is None else a.select(b, i) for a, b in zip(batched, bdims)]) for i in range(size)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(col) for col in zip(*outs))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_systematic_vmap(case):
+    _, fun, mesh, in_specs, out_specs, args = case
+    f = _gathered(sf.shard_map(fun, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    bdims, batched = _batched_args(case, CASES.index(case))
+    _close_tree(torch.func.vmap(f, bdims)(*batched), _stack_slices(_ref_for(case), bdims, batched), "vmap")
+
+
+@pytest.mark.parametrize("case", CASES[:20], ids=_ids(CASES[:20]))
+def test_systematic_vmap_of_grad_and_jacfwd(case):
+    _, fun, mesh, in_specs, out_specs, args = case
+    f = _gathered(sf.shard_map(fun, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    ref = _ref_for(case)
+    bdims, batched = _batched_args(case, 7)
+    argnums = tuple(range(len(args)))
+    got = torch.func.vmap(torch.func.grad(_scalarize(f), argnums), bdims)(*batched)
+    want = torch.func.vmap(torch.func.grad(_scalarize(ref), argnums), bdims)(*batched)
+    _close_tree(got, want, "vmap of grad")
+    _close_tree(torch.func.jacfwd(f, argnums)(*args)[0] if isinstance(f(*args), tuple) else torch.func.jacfwd(f, argnums)(*args),
+                torch.func.jacfwd(ref, argnums)(*args)[0] if isinstance(ref(*args), tuple) else torch.func.jacfwd(ref, argnums)(*args),
+                "jacfwd")
+    _close_tree(torch.func.jacrev(f, argnums)(*args)[0] if isinstance(f(*args), tuple) else torch.func.jacrev(f, argnums)(*args),
+                torch.func.jacrev(ref, argnums)(*args)[0] if isinstance(ref(*args), tuple) else torch.func.jacrev(ref, argnums)(*args),
+                "jacrev")
+
+
+@pytest.mark.parametrize("case", CASES[:20], ids=_ids(CASES[:20]))
+def test_systematic_grads_closure(case):
+    """JAX's test_grads_closure: the body closes over a differentiated scalar."""
+    _, fun, mesh, in_specs, out_specs, args = case
+
+    def make(smap):
+        def f(x):
+            body = lambda *a: fun(*[x * t for t in a])  # noqa: E731
+            return (_gathered(sf.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)) if smap
+                    else _reference(body, mesh, in_specs, out_specs, None))(*args)
+        return f
+
+    x = torch.tensor(0.2, dtype=torch.float64)
+    t = torch.tensor(0.7, dtype=torch.float64)
+    f, r = make(True), make(False)
+    _close(torch.func.grad(_scalarize(f))(x), torch.func.grad(_scalarize(r))(x), "grad")
+    _close_tree(torch.func.jvp(f, (x,), (t,))[1], torch.func.jvp(r, (x,), (t,))[1], "jvp")
+    _close(torch.func.grad(torch.func.grad(_scalarize(f)))(x), torch.func.grad(torch.func.grad(_scalarize(r)))(x), "grad of grad")
+    xs = torch.linspace(0.1, 0.5, 3, dtype=torch.float64)
+    _close_tree(torch.func.vmap(f)(xs), torch.stack([r(v) for v in xs]) if not isinstance(r(x), tuple)
+                else tuple(torch.stack(c) for c in zip(*[r(v) for v in xs])), "vmap of closure")
+
+
+# -- checkpointing (JAX's remat tests) ---------------------------------------------------------------
+
+
+def _ckpt_case():
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 6, dtype=torch.float64, generator=g)
+    w = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    return mesh, x, w
+
+
+def test_checkpoint_inside_body_recomputes_with_collectives():
+    """JAX's test_shmap_of_remat_basic, with a collective inside the checkpointed region:
+    the region runs again during backward and gradients equal plain torch's."""
+    mesh, x, w = _ckpt_case()
+    calls = []
+
+    def region(a, b):
+        calls.append(a.shape)
+        return torch.sin(lax.psum(a @ b, "y"))
+
+    @functools.partial(sf.shard_map, mesh=mesh, in_specs=(P("x", "y"), P("y")), out_specs=P())
+    def loss(a, b):
+        return lax.psum(torch.tanh(checkpoint(region, a, b, use_reentrant=False)).sum(), "x")
+
+    def ref(x, w):
+        return torch.tanh(torch.sin(x @ w)).sum()
+
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = sf.gather(loss(xs, ws))
+    _close(out, ref(x, w), "value")
+    assert len(calls) == 1
+    out.backward()
+    assert len(calls) == 2, "the checkpointed region was not recomputed"
+    assert calls[1] == calls[0] == torch.Size([2, 3])
+    want = torch.func.grad(ref, argnums=(0, 1))(x, w)
+    _close(xs.grad, want[0], "grad x")
+    _close(ws.grad, want[1], "grad w")
+
+
+def test_checkpoint_inside_body_double_backward():
+    mesh, x, w = _ckpt_case()
+    body = sf.shard_map(lambda a, b: lax.psum(checkpoint(lambda u, v: torch.sin(u @ v) ** 2, a, b,
+                                                         use_reentrant=False).sum(), "x"),
+                        mesh=mesh, in_specs=(P("x"), P()), out_specs=P())
+
+    def ref(x, w):
+        return (torch.sin(x @ w) ** 2).sum()
+
+    def second(fn):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        (gx,) = torch.autograd.grad(fn(xs, ws), xs, create_graph=True)
+        return torch.autograd.grad((gx * x).sum(), ws)[0]
+
+    _close(second(lambda a, b: sf.gather(body(a, b))), second(ref), "grad of grad")
+
+
+def test_checkpoint_around_shard_map():
+    """JAX's test_remat_basic: remat of a shard_map."""
+    mesh = sf.Mesh((4,), ("x",))
+    f = sf.shard_map(lambda v: torch.sin(torch.sin(v)), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    x = torch.arange(4.0, dtype=torch.float64).requires_grad_()
+    checkpoint(lambda v: sf.gather(f(v)), x, use_reentrant=False).sum().backward()
+    _close(x.grad, torch.cos(torch.sin(x.detach())) * torch.cos(x.detach()), "grad")
+
+
+def test_checkpoint_under_torch_func_grad_is_torchs_error():
+    """Checkpoint under torch.func.grad is a torch limitation (saved tensor hooks), raised
+    by torch itself rather than silently wrong."""
+    mesh, x, w = _ckpt_case()
+    f = sf.shard_map(lambda a: checkpoint(torch.sin, a, use_reentrant=False), mesh=mesh,
+                     in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        torch.func.grad(lambda v: sf.gather(f(v)).sum())(x)
