@@ -211,7 +211,9 @@ class EnterParts(torch.autograd.Function):
     """ShardedArray -> this process's local shards (one per device it holds).
 
     The per-device gradients are read with ``grad_layout``; with ``resolve`` they are
-    then resharded to the input's layout.
+    then resharded to the input's layout. The backward is built from differentiable
+    crossings (ExitParts, reshard), so derivatives of any order work; jvp and vmap rules
+    make it compose with torch.func.
     """
 
     @staticmethod
@@ -220,24 +222,44 @@ class EnterParts(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        from ._functorch import layout_of
+
         x, grad_layout, resolve = inputs
-        ctx.meta = (x._layout, grad_layout, resolve, tuple(x.shape), x.dtype)
+        ctx.meta = (layout_of(x), grad_layout, resolve, tuple(x.shape), x.dtype)
         if not _float(x):
             ctx.mark_non_differentiable(*output)
 
     @staticmethod
     def backward(ctx: Any, *cts: Any) -> Any:
+        from .array import reshard
+
         layout, grad_layout, resolve, shape, dtype = ctx.meta
-        mesh = layout.mesh
         shapes = local_shapes(grad_layout, shape)
-        devices = my_devices(mesh)
-        cts = [torch.zeros(shapes[d], dtype=dtype) if c is None else c for d, c in zip(devices, cts)]
-        value = backend_for(mesh).from_shards(cts, grad_layout, shape)
-        target = grad_layout
+        cts = [torch.zeros(shapes[d], dtype=dtype) if c is None else c for d, c in zip(my_devices(layout.mesh), cts)]
+        grad = ExitParts.apply(grad_layout, shape, False, *cts)
         if resolve and grad_layout != layout.without_partial():
-            target = layout.without_partial()
-            value = execute(plan_layouts(grad_layout, target, shape, dtype), value)
-        return wrap(value, target, shape, dtype), None, None
+            grad = reshard(grad, layout.without_partial())
+        return grad, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any, __: Any) -> Any:
+        layout, grad_layout, resolve, _, _ = ctx.meta
+        return EnterParts.apply(_as_sharded(t, layout), grad_layout, resolve)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any, grad_layout: Layout, resolve: bool) -> tuple:
+        from ._functorch import insert_dim, layout_of
+        from .array import reshard
+
+        b = in_dims[0]
+        if b is None:
+            outs = EnterParts.apply(x, grad_layout, resolve)
+            return outs, (None,) * len(outs)
+        layout = layout_of(x)
+        if layout.dims[b]:  # the vmapped dim is sharded: gather it (the body maps over it)
+            x = reshard(x, Layout(layout.mesh, layout.dims[:b] + ((),) + layout.dims[b + 1:], layout.partial))
+        outs = EnterParts.apply(x, insert_dim(grad_layout, b), resolve)
+        return outs, (b,) * len(outs)
 
 
 class ExitParts(torch.autograd.Function):
@@ -254,19 +276,23 @@ class ExitParts(torch.autograd.Function):
         devices = my_devices(mesh)
         if mesh.backend == "local":
             outs = tuple(outs[first_replica(layout, d)] for d in devices)
-        value = backend_for(mesh).from_shards(list(outs), layout, shape)
+        value = backend_for(mesh).from_shards([o.detach() for o in outs], layout, shape)
         return ShardedArray(value, layout, shape, outs[0].dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        layout, _, first_only = inputs[:3]
-        ctx.meta = (layout, first_only)
+        layout, shape, first_only = inputs[:3]
+        ctx.meta = (layout, shape, first_only)
+        ctx.zeros = [(tuple(o.shape), o.dtype) for o in inputs[3:]]
+        if not _float(output):
+            ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: Any) -> Any:
-        layout, first_only = ctx.meta
+        layout, _, first_only = ctx.meta
         mesh = layout.mesh
-        parts = backend_for(mesh).shard_list(grad_value(ct, layout.without_partial()), mesh)
+        plain = layout.without_partial()
+        parts = EnterParts.apply(_as_sharded(ct, plain), plain, False)
         # On dist the zero cotangent of a later replica is built from the cotangent, so a
         # traced backward keeps the collectives it feeds on the backward side (a constant
         # zero would let AOTAutograd's partitioner move them into the forward graph of
@@ -277,6 +303,23 @@ class ExitParts(torch.autograd.Function):
             for i, d in enumerate(my_devices(mesh))
         ]
         return (None, None, None, *cts)
+
+    @staticmethod
+    def jvp(ctx: Any, _: Any, __: Any, ___: Any, *ts: Any) -> Any:
+        layout, shape, first_only = ctx.meta
+        ts = [torch.zeros(z[0], dtype=z[1]) if t is None else t for t, z in zip(ts, ctx.zeros)]
+        return ExitParts.apply(layout, shape, first_only, *ts)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, layout: Layout, shape: tuple, first_only: bool, *outs: torch.Tensor) -> tuple:
+        from ._functorch import insert_dim
+
+        if all(b is None for b in in_dims[3:]):
+            return ExitParts.apply(layout, shape, first_only, *outs), None
+        n = info.batch_size
+        outs = tuple(o.unsqueeze(0).expand(n, *o.shape) if b is None else o.movedim(b, 0)
+                     for o, b in zip(outs, in_dims[3:]))
+        return ExitParts.apply(insert_dim(layout, 0), (n, *shape), first_only, *outs), 0
 
 
 class Stash:

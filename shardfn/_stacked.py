@@ -13,6 +13,7 @@ pbroadcast, all_gather <-> take this device's slice).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 import torch._C._functorch as _ft
 from torch._functorch.vmap import vmap_increment_nesting
-from torch.utils._device import DeviceContext
 
+from . import _recompute
 from .errors import ShardingError
 from .mesh import Mesh
 
@@ -165,46 +166,6 @@ class StackedBody:
         return self.wrap(self._from_group(idx, ais))
 
 
-class _Recompute(DeviceContext):
-    """Lets ``torch.utils.checkpoint`` (non-reentrant) recompute a region of the body.
-
-    The recomputation runs during backward, after the body returned and its vmap levels
-    closed, on the body's batched tensors. torch.utils.checkpoint re-enters the forward's
-    ``DeviceContext`` around the recomputation; this one is active in the body (it keeps
-    the default device) and, entered again then, reopens the body's vmap levels (the same
-    level numbers, at the same functorch depth) and its collectives.
-    """
-
-    def __init__(self, body: StackedBody) -> None:
-        super().__init__(torch.get_default_device())
-        self.body = body
-        self.levels = list(body.levels)
-        self.reopened: list[contextlib.ExitStack] = []
-
-    def __enter__(self) -> None:
-        if any(lvl is not None for lvl in self.body.levels):  # the forward run
-            self.reopened.append(contextlib.ExitStack())
-            return super().__enter__()
-        from .lax import _entered
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.body.levels_entered())
-        if self.body.levels != self.levels:
-            stack.close()
-            raise ShardingError(
-                "torch.utils.checkpoint inside a shard_map body is recomputed at a different "
-                "torch.func nesting depth than it ran at; run the backward at the depth of the "
-                "forward (e.g. inside the same torch.func.grad)"
-            )
-        stack.enter_context(_entered(self.body))
-        self.reopened.append(stack)
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self.reopened.pop().close()
-
-
 def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwargs: dict,
         *, leader: bool = True) -> tuple[list, Any]:
     """Call ``f`` once for the whole mesh.
@@ -218,7 +179,8 @@ def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwa
     from .lax import _entered
 
     body = StackedBody(mesh, leader=leader)
-    with body.levels_entered(), _entered(body), _recompute_context(body):
+    with body.levels_entered(), _entered(body), _recompute.body_context(
+            functools.partial(_reopened, body, list(body.levels)) if leader else contextlib.nullcontext):
         leaves = [body.wrap(a) if mapped else a for a, mapped in zip(args, is_mapped)]
         out = f(*rebuild(leaves), **kwargs)
         flat, spec = optree.tree_flatten(out, none_is_leaf=True)
@@ -226,6 +188,17 @@ def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwa
     return flat, spec
 
 
-def _recompute_context(body: StackedBody) -> Any:
-    """A :class:`_Recompute` while gradients are recorded (checkpoint is inert without)."""
-    return _Recompute(body) if torch.is_grad_enabled() and body.leader else contextlib.nullcontext()
+@contextlib.contextmanager
+def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
+    """The body's vmap levels and collectives again, for a checkpoint recomputation."""
+    from .lax import _entered
+
+    with body.levels_entered():
+        if body.levels != levels:
+            raise ShardingError(
+                "torch.utils.checkpoint inside a shard_map body is recomputed at a different "
+                "torch.func nesting depth than it ran at; run the backward at the depth of the "
+                "forward"
+            )
+        with _entered(body):
+            yield
