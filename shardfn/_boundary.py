@@ -23,6 +23,7 @@ import torch
 import torch._C._functorch as _ft
 
 from .array import ShardedArray, raw_reshard, wrap
+from .errors import ShardingError
 from .backends import backend_for, execute
 from .layout import Layout, local_shapes
 from .mesh import Mesh
@@ -326,6 +327,14 @@ class Stash:
     """A plain attribute holder passed through autograd (not a pytree, so not copied)."""
 
 
+_UNEVEN_LIMIT = (
+    "{what} of a shard_map with uneven shards under torch.func are not supported (the "
+    "body runs once per device there, as one first-order autograd node); make every "
+    "sharded dim divisible by its mesh axes (e.g. pad it), which runs the body once "
+    "under vmap and supports every transform"
+)
+
+
 class Opaque(torch.autograd.Function):
     """``run(*inputs)`` as one node: forward records its own graph on detached inputs,
     backward replays it with torch.autograd.grad (first order only)."""
@@ -342,6 +351,10 @@ class Opaque(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.saved = inputs[1]
         ctx.mark_non_differentiable(*[o for o in output if not _float(o)])
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise ShardingError(_UNEVEN_LIMIT.format(what="forward-mode derivatives (jvp, jacfwd, linearize)"))
 
     @staticmethod
     def backward(ctx: Any, *cts: Any) -> Any:

@@ -411,3 +411,27 @@ def test_checkpoint_under_torch_func_grad_is_torchs_error():
                      in_specs=P("x"), out_specs=P("x"))
     with pytest.raises(RuntimeError, match="saved tensor hooks"):
         torch.func.grad(lambda v: sf.gather(f(v)).sum())(x)
+
+
+# -- uneven shards ----------------------------------------------------------------------------------
+
+
+def test_uneven_first_order_under_torch_func_and_clear_limits():
+    """Uneven shards run once per device: values and first-order torch.func gradients
+    match plain torch; forward mode raises a ShardingError saying so."""
+    mesh = sf.Mesh((4,), ("i",))
+    f = sf.shard_map(lambda x, w: lax.psum(x @ w, "i"), mesh=mesh, in_specs=(P(None, "i"), P("i")), out_specs=P())
+    x = torch.randn(3, 7, dtype=torch.float64)
+    w = torch.randn(7, 2, dtype=torch.float64)
+
+    def loss(x, w):
+        return torch.sin(sf.gather(f(x, w))).sum()
+
+    def ref(x, w):
+        return torch.sin(x @ w).sum()
+
+    _close(loss(x, w), ref(x, w), "value")
+    for a, b in zip(torch.func.grad(loss, argnums=(0, 1))(x, w), torch.func.grad(ref, argnums=(0, 1))(x, w)):
+        _close(a, b, "grad")
+    with pytest.raises(sf.ShardingError, match="uneven shards"):
+        torch.func.jvp(loss, (x, w), (x, w))
