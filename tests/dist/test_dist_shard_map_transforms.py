@@ -28,51 +28,30 @@ def _data(rows=8, hidden=8):
             torch.randn(hidden, 3, dtype=torch.float64, generator=g))
 
 
-def _mlp(mesh):
-    """A tensor-parallel MLP loss with collectives of every kind, and its plain-torch oracle."""
+def _loss_pair(mesh):
+    """A tensor-parallel MLP loss with collectives in the body (psum, and on a 1-D mesh
+    ppermute and pmax too), and its plain-torch oracle."""
     tp = mesh.axis_names[-1]
-    every = mesh.axis_names
+    dp = mesh.axis_names[0] if mesh.ndim > 1 else None
 
     def body(x, w1, w2):
         h = torch.tanh(x @ w1)
         y = lax.psum(h @ w2, tp)
-        g = lax.all_gather(y, every[0], tiled=True) if mesh.ndim > 1 else y
+        if dp is not None:
+            return lax.psum((y ** 2).sum() + lax.psum(h.sum(), tp), dp)
         ring = [(i, (i + 1) % mesh.axis_size(tp)) for i in range(mesh.axis_size(tp))]
-        z = lax.psum(lax.ppermute(h, tp, ring).sum(), tp)  # a shifted sum is still the sum
-        return (g ** 2).sum() / (mesh.axis_size(every[0]) if mesh.ndim > 1 else 1) + lax.pmax(z, every)
+        shifted = lax.psum(lax.ppermute(h, tp, ring).sum(), tp)  # a shifted sum is still the sum
+        return (y ** 2).sum() + lax.pmax(shifted, tp)
 
-    dp = every[0] if mesh.ndim > 1 else None
     f = sf.shard_map(body, mesh=mesh, in_specs=(P(dp), P(None, tp), P(tp)), out_specs=P())
 
     def run(*a):
-        out = f(*a)
-        if mesh.ndim > 1:  # the loss over every batch shard: psum over dp via the out_spec
-            return sf.gather(out)
-        return sf.gather(out)
+        return sf.gather(f(*a))
 
     def ref(x, w1, w2):
         h = torch.tanh(x @ w1)
-        y = h @ w2
-        return (y ** 2).sum() + h.sum()
+        return ((h @ w2) ** 2).sum() + h.sum()
 
-    return run, ref
-
-
-def _loss_pair(mesh):
-    run, ref = _mlp(mesh)
-    if mesh.ndim > 1:
-        dp = mesh.axis_names[0]
-        tp = mesh.axis_names[-1]
-
-        def body(x, w1, w2):
-            h = torch.tanh(x @ w1)
-            y = lax.psum(h @ w2, tp)
-            return lax.psum((y ** 2).sum() + lax.psum(h.sum(), tp), dp)
-
-        f = sf.shard_map(body, mesh=mesh, in_specs=(P(dp), P(None, tp), P(tp)), out_specs=P())
-
-        def run(*a):  # noqa: F811
-            return sf.gather(f(*a))
     return run, ref
 
 
