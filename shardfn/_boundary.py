@@ -23,8 +23,9 @@ import torch
 import torch._C._functorch as _ft
 
 from .array import ShardedArray, raw_reshard, wrap
-from .errors import ShardingError
 from .backends import backend_for, execute
+from .backends.local import full, settle
+from .errors import ShardingError
 from .layout import Layout, local_shapes
 from .mesh import Mesh
 from .plan import plan_layouts
@@ -126,7 +127,7 @@ class EnterStacked(torch.autograd.Function):
 
     @staticmethod
     def forward(x: ShardedArray, modes: tuple[str, ...]) -> torch.Tensor:
-        t = x._local
+        t = full(x._local, x.mesh)
         for k, mode in enumerate(modes):
             if mode == "first":
                 t = t.narrow(k, 0, 1)
@@ -168,13 +169,12 @@ class EnterStacked(torch.autograd.Function):
 
 
 class ExitStacked(torch.autograd.Function):
-    """Canonical tensor -> ShardedArray in ``layout`` (invariant mesh dims expanded)."""
+    """Canonical tensor -> ShardedArray in ``layout`` (stored in the local backend's
+    canonical form for the layout)."""
 
     @staticmethod
     def forward(c: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> ShardedArray:
-        mesh = layout.mesh
-        stacked = c.expand(*mesh.shape, *c.shape[mesh.ndim:])
-        return wrap(stacked, layout, shape, c.dtype)
+        return wrap(settle(c, layout), layout, shape, c.dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

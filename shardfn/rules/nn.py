@@ -13,7 +13,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from .base import Candidate, OpCall, _schema_info, bind, letters
+from .base import Candidate, OpCall, _schema_info, bind, letters, same_args
 from .dims import LINEAR_OPS, Dims, compile_dims
 
 aten = torch.ops.aten
@@ -61,6 +61,43 @@ class Leading:
 
 
 _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only
+
+
+@attrs.frozen
+class Attention:
+    """CPU flash attention (forward and backward): ``Leading`` over batch and heads; without
+    a mask every tensor argument and output starts with the batch dim, so on stacked
+    shards the mesh dims fold into it and the kernel runs once for the whole mesh."""
+
+    rule: Leading
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        cands = self.rule.candidates(call)
+        if bind(call.func, call.args, call.kwargs).get("attn_mask") is not None:
+            return cands
+        fold = _FoldMesh(call.func, call.mesh.ndim)
+        return [attrs.evolve(c, stacked_args=same_args, stacked_fn=fold) for c in cands]
+
+
+@attrs.frozen
+class _FoldMesh:
+    """Run ``func`` with the (broadcast) mesh dims of every tensor merged into its dim 0."""
+
+    func: Any
+    m: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        m = self.m
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        lead = torch.broadcast_shapes(*(t.shape[:m] for t in tensors))
+
+        def fold(a: Any) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            return a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
+
+        outs = self.func(*[fold(a) for a in args], **kwargs)
+        return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)
 
 
 def _lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...]) -> tuple:
@@ -181,8 +218,8 @@ TABLE = {
     aten.nll_loss2d_forward: _NLL,
     aten.nll_loss_backward: _NLL_BWD,
     aten.nll_loss2d_backward: _NLL_BWD,
-    aten._scaled_dot_product_flash_attention_for_cpu: Leading(_ATTN, _heads_lead),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: Leading(_ATTN, _heads_lead),
+    aten._scaled_dot_product_flash_attention_for_cpu: Attention(Leading(_ATTN, _heads_lead)),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: Attention(Leading(_ATTN, _heads_lead)),
     aten.embedding: Embedding(),
     aten.convolution: Leading(("input",), _conv_lead, batched_outs=(0,)),
     aten.convolution_backward: Leading(("grad_output", "input"), _conv_lead, batched_outs=(0,)),
