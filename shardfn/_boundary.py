@@ -25,6 +25,7 @@ import torch._C._functorch as _ft
 from .array import ShardedArray, raw_reshard, wrap
 from .backends import backend_for, execute
 from .backends.local import full, settle
+from .errors import ShardingError
 from .layout import Layout, local_shapes
 from .mesh import Mesh
 from .plan import plan_layouts
@@ -84,31 +85,87 @@ def _float(t: torch.Tensor) -> bool:
 
 
 # -- stacked (even) crossings: ShardedArray <-> canonical tensor ---------------------------------
+#
+# EnterStacked and ExitStacked are each other's transposes, so their backwards are built
+# from each other (differentiable to any order), and each has jvp and vmap rules: the
+# crossings compose with torch.func.grad/jvp/vmap/jacfwd and nested autograd.
+
+
+def stacked_modes(layout: Layout, dims: tuple[int, ...]) -> tuple[str, ...]:
+    """How each mesh dim of a stacked value in ``layout`` becomes the canonical dim of
+    size ``dims[k]``: "keep" it, take the "first" replica (an axis the layout neither
+    shards nor reduces over), or "sum" the copies (tiled or pending-sum copies of an
+    invariant value)."""
+    mesh = layout.mesh
+    keep = used_axes(layout)
+    return tuple(
+        "keep" if d == n else ("sum" if a in keep else "first")
+        for a, n, d in zip(mesh.axis_names, mesh.shape, dims)
+    )
+
+
+def _sum_partial(layout: Layout, modes: tuple[str, ...]) -> Layout:
+    """``layout`` with a pending sum over each "sum" axis it does not use (the layout in
+    which expanding a cotangent transposes summing the copies)."""
+    extra = {a: "sum" for a, m in zip(layout.mesh.axis_names, modes) if m == "sum" and a not in used_axes(layout)}
+    return layout.with_partial(extra) if extra else layout
+
+
+def _as_sharded(t: Any, layout: Layout) -> Any:
+    """A cotangent or tangent as an array in ``layout`` (plain tensors are full values)."""
+    from ._functorch import base_array
+    from .array import distribute, reshard
+
+    if not isinstance(t, ShardedArray) and base_array(t) is None:
+        t = distribute(t, Layout(layout.mesh, ((),) * t.dim()))
+    return reshard(t, layout)
 
 
 class EnterStacked(torch.autograd.Function):
-    """ShardedArray (even) -> canonical tensor: the stacked shards, mesh dims the value
-    is replicated over cut to size 1."""
+    """ShardedArray (even) -> canonical tensor: the stacked shards, each mesh dim kept,
+    cut to its first replica, or summed over (``modes``, see :func:`stacked_modes`)."""
 
     @staticmethod
-    def forward(x: ShardedArray, varying: tuple[bool, ...]) -> torch.Tensor:
-        t = x._local
-        for k, v in enumerate(varying):
-            if not v:
+    def forward(x: ShardedArray, modes: tuple[str, ...]) -> torch.Tensor:
+        t = full(x._local, x.mesh)
+        for k, mode in enumerate(modes):
+            if mode == "first":
                 t = t.narrow(k, 0, 1)
+            elif mode == "sum":
+                t = t.sum(k, keepdim=True, dtype=t.dtype)
         return t.view(t.shape)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        x, _ = inputs
-        ctx.meta = (x._layout, tuple(x.shape), x.dtype)
+        from ._functorch import layout_of
+
+        x, modes = inputs
+        ctx.meta = (layout_of(x), tuple(x.shape), modes)
+        if not _float(x):
+            ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
-        layout, shape, dtype = ctx.meta
-        mesh = layout.mesh
-        stacked = ct.expand(*mesh.shape, *ct.shape[mesh.ndim:])
-        return wrap(stacked, layout, shape, dtype), None
+        layout, shape, modes = ctx.meta
+        return ExitStacked.apply(ct, _sum_partial(layout.without_partial(), modes), shape), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any) -> Any:
+        layout, _, modes = ctx.meta
+        return EnterStacked.apply(_as_sharded(t, layout), modes)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any, modes: tuple[str, ...]) -> tuple:
+        from ._functorch import layout_of
+        from .array import reshard
+
+        b = in_dims[0]
+        if b is None:
+            return EnterStacked.apply(x, modes), None
+        layout = layout_of(x)
+        if layout.dims[b]:  # the vmapped dim is sharded: gather it (the body maps over it)
+            x = reshard(x, Layout(layout.mesh, layout.dims[:b] + ((),) + layout.dims[b + 1:], layout.partial))
+        return EnterStacked.apply(x, modes), layout.mesh.ndim + b
 
 
 class ExitStacked(torch.autograd.Function):
@@ -121,20 +178,31 @@ class ExitStacked(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        c, layout, _ = inputs
-        ctx.meta = (layout, tuple(c.shape[:layout.mesh.ndim]))
+        c, layout, shape = inputs
+        ctx.meta = (layout, shape, stacked_modes(layout, tuple(c.shape[:layout.mesh.ndim])))
+        if not _float(c):
+            ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: Any) -> Any:
-        layout, dims = ctx.meta
-        mesh = layout.mesh
-        g = full(grad_value(ct, layout.without_partial()), mesh)
-        keep = used_axes(layout)
-        for k, (a, d) in enumerate(zip(mesh.axis_names, dims)):
-            if d == 1 and mesh.shape[k] > 1:
-                # an invariant value: tiled / summed copies add up, replicas count once
-                g = g.sum(k, keepdim=True) if a in keep else g.narrow(k, 0, 1)
-        return g, None, None
+        layout, _, modes = ctx.meta
+        # an invariant value: tiled / summed copies add up, replicas count once
+        return EnterStacked.apply(_as_sharded(ct, layout.without_partial()), modes), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any, __: Any) -> Any:
+        layout, shape, _ = ctx.meta
+        return ExitStacked.apply(t, layout, shape)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, c: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> tuple:
+        from ._functorch import insert_dim
+
+        b = in_dims[0]
+        if b is None:
+            return ExitStacked.apply(c, layout, shape), None
+        c = c.movedim(b, layout.mesh.ndim)
+        return ExitStacked.apply(c, insert_dim(layout, 0), (info.batch_size, *shape)), 0
 
 
 # -- per-device crossings: ShardedArray <-> list of local tensors ------------------------------------
@@ -144,7 +212,9 @@ class EnterParts(torch.autograd.Function):
     """ShardedArray -> this process's local shards (one per device it holds).
 
     The per-device gradients are read with ``grad_layout``; with ``resolve`` they are
-    then resharded to the input's layout.
+    then resharded to the input's layout. The backward is built from differentiable
+    crossings (ExitParts, reshard), so derivatives of any order work; jvp and vmap rules
+    make it compose with torch.func.
     """
 
     @staticmethod
@@ -153,24 +223,44 @@ class EnterParts(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        from ._functorch import layout_of
+
         x, grad_layout, resolve = inputs
-        ctx.meta = (x._layout, grad_layout, resolve, tuple(x.shape), x.dtype)
+        ctx.meta = (layout_of(x), grad_layout, resolve, tuple(x.shape), x.dtype)
         if not _float(x):
             ctx.mark_non_differentiable(*output)
 
     @staticmethod
     def backward(ctx: Any, *cts: Any) -> Any:
+        from .array import reshard
+
         layout, grad_layout, resolve, shape, dtype = ctx.meta
-        mesh = layout.mesh
         shapes = local_shapes(grad_layout, shape)
-        devices = my_devices(mesh)
-        cts = [torch.zeros(shapes[d], dtype=dtype) if c is None else c for d, c in zip(devices, cts)]
-        value = backend_for(mesh).from_shards(cts, grad_layout, shape)
-        target = grad_layout
+        cts = [torch.zeros(shapes[d], dtype=dtype) if c is None else c for d, c in zip(my_devices(layout.mesh), cts)]
+        grad = ExitParts.apply(grad_layout, shape, False, *cts)
         if resolve and grad_layout != layout.without_partial():
-            target = layout.without_partial()
-            value = execute(plan_layouts(grad_layout, target, shape, dtype), value)
-        return wrap(value, target, shape, dtype), None, None
+            grad = reshard(grad, layout.without_partial())
+        return grad, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any, __: Any) -> Any:
+        layout, grad_layout, resolve, _, _ = ctx.meta
+        return EnterParts.apply(_as_sharded(t, layout), grad_layout, resolve)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any, grad_layout: Layout, resolve: bool) -> tuple:
+        from ._functorch import insert_dim, layout_of
+        from .array import reshard
+
+        b = in_dims[0]
+        if b is None:
+            outs = EnterParts.apply(x, grad_layout, resolve)
+            return outs, (None,) * len(outs)
+        layout = layout_of(x)
+        if layout.dims[b]:  # the vmapped dim is sharded: gather it (the body maps over it)
+            x = reshard(x, Layout(layout.mesh, layout.dims[:b] + ((),) + layout.dims[b + 1:], layout.partial))
+        outs = EnterParts.apply(x, insert_dim(grad_layout, b), resolve)
+        return outs, (b,) * len(outs)
 
 
 class ExitParts(torch.autograd.Function):
@@ -187,19 +277,23 @@ class ExitParts(torch.autograd.Function):
         devices = my_devices(mesh)
         if mesh.backend == "local":
             outs = tuple(outs[first_replica(layout, d)] for d in devices)
-        value = backend_for(mesh).from_shards(list(outs), layout, shape)
+        value = backend_for(mesh).from_shards([o.detach() for o in outs], layout, shape)
         return ShardedArray(value, layout, shape, outs[0].dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        layout, _, first_only = inputs[:3]
-        ctx.meta = (layout, first_only)
+        layout, shape, first_only = inputs[:3]
+        ctx.meta = (layout, shape, first_only)
+        ctx.zeros = [(tuple(o.shape), o.dtype) for o in inputs[3:]]
+        if not _float(output):
+            ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: Any) -> Any:
-        layout, first_only = ctx.meta
+        layout, _, first_only = ctx.meta
         mesh = layout.mesh
-        parts = backend_for(mesh).shard_list(grad_value(ct, layout.without_partial()), mesh)
+        plain = layout.without_partial()
+        parts = EnterParts.apply(_as_sharded(ct, plain), plain, False)
         # On dist the zero cotangent of a later replica is built from the cotangent, so a
         # traced backward keeps the collectives it feeds on the backward side (a constant
         # zero would let AOTAutograd's partitioner move them into the forward graph of
@@ -211,9 +305,34 @@ class ExitParts(torch.autograd.Function):
         ]
         return (None, None, None, *cts)
 
+    @staticmethod
+    def jvp(ctx: Any, _: Any, __: Any, ___: Any, *ts: Any) -> Any:
+        layout, shape, first_only = ctx.meta
+        ts = [torch.zeros(z[0], dtype=z[1]) if t is None else t for t, z in zip(ts, ctx.zeros)]
+        return ExitParts.apply(layout, shape, first_only, *ts)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, layout: Layout, shape: tuple, first_only: bool, *outs: torch.Tensor) -> tuple:
+        from ._functorch import insert_dim
+
+        if all(b is None for b in in_dims[3:]):
+            return ExitParts.apply(layout, shape, first_only, *outs), None
+        n = info.batch_size
+        outs = tuple(o.unsqueeze(0).expand(n, *o.shape) if b is None else o.movedim(b, 0)
+                     for o, b in zip(outs, in_dims[3:]))
+        return ExitParts.apply(insert_dim(layout, 0), (n, *shape), first_only, *outs), 0
+
 
 class Stash:
     """A plain attribute holder passed through autograd (not a pytree, so not copied)."""
+
+
+_UNEVEN_LIMIT = (
+    "{what} of a shard_map with uneven shards under torch.func are not supported (the "
+    "body runs once per device there, as one first-order autograd node); make every "
+    "sharded dim divisible by its mesh axes (e.g. pad it), which runs the body once "
+    "under vmap and supports every transform"
+)
 
 
 class Opaque(torch.autograd.Function):
@@ -232,6 +351,10 @@ class Opaque(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.saved = inputs[1]
         ctx.mark_non_differentiable(*[o for o in output if not _float(o)])
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise ShardingError(_UNEVEN_LIMIT.format(what="forward-mode derivatives (jvp, jacfwd, linearize)"))
 
     @staticmethod
     def backward(ctx: Any, *cts: Any) -> Any:

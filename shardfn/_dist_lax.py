@@ -12,7 +12,8 @@ meta tensors with the local backend's vmap machinery.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
@@ -20,6 +21,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from . import _boundary as B
+from . import _recompute
 from .array import ShardedArray, distribute, reshard
 from .errors import ShardingError
 from .layout import Layout
@@ -126,6 +128,9 @@ def all_local_shapes(t: torch.Tensor, mesh: Mesh) -> list[tuple[int, ...]]:
 
 
 class _Psum(torch.autograd.Function):
+    """psum over ``axes``; its transpose is itself (backward and jvp reuse it, so any
+    order of derivatives works)."""
+
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple) -> torch.Tensor:
         return _all_reduce(x, mesh, axes, "sum")
@@ -136,10 +141,20 @@ class _Psum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
-        return _all_reduce(ct, *ctx.meta, "sum"), None, None
+        return _Psum.apply(ct, *ctx.meta), None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any, __: Any) -> torch.Tensor:
+        return _Psum.apply(t, *ctx.meta)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, axes: tuple) -> tuple:
+        return _Psum.apply(x, mesh, axes), in_dims[0]
 
 
 class _Pextreme(torch.autograd.Function):
+    """pmax / pmin; derivatives flow to the devices attaining the extreme, shared evenly."""
+
     @staticmethod
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple, op: str) -> torch.Tensor:
         return _all_reduce(x, mesh, axes, op)
@@ -148,13 +163,24 @@ class _Pextreme(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         x, mesh, axes, _ = inputs
         hit = (x == output).to(x.dtype)
-        ctx.save_for_backward(hit, _all_reduce(hit, mesh, axes, "sum"))
+        share = hit / _all_reduce(hit, mesh, axes, "sum")
+        ctx.save_for_backward(share)
+        ctx.save_for_forward(share)
         ctx.meta = (mesh, axes)
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
-        hit, count = ctx.saved_tensors
-        return _all_reduce(ct, *ctx.meta, "sum") * hit / count, None, None, None
+        (share,) = ctx.saved_tensors
+        return _Psum.apply(ct, *ctx.meta) * share, None, None, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        (share,) = ctx.saved_tensors
+        return _Psum.apply(t * share, *ctx.meta)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, axes: tuple, op: str) -> tuple:
+        return _Pextreme.apply(x, mesh, axes, op), in_dims[0]
 
 
 class _Move(torch.autograd.Function):
@@ -172,7 +198,21 @@ class _Move(torch.autograd.Function):
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
         kind, mesh, axes, a, b = ctx.meta
         back, a2, b2 = _TRANSPOSE[kind](a, b)
-        return (_MOVES[back](ct, mesh, axes, a2, b2),) + (None,) * 5
+        return (_Move.apply(ct, back, mesh, axes, a2, b2),) + (None,) * 5
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _Move.apply(t, *ctx.meta)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, kind: str, mesh: Mesh, axes: tuple, a: Any, b: Any) -> tuple:
+        bd = in_dims[0]
+        if bd is None:
+            return _Move.apply(x, kind, mesh, axes, a, b), None
+        x = x.movedim(bd, 0)
+        if kind != "ppermute":  # a and b are dims of the local tensor: shift past the batch dim
+            a, b = a + 1, (None if b is None else b + 1)
+        return _Move.apply(x, kind, mesh, axes, a, b), 0
 
 
 _MOVES: dict[str, Callable] = {
@@ -228,7 +268,8 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
 
     mesh = inputs.mesh
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
-    with mesh, _entered(DistBody(mesh)):
+    body = DistBody(mesh)
+    with mesh, _entered(body), _recompute.body_context(lambda: _reopened(body)):
         out = f(*inputs.rebuild(leaves), **kwargs)
     flat, treespec = optree.tree_flatten(out, none_is_leaf=True)
     out_tree = optree.tree_unflatten(treespec, list(range(len(flat))))
@@ -246,6 +287,15 @@ def _local_input(v: torch.Tensor, layout: Layout) -> torch.Tensor:
     is distributed first, so its gradient is gathered from every rank's part."""
     v = reshard(v, layout) if isinstance(v, ShardedArray) else distribute(v, layout)
     return B.EnterParts.apply(v, B.summed_grad_layout(layout), True)[0]
+
+
+@contextlib.contextmanager
+def _reopened(body: DistBody) -> Iterator[None]:
+    """The body's mesh and collectives again, for a checkpoint recomputation."""
+    from .lax import _entered
+
+    with body.mesh, _entered(body):
+        yield
 
 
 _traces: dict[tuple, list[frozenset[str]] | None] = {}

@@ -13,6 +13,7 @@ pbroadcast, all_gather <-> take this device's slice).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 import torch._C._functorch as _ft
 from torch._functorch.vmap import vmap_increment_nesting
 
+from . import _recompute
 from .errors import ShardingError
 from .mesh import Mesh
 
@@ -177,9 +179,26 @@ def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwa
     from .lax import _entered
 
     body = StackedBody(mesh, leader=leader)
-    with body.levels_entered(), _entered(body):
+    with body.levels_entered(), _entered(body), _recompute.body_context(
+            functools.partial(_reopened, body, list(body.levels)) if leader else contextlib.nullcontext):
         leaves = [body.wrap(a) if mapped else a for a, mapped in zip(args, is_mapped)]
         out = f(*rebuild(leaves), **kwargs)
         flat, spec = optree.tree_flatten(out, none_is_leaf=True)
         flat = [body.unwrap(o) if isinstance(o, torch.Tensor) else o for o in flat]
     return flat, spec
+
+
+@contextlib.contextmanager
+def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
+    """The body's vmap levels and collectives again, for a checkpoint recomputation."""
+    from .lax import _entered
+
+    with body.levels_entered():
+        if body.levels != levels:
+            raise ShardingError(
+                "torch.utils.checkpoint inside a shard_map body is recomputed at a different "
+                "torch.func nesting depth than it ran at; run the backward at the depth of the "
+                "forward"
+            )
+        with _entered(body):
+            yield

@@ -289,7 +289,8 @@ def _to_canonical(v: torch.Tensor, layout: Layout) -> torch.Tensor:
     if isinstance(v, ShardedArray):
         v = reshard(v, layout)
         used = B.used_axes(layout)
-        return B.EnterStacked.apply(v, tuple(a in used for a in layout.mesh.axis_names))
+        dims = tuple(n if a in used else 1 for a, n in zip(layout.mesh.axis_names, layout.mesh.shape))
+        return B.EnterStacked.apply(v, B.stacked_modes(layout, dims))
     return _split_full(v, layout)
 
 

@@ -45,8 +45,6 @@ def test_smap_axes_and_reductions(mesh):
     _close(g(x).full_tensor(), x.T)
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=False,
-                   reason="forward mode through shard_map boundaries is issue 13b (a parallel branch)")
 def test_smap_forward_mode(mesh):
     x, t = torch.randn(8, 3), torch.randn(8, 3)
     f = sf.smap(lambda a: torch.sin(a), axis_name="dp", mesh=mesh)
@@ -80,8 +78,6 @@ def test_pcast_values_grads_and_vma(mesh, m):
         sf.shard_map(lambda a: lax.pcast(a, "dp", to="invariant"), mesh=mesh, in_specs=P(), out_specs=P())(xs)
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=False,
-                   reason="forward mode through shard_map boundaries is issue 13b (a parallel branch)")
 def test_pcast_forward_mode(mesh):
     x, t = torch.randn(4, 3), torch.randn(4, 3)
     f = sf.shard_map(lambda a: lax.pcast(a, "tp"), mesh=mesh, in_specs=P(), out_specs=P(partial="tp"))
