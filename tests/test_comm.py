@@ -75,3 +75,42 @@ def test_gqa_any_sharding_matches_torch(mesh_def, heads, b, data) -> None:
         return P(*[None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims])
 
     _gqa_check(mesh, b, *heads, spec(), spec(), causal=data.draw(st.booleans()))
+
+
+# -- a pending sum is reduced once ------------------------------------------------------------------
+
+def _partial_over_y(mesh: sf.Mesh, m: int = 4, k: int = 6, n: int = 5) -> tuple:
+    a, b = torch.randn(m, k, requires_grad=True), torch.randn(k, n, requires_grad=True)
+    sa, sb = leaf(a, P(None, "y"), mesh), leaf(b, P("y"), mesh)
+    return a, b, sa, sb
+
+
+@pytest.mark.parametrize("k", [6, 5])
+def test_partial_reduced_once_for_many_readers(k: int) -> None:
+    mesh = sf.Mesh((2, 2), ("x", "y"), backend="local")
+    a, b, sa, sb = _partial_over_y(mesh, k=k)
+    p = sa @ sb
+    assert p.spec.partial == {"y": "sum"}
+    with sf.debug.CommCounter() as cc:
+        outs = [p.exp(), p.tanh(), p.pow(2)]
+    assert cc.counts == {"all_reduce": 1}, cc
+    ref = a @ b
+    refs = [ref.exp(), ref.tanh(), ref.pow(2)]
+    for o, r in zip(outs, refs):
+        close(o, r, 1e-4)
+    sum(o.full_tensor().sum() for o in outs).backward()
+    sum(r.sum() for r in refs).backward()
+    close(sa.grad, a.grad, 1e-4)
+    close(sb.grad, b.grad, 1e-4)
+
+
+def test_partial_reduced_once_per_target_layout() -> None:
+    mesh = sf.Mesh((2, 2), ("x", "y"), backend="local")
+    a, b, sa, sb = _partial_over_y(mesh)
+    p = sa @ sb
+    with sf.debug.CommCounter() as cc:
+        r1, r2 = sf.reshard(p, P()), sf.reshard(p, P())
+        s1, s2 = sf.reshard(p, P("y")), sf.reshard(p, P("y"))
+    assert cc.total == 2, cc
+    for v in (r1, r2, s1, s2):
+        close(v, a @ b, 1e-4)
