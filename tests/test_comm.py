@@ -114,3 +114,25 @@ def test_partial_reduced_once_per_target_layout() -> None:
     assert cc.total == 2, cc
     for v in (r1, r2, s1, s2):
         close(v, a @ b, 1e-4)
+
+
+# -- cat with torch's legacy empty operand ----------------------------------------------------------
+
+@pytest.mark.parametrize("spec", [P("x", "y"), P(None, "y"), P(None, None, "x"), P()])
+@pytest.mark.parametrize("s", [6, 5])
+def test_cat_accepts_legacy_empty_operand(spec: P, s: int) -> None:
+    mesh = sf.Mesh((2, 2), ("x", "y"), backend="local")
+    q = torch.randn(2, 4, s, 3, requires_grad=True)
+    qs = leaf(q, spec, mesh)
+    with sf.debug.CommCounter() as cc:
+        out = torch.cat([torch.tensor([]), qs], dim=-2)
+        out2 = torch.cat([qs, sf.distribute(torch.tensor([]), P(), mesh=mesh), qs], dim=-2)
+    ref = torch.cat([torch.tensor([]), q], dim=-2)
+    ref2 = torch.cat([q, torch.tensor([]), q], dim=-2)
+    if spec[2:3] == (None,) or len(spec) < 3:
+        assert cc.total == 0 and out.spec == spec
+    close(out, ref)
+    close(out2, ref2)
+    (out.full_tensor().sum() + (out2.full_tensor() * 2).sum()).backward()
+    (ref.sum() + (ref2 * 2).sum()).backward()
+    close(qs.grad, q.grad)
