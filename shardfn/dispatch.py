@@ -38,7 +38,9 @@ _warned: set[str] = set()
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     special = _SPECIAL.get(func)
     if special is not None:
-        return special(func, args, kwargs)
+        out = special(func, args, kwargs)
+        if out is not NotImplemented:  # a handler may leave a call to the rule table
+            return out
     if func._schema.is_mutable:
         return _mutating(func, args, kwargs)
     leaves = _leaves(args, kwargs)
@@ -557,9 +559,11 @@ _SPECIAL: dict[Any, Callable] = {
 
 
 def _install_random_ops() -> None:
+    from .rules.loss import SPECIAL as LOSS
     from .rules.random_ops import SPECIAL
 
     _SPECIAL.update(SPECIAL)
+    _SPECIAL.update(LOSS)
 
 
 _install_random_ops()

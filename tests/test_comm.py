@@ -136,3 +136,61 @@ def test_cat_accepts_legacy_empty_operand(spec: P, s: int) -> None:
     (out.full_tensor().sum() + (out2.full_tensor() * 2).sum()).backward()
     (ref.sum() + (ref2 * 2).sum()).backward()
     close(qs.grad, q.grad)
+
+
+# -- the loss stays sharded -------------------------------------------------------------------------
+
+def _ce_check(mesh: sf.Mesh, n: int, c: int, xspec: P, reduction: str, weight: bool = False) -> tuple:
+    torch.manual_seed(0)
+    x = torch.randn(n, c, requires_grad=True)
+    t = torch.randint(0, c, (n,))
+    t[0] = -100
+    w = torch.rand(c) + 0.5 if weight else None
+    xs = leaf(x, xspec, mesh)
+    ts = sf.distribute(t, P(xspec[0] if len(xspec) else None), mesh=mesh)
+    with sf.debug.CommCounter() as fwd:
+        loss = F.cross_entropy(xs, ts, weight=w, reduction=reduction)
+    ref = F.cross_entropy(x, t, weight=w, reduction=reduction)
+    close(loss, ref, 1e-5)
+    g = torch.randn(ref.shape)
+    with sf.debug.CommCounter() as bwd:
+        (loss * g).sum().backward() if reduction == "none" else loss.backward(g)
+    (ref * g).sum().backward()
+    close(xs.grad, x.grad, 1e-5)
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("n", [8, 7])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_data_parallel_loss_has_no_gather(n: int, reduction: str) -> None:
+    mesh = sf.Mesh((4,), ("dp",), backend="local")
+    fwd, bwd = _ce_check(mesh, n, 10, P("dp"), reduction)
+    assert fwd.counts.get("all_gather", 0) == 0
+    assert fwd.total <= 1 and fwd.bytes <= 16, fwd  # one ring all_reduce of (loss sum, weight) for "mean"
+
+
+@pytest.mark.parametrize("c", [12, 11])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weight", [False, True])
+def test_vocab_parallel_loss_moves_batch_sized_tensors_only(c: int, reduction: str, weight: bool) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    n = 8
+    fwd, bwd = _ce_check(mesh, n, c, P("dp", "tp"), reduction, weight)
+    assert fwd.counts.get("all_gather", 0) <= 1 and bwd.counts.get("all_gather", 0) == 0
+    for step in fwd.steps + bwd.steps:  # nothing of batch x vocab size moves
+        assert step.bytes <= n * 4, step
+
+
+def test_log_softmax_over_sharded_classes() -> None:
+    mesh = sf.Mesh((2, 2), ("x", "y"), backend="local")
+    x = torch.randn(6, 9, requires_grad=True)
+    xs = leaf(x, P("x", "y"), mesh)
+    with sf.debug.CommCounter() as cc:
+        out = F.log_softmax(xs, dim=-1)
+    assert out.spec == P("x", "y") and cc.counts == {"all_reduce": 2}
+    ref = F.log_softmax(x, dim=-1)
+    close(out, ref)
+    g = torch.randn(6, 9)
+    (out.full_tensor() * g).sum().backward()
+    (ref * g).sum().backward()
+    close(xs.grad, x.grad)

@@ -16,6 +16,7 @@ import torch
 
 from .base import Candidate, OpCall, _schema_info, bind, letters
 from .dims import LINEAR_OPS, Dims, compile_dims
+from .loss import ClassSharded
 
 aten = torch.ops.aten
 
@@ -223,8 +224,21 @@ _POOL_OPS = (
 
 _LN = Leading(("input",), _layer_norm_lead(False))
 _LN_BWD = Leading(("grad_out", "input", "mean", "rstd"), _layer_norm_lead(True), batched_outs=(0,))
-_NLL = Leading(("self", "target"), _nll_lead, batched_outs=(0,))
-_NLL_BWD = Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,))
+
+
+@attrs.frozen
+class _AnyOf:
+    """The candidates of several rules."""
+
+    rules: tuple
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return [c for r in self.rules for c in r.candidates(call)]
+
+
+_NLL = _AnyOf((Leading(("self", "target"), _nll_lead, batched_outs=(0,)), ClassSharded(backward=False)))
+_NLL_BWD = _AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,)),
+                   ClassSharded(backward=True)))
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "out", "logsumexp", "attn_bias")
 _ATTN_RULE = Leading(_ATTN, _heads_lead)
 _ATTN_GQA = Leading(_ATTN, _heads_lead, grouped=("key", "value"))
