@@ -239,7 +239,12 @@ device_put = distribute
 
 def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     """The same global value in a new layout, moved with the cheapest plan; the gradient
-    is resharded back."""
+    is resharded back. ``x`` may be a pytree of arrays (``sharding`` a matching tree or a
+    prefix): leaves sharing plan steps then move together (``coalesce.py``)."""
+    if not isinstance(x, torch.Tensor):
+        from .coalesce import reshard_tree
+
+        return reshard_tree(x, sharding)
     base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
     if base is None:
         if isinstance(x, torch.Tensor):

@@ -36,4 +36,19 @@ def grouped_query_attention(mesh: sf.Mesh) -> None:
                                  mesh, [(q, spec), (k, spec), (v, spec)], grad=True, exact=False, what=str(spec))
 
 
+@scenario
+def coalesced_gradient_sync(mesh: sf.Mesh) -> None:
+    a = mesh.axis_names[0]
+    n = mesh.axis_size(a)
+    torch.manual_seed(0)
+    full = [torch.randn(s) for s in ((4, 3), (5,), (), (2, 3, 2), (7, 1))]
+    tree = {f"p{i}": sf.distribute(t.unsqueeze(0).expand(n, *t.shape) / n, P(a), mesh=mesh).sum(0)
+            for i, t in enumerate(full)}
+    with sf.debug.CommCounter() as cc:
+        out = sf.reshard(tree, P())
+    assert dict(cc.counts) == {"all_reduce": 1}, cc
+    for i, t in enumerate(full):
+        torch.testing.assert_close(out[f"p{i}"].full_tensor(), t, rtol=1e-5, atol=1e-5)
+
+
 test_local, test_dist = collect(globals())

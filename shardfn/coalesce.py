@@ -1,0 +1,87 @@
+"""Coalesced resharding of a pytree: leaves whose plans are the same all_reduces move
+together, one collective per step and size bucket (flatten, concatenate, run, split),
+as DDP buckets gradients (~25 MB). Built from ops on ShardedArrays (view, cat, reshard,
+split), so it runs on either backend and gradients flow through it; every other leaf
+is resharded on its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from .array import ShardedArray, reshard
+from .layout import Layout
+from .plan import plan_layouts
+from .spec import to_layout
+
+BUCKET_BYTES = 25 * 2**20
+"""Largest coalesced buffer (bytes): DDP's default bucket size."""
+
+_LINEAR = ("sum", "avg")
+
+
+def reshard_tree(tree: Any, shardings: Any) -> Any:
+    """``tree`` with every leaf laid out as its sharding (``shardings``: a matching tree or
+    a prefix of it); same-plan all_reduces of many leaves run as one per bucket."""
+    from .transforms import _match
+
+    _, leaves, specs, treespec = _match(shardings, tree, "reshard shardings", "tree")
+    out = list(leaves)
+    groups: dict[tuple, list[tuple[int, Layout]]] = {}
+    for i, (v, s) in enumerate(zip(leaves, specs)):
+        if s is None or not isinstance(v, torch.Tensor):
+            continue
+        if not isinstance(v, ShardedArray):
+            out[i] = reshard(v, s)
+            continue
+        dst = to_layout(s, v.ndim, v.mesh)
+        key = _group_key(v, dst)
+        if key is None:
+            out[i] = reshard(v, s)
+        else:
+            groups.setdefault(key, []).append((i, dst))
+    for key, members in groups.items():
+        for bucket in _buckets(members, leaves):
+            _move_bucket(bucket, leaves, out, Layout(key[0], ((),), key[3]))
+    return optree.tree_unflatten(treespec, out)
+
+
+def _group_key(v: ShardedArray, dst: Layout) -> tuple | None:
+    """Leaves with equal keys share every plan step (all_reduces of whole-dim values)."""
+    src = v._layout
+    if dst == src or any(src.dims) or any(dst.dims) or not src.partial:
+        return None
+    if any(op not in _LINEAR for _, op in src.partial) or not set(dst.partial) <= set(src.partial):
+        return None
+    plan = plan_layouts(src, dst, tuple(v.shape), v.dtype)
+    if any(s.kind != "all_reduce" for s in plan.steps):
+        return None
+    return (v.mesh, v.dtype, src.partial, dst.partial)
+
+
+def _buckets(members: list, leaves: list) -> list[list]:
+    """Members in order, cut into buckets of at most BUCKET_BYTES (a larger leaf alone)."""
+    out: list[list] = [[]]
+    size = 0
+    for i, dst in members:
+        n = leaves[i].numel() * leaves[i].element_size()
+        if out[-1] and size + n > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append((i, dst))
+        size += n
+    return [b for b in out if b]
+
+
+def _move_bucket(bucket: list, leaves: list, out: list, flat_dst: Layout) -> None:
+    if len(bucket) == 1:
+        i, dst = bucket[0]
+        out[i] = reshard(leaves[i], dst)
+        return
+    xs = [leaves[i] for i, _ in bucket]
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    moved = reshard(flat, flat_dst)
+    for (i, _), x, piece in zip(bucket, xs, moved.split([x.numel() for x in xs])):
+        out[i] = piece.view(x.shape)
