@@ -1,8 +1,8 @@
 """Coalesced resharding of a pytree: leaves whose plans are the same all_reduces move
 together, one collective per step and size bucket (flatten, concatenate, run, split),
-as DDP buckets gradients (~25 MB). Built from ops on ShardedArrays (view, cat, reshard,
-split), so it runs on either backend and gradients flow through it; every other leaf
-is resharded on its own."""
+as DDP buckets gradients (~25 MB). It works on backend values through the backend
+protocol (``shard_list``/``from_shards``), so it runs on either backend, and is an
+autograd Function; every other leaf is resharded on its own."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import optree
 import torch
 
-from .array import ShardedArray, reshard
+from .array import ShardedArray, reshard, wrap
 from .layout import Layout
 from .plan import plan_layouts
 from .spec import to_layout
@@ -80,8 +80,44 @@ def _move_bucket(bucket: list, leaves: list, out: list, flat_dst: Layout) -> Non
         i, dst = bucket[0]
         out[i] = reshard(leaves[i], dst)
         return
-    xs = [leaves[i] for i, _ in bucket]
-    flat = torch.cat([x.reshape(-1) for x in xs])
-    moved = reshard(flat, flat_dst)
-    for (i, _), x, piece in zip(bucket, xs, moved.split([x.numel() for x in xs])):
-        out[i] = piece.view(x.shape)
+    moved = _Coalesced.apply(flat_dst, tuple(dst for _, dst in bucket), *[leaves[i] for i, _ in bucket])
+    for (i, _), v in zip(bucket, moved):
+        out[i] = v
+
+
+class _Coalesced(torch.autograd.Function):
+    """Reshard leaves of whole dims with one plan on the concatenation of each device's
+    flattened shards (backend values, no per-leaf dispatch); the backward reshards each
+    gradient back like ``reshard``'s."""
+
+    @staticmethod
+    def forward(flat_dst: Layout, dsts: tuple, *xs: ShardedArray) -> tuple:
+        from .backends import backend_for, execute
+
+        mesh = flat_dst.mesh
+        backend = backend_for(mesh)
+        per_leaf = [backend.shard_list(x._local, mesh) for x in xs]
+        sizes = [x.numel() for x in xs]
+        flat_src = Layout(mesh, ((),), xs[0]._layout.partial)
+        flat = [torch.cat([p[d].reshape(-1) for p in per_leaf]) for d in range(len(per_leaf[0]))]
+        total = (sum(sizes),)
+        value = backend.from_shards(flat, flat_src, total)
+        value = execute(plan_layouts(flat_src, flat_dst, total, xs[0].dtype), value)
+        moved = [t.split(sizes) for t in backend.shard_list(value, mesh)]
+        return tuple(
+            wrap(backend.from_shards([m[k].view(x.shape) for m in moved], dst, tuple(x.shape)), dst, x.shape, x.dtype)
+            for k, (x, dst) in enumerate(zip(xs, dsts))
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.srcs = [x._layout for x in inputs[2:]]
+        ctx.dsts = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Any) -> tuple:
+        from .array import _as_sharded
+
+        back = tuple(None if g is None else reshard(_as_sharded(g, dst), src.without_partial())
+                     for g, src, dst in zip(gs, ctx.srcs, ctx.dsts))
+        return (None, None, *back)
