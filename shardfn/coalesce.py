@@ -12,7 +12,7 @@ import optree
 import torch
 
 from .array import ShardedArray, reshard, wrap
-from .layout import Layout
+from .layout import Layout, is_even
 from .plan import plan_layouts
 from .spec import to_layout
 
@@ -49,15 +49,20 @@ def reshard_tree(tree: Any, shardings: Any) -> Any:
 
 
 def _group_key(v: ShardedArray, dst: Layout) -> tuple | None:
-    """Leaves with equal keys share every plan step (all_reduces of whole-dim values)."""
+    """Leaves with equal keys move as one flat buffer: pending sums resolved with the dims
+    unchanged. Whole-dim leaves make a true 1-D value (any plan); leaves with sharded
+    dims only when their plan is all_reduces (elementwise on equal-sized even shards)."""
     src = v._layout
-    if dst == src or any(src.dims) or any(dst.dims) or not src.partial:
+    if dst == src or src.dims != dst.dims or not src.partial:
         return None
     if any(op not in _LINEAR for _, op in src.partial) or not set(dst.partial) <= set(src.partial):
         return None
-    plan = plan_layouts(src, dst, tuple(v.shape), v.dtype)
-    if any(s.kind != "all_reduce" for s in plan.steps):
-        return None
+    if any(src.dims):
+        if not is_even(src, tuple(v.shape)):
+            return None
+        plan = plan_layouts(src, dst, tuple(v.shape), v.dtype)
+        if any(s.kind != "all_reduce" for s in plan.steps):
+            return None
     return (v.mesh, v.dtype, src.partial, dst.partial)
 
 
@@ -97,7 +102,8 @@ class _Coalesced(torch.autograd.Function):
         mesh = flat_dst.mesh
         backend = backend_for(mesh)
         per_leaf = [backend.shard_list(x._local, mesh) for x in xs]
-        sizes = [x.numel() for x in xs]
+        shapes = [tuple(p[0].shape) for p in per_leaf]  # local shapes: even (or whole) leaves
+        sizes = [p[0].numel() for p in per_leaf]
         flat_src = Layout(mesh, ((),), xs[0]._layout.partial)
         flat = [torch.cat([p[d].reshape(-1) for p in per_leaf]) for d in range(len(per_leaf[0]))]
         total = (sum(sizes),)
@@ -105,8 +111,8 @@ class _Coalesced(torch.autograd.Function):
         value = execute(plan_layouts(flat_src, flat_dst, total, xs[0].dtype), value)
         moved = [t.split(sizes) for t in backend.shard_list(value, mesh)]
         return tuple(
-            wrap(backend.from_shards([m[k].view(x.shape) for m in moved], dst, tuple(x.shape)), dst, x.shape, x.dtype)
-            for k, (x, dst) in enumerate(zip(xs, dsts))
+            wrap(backend.from_shards([m[k].view(shape) for m in moved], dst, tuple(x.shape)), dst, x.shape, x.dtype)
+            for k, (x, dst, shape) in enumerate(zip(xs, dsts, shapes))
         )
 
     @staticmethod

@@ -252,3 +252,19 @@ def test_with_sharding_constraint_pytree_coalesces() -> None:
     assert cc.counts == {"all_reduce": 1}
     for o, x in zip(out, xs):
         close(o, x)
+
+
+def test_pytree_reshard_coalesces_tp_sharded_gradients() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    torch.manual_seed(0)
+    fulls = [torch.randn(8, 3), torch.randn(4, 6), torch.randn(5), torch.randn(6, 2)]
+    specs = [P("tp"), P(None, "tp"), P(), P("tp")]
+    tree = [(sf.distribute(torch.ones(2, 1) / 2, P("dp"), mesh=mesh)
+             * sf.distribute(t.reshape(1, -1), P(None), mesh=mesh)).sum(0).reshape(t.shape) for t in fulls]
+    tree = [sf.reshard(t, P(*s, partial="dp")) for t, s in zip(tree, specs)]
+    with sf.debug.CommCounter() as cc:
+        out = sf.reshard(tree, specs)
+    assert cc.counts == {"all_reduce": 1}, cc
+    for o, t, s in zip(out, fulls, specs):
+        assert o.spec == s
+        close(o, t)
