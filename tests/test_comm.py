@@ -268,3 +268,48 @@ def test_pytree_reshard_coalesces_tp_sharded_gradients() -> None:
     for o, t, s in zip(out, fulls, specs):
         assert o.spec == s
         close(o, t)
+
+
+# -- latency-aware planner --------------------------------------------------------------------------
+
+def test_partial_max_to_shard_is_one_reduce_scatter() -> None:
+    mesh = sf.Mesh((4,), ("x",), backend="local")
+    plan = sf.plan_redistribute(P(partial={"x": "max"}), P("x"), (64, 128), mesh=mesh)
+    assert [s.kind for s in plan.steps] == ["reduce_scatter"] and plan.steps[0].op == "max"
+    rep = sf.plan_redistribute(P(partial={"x": "max"}), P(), (64, 128), mesh=mesh)
+    assert plan.bytes_per_device * 2 == rep.bytes_per_device
+    parts = [torch.randn(7, 5) for _ in range(4)]
+    for op, fn in (("max", torch.amax), ("min", torch.amin)):
+        x = sf.ShardedArray.from_local(parts, P(partial={"x": op}), mesh=mesh)
+        with sf.debug.CommCounter() as cc:
+            y = sf.reshard(x, P("x"))
+        assert cc.counts == {"reduce_scatter": 1}
+        torch.testing.assert_close(y.full_tensor(), fn(torch.stack(parts), 0))
+
+
+def test_small_uneven_gather_is_one_collective_and_str_shows_both_terms() -> None:
+    mesh = sf.Mesh((4,), ("x",), backend="local")
+    plan = sf.plan_redistribute(P(None, "x"), P(), (5, 7), mesh=mesh)
+    assert [s.kind for s in plan.steps] == ["all_gather"]
+    text = str(plan)
+    assert "us latency (1 collective(s))" in text and "us bytes" in text
+
+
+def test_cost_model_is_overridable() -> None:
+    from shardfn import plan as plan_mod
+
+    mesh = sf.Mesh((2, 4), ("x", "y"), backend="local")
+    old = plan_mod.COST_MODELS["gloo"]
+    try:
+        plan_mod.set_cost_model("gloo", alpha=0.0)
+        bytes_only = sf.plan_redistribute(P(partial=("x", "y")), P(), (2,), mesh=mesh)
+        plan_mod.set_cost_model("gloo", alpha=1.0)
+        latency_bound = sf.plan_redistribute(P(partial=("x", "y")), P(), (4096,), mesh=mesh)
+        # bytes only: reduce_scatter, all_reduce, all_gather (fewest bytes); latency-bound: 2 all_reduces
+        assert bytes_only.collectives == 3 and latency_bound.collectives == 2
+        assert latency_bound.cost_terms()[0] == 1.0 * latency_bound.collectives
+        with pytest.raises(sf.ShardingError, match="unknown backend 'mpi'"):
+            plan_mod.set_cost_model("mpi", alpha=1.0)
+    finally:
+        plan_mod.COST_MODELS["gloo"] = old
+        plan_mod.plan_layouts.cache_clear()
