@@ -1,79 +1,182 @@
-"""Per-op dispatch cost: shardfn vs DTensor (LocalTensorMode) vs plain torch.
+"""Per-op dispatch overhead: shardfn (local and dist backends) vs the cheapest wrapper
+subclass vs DTensor on a real 1-rank gloo process group.
 
-Same ops, global inputs and shardings as ``_dtensor_ref._op_inputs`` (add, mul by a
-scalar, addmm, sum on 8x8 float32; none needs communication), sharding caches warm.
-Overhead = time per op minus plain torch's time for the same global op; the target is
-shardfn's overhead <= DTensor's.
+Every variant runs the same op on the same 1-device mesh / 1-rank world (no communication
+can happen), with ``torch.set_num_threads(1)`` and warm caches:
 
-    python benchmarks/bench_dispatch.py [--repeat 300]
+- ``torch``: the plain op on the plain tensors (the compute every variant must do);
+- ``bare``: a ``__torch_dispatch__`` wrapper subclass that unwraps, runs and wraps, the
+  floor for any Python tensor subclass;
+- ``DTensor``: ``torch.distributed.tensor`` on a 1-rank gloo group (FileStore in a temp
+  dir, this process is rank 0);
+- ``sf local`` / ``sf dist``: shardfn on ``Mesh((1,), ('x',))`` with ``backend='local'``
+  and ``backend='dist'`` (the same 1-rank gloo world).
+
+Overhead = time per op minus ``torch``'s time. Printed: absolute microseconds per op,
+then each overhead and its ratio to the bare wrapper's and to DTensor's.
+
+    python benchmarks/bench_dispatch.py [--repeat 2000] [--quick]
+
+``--quick`` (or ``SHARDFN_BENCH_QUICK=1``) runs few repeats, for a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import tempfile
+import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _dtensor_ref as ref  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's shardfn
 
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
 
-MESHES = [((2, 2), ("x", "y")), ((4,), ("x",))]
+OPS: dict[str, Callable[..., torch.Tensor]] = {
+    "add": lambda x, w, b: x + x,
+    "mul_scalar": lambda x, w, b: x * 2.5,
+    "addmm": lambda x, w, b: torch.addmm(b, x, w),
+    "sum": lambda x, w, b: x.sum(),
+    "relu": lambda x, w, b: torch.relu(x),
+    "softmax": lambda x, w, b: torch.softmax(x, -1),
+}
 
 
-def _specs(op_name: str, ndim: int) -> list[P]:
-    """shardfn spelling of ``_op_inputs``' placements (axis 0 'x', axis 1 'y')."""
-    y = "y" if ndim > 1 else None
-    xy = P("x", y)
-    return {
-        "add": [xy, xy],
-        "mul_scalar": [xy],
-        "addmm": [P(y), P("x"), P(None, y)],
-        "sum": [xy],
-    }[op_name]
+class BareWrapper(torch.Tensor):
+    """The cheapest possible wrapper subclass: unwrap (top-level args), run, wrap."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "BareWrapper":
+        r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                requires_grad=inner.requires_grad)
+        r._inner = inner
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        args = [a._inner if isinstance(a, BareWrapper) else a for a in args]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            return BareWrapper(out)
+        return tree_map(lambda t: BareWrapper(t) if isinstance(t, torch.Tensor) else t, out)
 
 
-def _median(fn: Callable[[], Any], repeat: int) -> float:
-    return ref.median_time(fn, repeat, warmup=10)
+def median_time(fn: Callable[[], Any], repeat: int, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean process CPU time of ``repeat`` calls (after a
+    warm-up); CPU time, not wall time, so other processes on a busy machine count less."""
+    for _ in range(max(repeat // 10, 5)):
+        fn()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        for _ in range(repeat):
+            fn()
+        samples.append((time.process_time() - t0) / repeat)
+    return statistics.median(samples)
 
 
-def time_shardfn_op(mesh: sf.Mesh, op_name: str, repeat: int) -> float:
-    fn, globals_, _ = ref._op_inputs(mesh.ndim, op_name)
-    args = [sf.distribute(g, s, mesh=mesh) for g, s in zip(globals_, _specs(op_name, mesh.ndim))]
-    want = fn(*globals_)
-    got = fn(*args).full_tensor()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    return _median(lambda: fn(*args), repeat)
+def _plain_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=300)
-    repeat = parser.parse_args().repeat
-    torch.set_num_threads(1)
-    head = (f"{'mesh':8s} {'op':11s} {'torch us':>9s} {'shardfn us':>11s} {'DTensor us':>11s} "
-            f"{'shardfn ovh':>12s} {'DTensor ovh':>12s} {'ovh ratio':>10s} {'x torch':>8s} {'DT x torch':>10s}")
-    print(head)
-    print("-" * len(head))
+def _init_world(tmp: str) -> None:
+    """A real 1-rank gloo default process group (this process is rank 0)."""
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+def _variants() -> dict[str, tuple]:
+    """Each variant's three inputs (x, w, b), built from the same plain tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    plain = _plain_inputs()
+    dm = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+    out = {
+        "torch": plain,
+        "bare": tuple(BareWrapper(t) for t in plain),
+        "DTensor": tuple(distribute_tensor(t, dm, [Replicate()]) for t in plain),
+    }
+    for backend in ("local", "dist"):
+        mesh = sf.Mesh((1,), ("x",), backend=backend)
+        out[f"sf {backend}"] = tuple(sf.distribute(t, P("x"), mesh=mesh) for t in plain)
+    return out
+
+
+def _to_plain(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, sf.ShardedArray):
+        return t.full_tensor()
+    if isinstance(t, BareWrapper):
+        return t._inner
+    if hasattr(t, "full_tensor"):
+        return t.full_tensor()
+    return t
+
+
+def measure(repeat: int) -> dict[str, dict[str, float]]:
+    """Seconds per op: ``{op: {variant: seconds}}`` (every result checked against torch)."""
+    variants = _variants()
+    times: dict[str, dict[str, float]] = {}
+    for op, fn in OPS.items():
+        want = fn(*variants["torch"])
+        times[op] = {}
+        for name, args in variants.items():
+            torch.testing.assert_close(_to_plain(fn(*args)), want, rtol=1e-6, atol=1e-6, msg=f"{name} {op}")
+            times[op][name] = median_time(lambda: fn(*args), repeat)
+    return times
+
+
+def report(times: dict[str, dict[str, float]]) -> str:
+    cols = ["torch", "bare", "DTensor", "sf local", "sf dist"]
+    lines = ["CPU time per op (us), 8x8 float32, 1-device mesh / 1-rank gloo world, 1 thread"]
+    lines.append(f"{'op':11s}" + "".join(f"{c:>10s}" for c in cols))
+    for op, row in times.items():
+        lines.append(f"{op:11s}" + "".join(f"{row[c] * 1e6:10.1f}" for c in cols))
+    lines.append("")
+    lines.append("overhead over torch (us) and ratios (target: sf / bare <= 1.5)")
+    head = (f"{'op':11s}{'bare':>8s}{'DTensor':>9s}{'local':>8s}{'dist':>8s}"
+            f"{'loc/bare':>10s}{'dist/bare':>10s}{'loc/DT':>8s}{'dist/DT':>8s}")
+    lines.append(head)
     worst = 0.0
-    for shape, names in MESHES:
-        mesh = sf.Mesh(shape, names, backend="local")
-        for op in ref.OP_NAMES:
-            t = ref.time_torch_op(op, repeat=repeat)
-            ours = time_shardfn_op(mesh, op, repeat)
-            dt = ref.time_dtensor_op(shape, names, op, repeat=repeat)
-            ovh, dovh = ours - t, dt - t
-            ratio = ovh / dovh if dovh > 0 else float("inf")
-            worst = max(worst, ratio)
-            print(f"{'x'.join(map(str, shape)):8s} {op:11s} {t * 1e6:9.1f} {ours * 1e6:11.1f} {dt * 1e6:11.1f} "
-                  f"{ovh * 1e6:12.1f} {dovh * 1e6:12.1f} {ratio:10.2f} {ours / t:8.1f} {dt / t:10.1f}")
-    print(f"\nworst overhead ratio shardfn/DTensor: {worst:.2f} (target <= 1.00)")
+    for op, row in times.items():
+        ovh = {c: row[c] - row["torch"] for c in cols[1:]}
+        r = {
+            (c, ref): ovh[c] / ovh[ref] if ovh[ref] > 0 else float("inf")
+            for c in ("sf local", "sf dist") for ref in ("bare", "DTensor")
+        }
+        worst = max(worst, r[("sf local", "bare")], r[("sf dist", "bare")])
+        lines.append(
+            f"{op:11s}{ovh['bare'] * 1e6:8.1f}{ovh['DTensor'] * 1e6:9.1f}{ovh['sf local'] * 1e6:8.1f}"
+            f"{ovh['sf dist'] * 1e6:8.1f}{r[('sf local', 'bare')]:10.2f}{r[('sf dist', 'bare')]:10.2f}"
+            f"{r[('sf local', 'DTensor')]:8.2f}{r[('sf dist', 'DTensor')]:8.2f}"
+        )
+    lines.append(f"\nworst shardfn overhead / bare-wrapper overhead: {worst:.2f} (target <= 1.5)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=2000, help="calls per timing round")
+    parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run)")
+    ns = parser.parse_args(argv)
+    quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        _init_world(tmp)
+        try:
+            print(report(measure(20 if quick else ns.repeat)))
+        finally:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch._C._functorch as _ft
 
 from .array import ShardedArray, raw_reshard, wrap
 from .backends import backend_for, execute
+from .backends.local import full, settle
 from .layout import Layout, local_shapes
 from .mesh import Mesh
 from .plan import plan_layouts
@@ -111,13 +112,12 @@ class EnterStacked(torch.autograd.Function):
 
 
 class ExitStacked(torch.autograd.Function):
-    """Canonical tensor -> ShardedArray in ``layout`` (invariant mesh dims expanded)."""
+    """Canonical tensor -> ShardedArray in ``layout`` (stored in the local backend's
+    canonical form for the layout)."""
 
     @staticmethod
     def forward(c: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> ShardedArray:
-        mesh = layout.mesh
-        stacked = c.expand(*mesh.shape, *c.shape[mesh.ndim:])
-        return wrap(stacked, layout, shape, c.dtype)
+        return wrap(settle(c, layout), layout, shape, c.dtype)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -128,7 +128,7 @@ class ExitStacked(torch.autograd.Function):
     def backward(ctx: Any, ct: Any) -> Any:
         layout, dims = ctx.meta
         mesh = layout.mesh
-        g = grad_value(ct, layout.without_partial())
+        g = full(grad_value(ct, layout.without_partial()), mesh)
         keep = used_axes(layout)
         for k, (a, d) in enumerate(zip(mesh.axis_names, dims)):
             if d == 1 and mesh.shape[k] > 1:

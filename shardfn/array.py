@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -12,11 +13,11 @@ import torch
 from . import _functorch as _ft
 from . import layout as _lay
 from .backends import backend_for, execute
-from .errors import ShardingError
+from .errors import ImmutableError, ShardingError
 from .layout import Layout, describe
 from .mesh import Mesh, current_mesh
 from .plan import plan_layouts
-from .spec import NamedSharding, P, Placement, Sharding, layout_placements, layout_to_spec, to_layout
+from .spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -39,6 +40,8 @@ class ShardedArray(torch.Tensor):
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
                 *, requires_grad: bool = False, stride: Sequence[int] | None = None) -> ShardedArray:
+        if layout.partial:
+            check_partial_dtype(layout, dtype)
         like = local[0] if isinstance(local, tuple) else local
         r = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=stride if stride is not None else _contiguous_strides(shape),
@@ -107,15 +110,16 @@ class ShardedArray(torch.Tensor):
     def from_local(cls, local: Any, sharding: Sharding, *, mesh: Mesh | None = None,
                    shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> ShardedArray:
         """Build a ShardedArray from shards: a list, one per device (local backend), or
-        this rank's tensor (dist). Shard shapes are checked against the layout."""
-        return _from_local(local, sharding, mesh, shape, stride)
+        this rank's tensor (dist). Shard shapes are checked against the layout; on the
+        local backend shards replicated over an axis must be equal (a ShardingError names
+        the devices that differ); on dist every rank's global shape and dtype are checked
+        against the others' (values are trusted, as in JAX/DTensor)."""
+        return _from_local(local, sharding, mesh, shape, stride, check_replicas=True)
 
     # -- torch integration ---------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatcher()(func, args, kwargs or {})
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         if isinstance(self._local, tuple):
@@ -189,6 +193,97 @@ class ShardedArray(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
 
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+    def __copy__(self) -> ShardedArray:
+        """``copy.copy``: a new array with the same value and layout (as ``copy.deepcopy``)."""
+        return copy.deepcopy(self)
+
+    # -- Tensor methods that bypass __torch_dispatch__ and would touch the (absent) data ----
+    def share_memory_(self) -> ShardedArray:
+        raise ImmutableError(
+            "share_memory_ would move a ShardedArray's storage in place, but ShardedArrays are "
+            "immutable and hold no single storage; share the shards: [s.share_memory_() for s in x.local_shards()]"
+        )
+
+    def apply_(self, callable: Any) -> ShardedArray:
+        raise ImmutableError(
+            "apply_ would modify a ShardedArray in place, but ShardedArrays are immutable; "
+            "use an out-of-place op, or sf.local_map over the shards, and rebind the result"
+        )
+
+    def map_(self, tensor: Any, callable: Any) -> ShardedArray:
+        raise ImmutableError(
+            "map_ would modify a ShardedArray in place, but ShardedArrays are immutable; "
+            "use an out-of-place op such as torch.where and rebind the result"
+        )
+
+    def map2_(self, x: Any, y: Any, callable: Any) -> ShardedArray:
+        raise ImmutableError(
+            "map2_ would modify a ShardedArray in place, but ShardedArrays are immutable; "
+            "use an out-of-place op and rebind the result"
+        )
+
+    # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it
+    def storage(self) -> Any:
+        raise TypeError(
+            "a ShardedArray has no single storage (its shards live on the mesh's devices); "
+            "use x.local_shards() or x.full_tensor()"
+        )
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a ShardedArray cannot be exported with DLPack; export x.full_tensor() or its local_shards()")
+
+    def pin_memory(self, *args: Any, **kwargs: Any) -> ShardedArray:
+        raise TypeError("pin_memory is not supported on a ShardedArray; pin its local_shards() instead")
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The global value as a numpy array (gathered, like ``x.full_tensor().numpy()``)."""
+        return self.full_tensor().numpy(force=force)
+
+    def tolist(self) -> Any:
+        """The global value as nested Python lists (gathered)."""
+        return self.full_tensor().tolist()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        out = self.full_tensor().detach().numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    @property
+    def data(self) -> ShardedArray:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        # nn.Module._apply assigns param.data = fn(param): rebinding to another whole
+        # ShardedArray is consistent; a plain tensor would leave shards and metadata apart
+        if not isinstance(value, ShardedArray):
+            raise ImmutableError(
+                f"x.data = {type(value).__name__}: a ShardedArray's data can only be rebound to another "
+                f"ShardedArray; distribute the tensor first (sf.distribute(t, x.sharding))"
+            )
+        torch.Tensor.data.__set__(self, value)
+        self._local, self._layout = value._local, value._layout
+
+
+def check_partial_dtype(layout: Layout, dtype: torch.dtype) -> None:
+    """Pending reductions the dtype supports: max/min need an order (no complex), avg
+    follows ``torch.mean`` (floating or complex dtypes only, so no mesh-shape-dependent
+    integer rounding)."""
+    for axis, op in layout.partial:
+        if op in ("max", "min") and dtype.is_complex:
+            raise ShardingError(
+                f"{layout.spec_str()}: Partial({op!r}) over mesh axis {axis!r} on a {dtype} value: "
+                f"complex numbers have no order; use Partial('sum') or Partial('avg'), or a real dtype"
+            )
+        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            raise ShardingError(
+                f"{layout.spec_str()}: Partial('avg') over mesh axis {axis!r} on a {dtype} value: "
+                f"like torch.mean, an average needs a floating or complex dtype; convert the parts "
+                f"(e.g. .float()) or use Partial('sum') and divide"
+            )
+
 
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:
     """Tie a symbolic global size to the stacked shard size (``n == k * local``): a guard
@@ -205,11 +300,22 @@ def _named(layout: Layout) -> NamedSharding:
     return NamedSharding(layout.mesh, layout_to_spec(layout))
 
 
+@functools.cache
+def _dispatcher() -> Callable:
+    """``dispatch.dispatch`` (imported on first use: dispatch imports this module); cached,
+    since an import statement costs microseconds on every op."""
+    from .dispatch import dispatch
+
+    return dispatch
+
+
 def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:
     return ShardedArray(local, layout, tuple(shape), dtype, requires_grad=requires_grad)
 
 
 def _mesh_of(x: Any, mesh: Mesh | None) -> Mesh | None:
+    if mesh is not None:
+        check_mesh(mesh, "mesh=")
     if isinstance(x, ShardedArray):
         if mesh is not None and mesh != x.mesh:
             raise ShardingError(f"mesh={mesh!r} differs from the array's mesh {x.mesh!r}")
@@ -231,6 +337,10 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
+    if layout.mesh.backend == "dist":
+        from .backends import dist as _dist
+
+        _dist.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     return _Distribute.apply(tensor, layout)
 
 
@@ -271,7 +381,7 @@ def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
     is run once per target layout however many ops read ``x``: the array is immutable,
     so the result is kept on it (checked against the shards it was made from, which the
     autograd engine's ``.grad`` accumulation may rebind)."""
-    if dst == x._layout:
+    if dst is x._layout or dst == x._layout:
         return x._local
     if not x._layout.partial:
         return _execute_reshard(x, dst)
@@ -436,15 +546,65 @@ def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
 
 
 def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequence[int] | None,
-                stride: Sequence[int] | None) -> ShardedArray:
+                stride: Sequence[int] | None, *, check_replicas: bool = False) -> ShardedArray:
+    if mesh is not None:
+        check_mesh(mesh, "from_local(mesh=...)")
     if mesh is None and not isinstance(sharding, NamedSharding | Layout):
         mesh = current_mesh()
+    if shape is not None:
+        from .plan import check_shape
+
+        shape = check_shape(shape, "from_local")
     shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
     ndim = shards[0].dim()
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape)
+    if check_replicas and layout.mesh.backend == "local":
+        _check_replicas_agree(shards, layout)
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
+
+
+def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:
+    """Shards on devices that differ only along replicated mesh axes hold one value: a
+    ShardingError names the devices that disagree (the local backend sees every shard)."""
+    mesh = layout.mesh
+    split = set(layout.axis_dim) | set(layout.partial_ops)
+    replicated = [i for i, a in enumerate(mesh.axis_names) if a not in split and mesh.shape[i] > 1]
+    if not replicated:
+        return
+    bad = []
+    for dev, shard in enumerate(shards):
+        coords = list(mesh.coords(dev))
+        for i in replicated:
+            coords[i] = 0
+        first = _device_index(mesh, coords)
+        if first != dev and not _same_values(shards[first], shard):
+            bad.append((first, dev))
+    if bad:
+        axes = [mesh.axis_names[i] for i in replicated]
+        pairs = ", ".join(f"{a} vs {b}" for a, b in bad[:8])
+        raise ShardingError(
+            f"from_local: {layout.spec_str()} replicates over mesh axes {axes!r}, but the shards of "
+            f"devices {pairs} differ; replicas must hold equal values (shard the value, declare it "
+            f"Partial, or pass equal shards)"
+        )
+
+
+def _device_index(mesh: Mesh, coords: Sequence[int]) -> int:
+    dev = 0
+    for n, c in zip(mesh.shape, coords):
+        dev = dev * n + c
+    return dev
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN equal to NaN, as a copy would be)."""
+    if a.shape != b.shape or torch.equal(a, b):
+        return a.shape == b.shape
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return False
 
 
 def _sharding_mesh(sharding: Any) -> Mesh | None:
@@ -466,6 +626,11 @@ def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:
                 f"from_local on the local backend takes a list of {mesh.size} tensors (one per "
                 f"device of {mesh!r}), got a single tensor of shape {tuple(local.shape)}"
             )
+    if not isinstance(local, (list, tuple)):
+        raise ShardingError(
+            f"from_local on the local backend takes a list of {mesh.size} tensors (one per device "
+            f"of {mesh!r}), got {type(local).__name__}"
+        )
     local = list(local)
     if len(local) != mesh.size:
         raise ShardingError(

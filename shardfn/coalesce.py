@@ -6,6 +6,7 @@ autograd Function; every other leaf is resharded on its own."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optree
@@ -44,7 +45,7 @@ def reshard_tree(tree: Any, shardings: Any) -> Any:
             groups.setdefault(key, []).append((i, dst))
     for key, members in groups.items():
         for bucket in _buckets(members, leaves):
-            _move_bucket(bucket, leaves, out, Layout(key[0], ((),), key[3]))
+            _move_bucket(bucket, leaves, out, Layout(key[0], (key[4],), key[3]))
     return optree.tree_unflatten(treespec, out)
 
 
@@ -63,7 +64,8 @@ def _group_key(v: ShardedArray, dst: Layout) -> tuple | None:
         plan = plan_layouts(src, dst, tuple(v.shape), v.dtype)
         if any(s.kind != "all_reduce" for s in plan.steps):
             return None
-    return (v.mesh, v.dtype, src.partial, dst.partial)
+    axes = tuple(a for a in v.mesh.axis_names if a in src.axis_dim)
+    return (v.mesh, v.dtype, src.partial, dst.partial, axes)
 
 
 def _buckets(members: list, leaves: list) -> list[list]:
@@ -104,9 +106,11 @@ class _Coalesced(torch.autograd.Function):
         per_leaf = [backend.shard_list(x._local, mesh) for x in xs]
         shapes = [tuple(p[0].shape) for p in per_leaf]  # local shapes: even (or whole) leaves
         sizes = [p[0].numel() for p in per_leaf]
-        flat_src = Layout(mesh, ((),), xs[0]._layout.partial)
+        # the flat buffer varies over the axes the leaves shard (its "global" value is each
+        # device's concatenation side by side); the plan's all_reduces are elementwise
+        flat_src = Layout(mesh, flat_dst.dims, xs[0]._layout.partial)
         flat = [torch.cat([p[d].reshape(-1) for p in per_leaf]) for d in range(len(per_leaf[0]))]
-        total = (sum(sizes),)
+        total = (sum(sizes) * math.prod(mesh.axis_size(a) for a in flat_dst.dims[0]),)
         value = backend.from_shards(flat, flat_src, total)
         value = execute(plan_layouts(flat_src, flat_dst, total, xs[0].dtype), value)
         moved = [t.split(sizes) for t in backend.shard_list(value, mesh)]

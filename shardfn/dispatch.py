@@ -22,8 +22,9 @@ import torch
 
 from . import _functorch as _ft
 from . import rules as _rules
-from .array import ShardedArray, raw_full, raw_reshard, wrap
+from .array import ShardedArray, _contiguous_strides, raw_full, raw_reshard, wrap
 from .backends import backend_for
+from .backends import local as _local_backend
 from .errors import FallbackWarning, ImmutableError, ShardingError
 from .layout import Layout, describe, is_even
 from .plan import plan_layouts
@@ -32,6 +33,7 @@ from .rules.base import Candidate, OpCall
 aten = torch.ops.aten
 
 _cache: dict[tuple, "_Entry"] = {}
+_CACHE_MAX = 4096  # entries; the oldest is dropped first (keys hold int arguments' values)
 _warned: set[str] = set()
 
 
@@ -55,8 +57,17 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             return _dispatch_symbolic(func, args, kwargs, leaves)
         raise
     if entry is None:
-        entry = _cache[key] = _compile(func, args, kwargs, leaves)
+        entry = _remember(key, _compile(func, args, kwargs, leaves))
     return entry.run(args, kwargs, leaves)
+
+
+def _remember(key: tuple, entry: Any) -> Any:
+    """Cache ``entry``, dropping the oldest entries beyond ``_CACHE_MAX`` (a miss only:
+    hits cost nothing extra)."""
+    while len(_cache) >= _CACHE_MAX:
+        del _cache[next(iter(_cache))]
+    _cache[key] = entry
+    return entry
 
 
 # -- symbolic (dynamic) shapes under torch.compile ----------------------------------------------
@@ -87,7 +98,7 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
     key = _key(func, hleaves)
     entry = _cache.get(key)
     if entry is None:
-        entry = _cache[key] = _compile(func, hargs, hkwargs, hleaves)
+        entry = _remember(key, _compile(func, hargs, hkwargs, hleaves))
     if not isinstance(entry, _Entry) or not entry.stacked:
         # uneven shards or the replicate fallback: sizes cannot stay symbolic, so
         # specialise them (a guard; a dim marked dynamic is then reported by Dynamo)
@@ -112,7 +123,7 @@ def _specialised(path: Any, v: Any) -> Any:
         shape = tuple(int(n) for n in v.shape)
         local = v._local
         if isinstance(local, torch.Tensor):
-            local = local.view(*v.mesh.shape, *local_shapes(v._layout, shape)[0])
+            local = local.view(*local.shape[:v.mesh.ndim], *local_shapes(v._layout, shape)[0])
         return ShardedArray(local, v._layout, shape, v.dtype, requires_grad=v.requires_grad)
     if isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape):
         return v.view(tuple(int(n) for n in v.shape))
@@ -206,6 +217,8 @@ def _key(func: Any, leaves: list) -> tuple:
             parts.append((path, "f"))
         elif isinstance(v, complex):
             parts.append((path, "c"))
+        elif v is True or v is False:  # True == 1 as a dict key, but promotes differently
+            parts.append((path, "b", v))
         else:
             parts.append((path, v))
     return tuple(parts)
@@ -306,11 +319,26 @@ class _Entry:
     out_dtypes: list = attrs.field(init=False)
     rebuild: Callable = attrs.field(init=False)
     stacked: bool = attrs.field(init=False)
+    batched: bool = attrs.field(init=False, default=True)
+    # hot-path precomputations: output strides, where the sharded args sit, and the
+    # mesh-dim sizes of stacked inputs already seen to broadcast (-> outputs canonical?)
+    out_strides: list = attrs.field(init=False)
+    positional: tuple | None = attrs.field(init=False)
+    moves: list = attrs.field(init=False)
+    verified: dict = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
         self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
+        self.out_strides = [None if s is None else _contiguous_strides(s) for s in self.out_shapes]
+        # the key holds the input layouts and shapes, so which inputs need resharding is fixed
+        self.moves = [
+            v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
+            for (_, v), want in zip(self.call.arrays, self.cand.in_layouts)
+        ]
+        paths = tuple(p for p, _ in self.call.arrays)
+        self.positional = paths if all(isinstance(p, int) for p in paths) else None
         c = self.cand
         self.stacked = (
             self.call.mesh.backend == "local"
@@ -323,29 +351,72 @@ class _Entry:
 
     def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
         arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
-        values = {p: raw_reshard(v, want) for (p, v), want in zip(arrays, self.cand.in_layouts)}
-        mesh = self.call.mesh
+        values = {p: raw_reshard(v, want) if move else v._local
+                  for (p, v), want, move in zip(arrays, self.cand.in_layouts, self.moves)}
         if self.stacked:
-            a, k = _replace(args, kwargs, lambda p, v: values.get(p, v) if isinstance(v, ShardedArray) else v)
-            a, k = (stacked_args or self.cand.stacked_args)(a, k, mesh.ndim)
-            outs, _ = _flat_outputs((self.cand.stacked_fn or self.func)(*a, **k))
-            locals_ = outs
+            locals_ = self._stacked(args, kwargs, values, stacked_args)
         else:
             locals_ = self._per_device(args, kwargs, values)
         results = []
-        for local, layout, shape, dtype in zip(locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes):
-            if symbolic and layout is not None:
-                shape = _global_of_stacked(local, layout)
+        for local, layout, shape, dtype, stride in zip(locals_, self.cand.out_layouts, self.out_shapes,
+                                                       self.out_dtypes, self.out_strides):
+            if layout is None:
+                results.append(local)
+                continue
+            if symbolic:
+                shape, stride = _global_of_stacked(local, layout), None
                 if not _ft.is_symbolic(shape):
                     shape = _check_static_output(self.func, args, kwargs, len(results), shape)
-            results.append(local if layout is None else wrap(local, layout, shape, dtype))
+            results.append(ShardedArray(local, layout, shape, dtype, stride=stride))
         return self.rebuild(results)
+
+    def _substituted(self, args: tuple, kwargs: dict, values: dict, fn: Callable) -> tuple[tuple, dict]:
+        """args/kwargs with each sharded argument replaced by ``fn(its backend value)``."""
+        if self.positional is not None:
+            a = list(args)
+            for p in self.positional:
+                a[p] = fn(values[p])
+            return tuple(a), kwargs
+        return _replace(args, kwargs, lambda p, v: fn(values[p]) if isinstance(v, ShardedArray) else v)
+
+    def _stacked(self, args: tuple, kwargs: dict, values: dict, stacked_args: Any) -> list:
+        """One local call on the stacked values; mesh dims of size 1 (the same on every
+        device) broadcast, unless this op was seen not to broadcast over leading dims, in
+        which case they are expanded first."""
+        local = _local_backend
+        mesh = self.call.mesh
+        adapt = stacked_args or self.cand.stacked_args
+        fn = self.cand.stacked_fn or self.func
+        layouts = self.cand.out_layouts
+        if self.batched:
+            m = mesh.ndim
+            sig = tuple(v.shape[:m] for v in values.values())
+            settled = self.verified.get(sig)
+            a, k = adapt(*self._substituted(args, kwargs, values, _same), m)
+            if settled is True:
+                return _flat_outputs(fn(*a, **k))[0]
+            try:
+                outs = _flat_outputs(fn(*a, **k))[0]
+            except (RuntimeError, IndexError, ValueError):
+                outs = None
+            tensors = [o if isinstance(o, torch.Tensor) and l is not None else None
+                       for o, l in zip(outs or (), layouts)]
+            if outs is not None and (settled is not None or local.batch_consistent(list(values.values()), tensors, mesh)):
+                fixed = [o if t is None else local.settle(o, l) for o, t, l in zip(outs, tensors, layouts)]
+                if len(self.verified) < 64:
+                    self.verified[sig] = all(f is o for f, o in zip(fixed, outs))
+                return fixed
+            self.batched = False
+        a, k = adapt(*self._substituted(args, kwargs, values, functools.partial(local.full, mesh=mesh)), mesh.ndim)
+        outs, _ = _flat_outputs(fn(*a, **k))
+        return [local.settle(o, l) if isinstance(o, torch.Tensor) and l is not None else o
+                for o, l in zip(outs, layouts)]
 
     def _per_device(self, args: tuple, kwargs: dict, values: dict) -> list:
         mesh = self.call.mesh
         backend = backend_for(mesh)
         if mesh.backend != "local":
-            a, k = _replace(args, kwargs, lambda p, v: values[p] if isinstance(v, ShardedArray) else v)
+            a, k = self._substituted(args, kwargs, values, _same)
             if self.cand.device_args is not None:
                 a, k = self.cand.device_args(a, k, backend.rank_of(mesh))
             outs, _ = _flat_outputs((self.cand.device_fn or self.func)(*a, **k))
@@ -363,6 +434,10 @@ class _Entry:
             col = [o[i] for o in per_dev]
             out.append(col[0] if layout is None else from_parts(col, layout, shape))
         return out
+
+
+def _same(v: Any) -> Any:
+    return v
 
 
 def _check_static_output(func: Any, args: tuple, kwargs: dict, i: int, shape: tuple) -> tuple:

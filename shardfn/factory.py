@@ -120,7 +120,7 @@ def _from_boxes(layout: Layout, shape: tuple[int, ...], make: MakeShard, dtype: 
 
 
 def _stacked(layout: Layout, shape: tuple[int, ...], make: MakeShard) -> torch.Tensor:
-    """An even local value: one shard per distinct box, expanded over replicating axes."""
+    """An even local value: one shard per distinct box, size 1 on the axes it does not vary over."""
     mesh = layout.mesh
     used = set(layout.axis_dim)
     sub = tuple(n if a in used else 1 for a, n in zip(mesh.axis_names, mesh.shape))
@@ -129,8 +129,7 @@ def _stacked(layout: Layout, shape: tuple[int, ...], make: MakeShard) -> torch.T
     for coords in itertools.product(*(range(n) for n in sub)):
         dev = _device_at(mesh.shape, coords)
         shards.append(make(dev, device_box(layout, shape, dev)))
-    stacked = shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
-    return stacked.expand(*mesh.shape, *local)
+    return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
 
 
 def _device_at(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
@@ -171,6 +170,12 @@ def make_array_from_callback(shape: ShapeLike, sharding: Sharding,
     boxes = _local_boxes(layout, shape)
     probe = data_callback(tuple(slice(lo, hi) for lo, hi in boxes[0]))
     first = boxes[0]
+    if not isinstance(probe, torch.Tensor) or tuple(probe.shape) != _box_shape(first):
+        got = tuple(probe.shape) if isinstance(probe, torch.Tensor) else type(probe).__name__
+        raise ShardingError(
+            f"make_array_from_callback: data_callback returned {got} for the shard at "
+            f"{[f'{lo}:{hi}' for lo, hi in first]}; it must return a tensor of shape {_box_shape(first)}"
+        )
 
     def make(box: Box) -> torch.Tensor:
         t = probe if box == first else data_callback(tuple(slice(lo, hi) for lo, hi in box))
@@ -200,14 +205,72 @@ def full(shape: ShapeLike, fill_value: bool | complex, sharding: Sharding | None
         >>> b = sf.full((1024,), 0.5, P("tp"), mesh=mesh)
     """
     shape = _shape(shape)
-    if dtype is None:
-        dtype = torch.full((), fill_value).dtype
+    dtype = _check_fill(fill_value, dtype)
     if sharding is None:
-        return torch.full(shape, fill_value, dtype=dtype, requires_grad=requires_grad)
+        return _allocating(shape, dtype, lambda: torch.full(shape, fill_value, dtype=dtype, requires_grad=requires_grad))
     layout = _layout(shape, sharding, mesh)
     device = _mesh_device(layout.mesh)
-    return _build(shape, layout, lambda box: torch.full(_box_shape(box), fill_value, dtype=dtype, device=device),
-                  dtype, requires_grad=requires_grad)
+    return _allocating(shape, dtype, lambda: _build(
+        shape, layout, lambda box: torch.full(_box_shape(box), fill_value, dtype=dtype, device=device),
+        dtype, requires_grad=requires_grad))
+
+
+def _check_fill(fill_value: object, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of ``full(shape, fill_value, dtype=dtype)``; a ShardingError when the
+    dtype cannot hold the value exactly (1.5 as an integer, 300 as uint8, 2 as bool)."""
+    if isinstance(fill_value, torch.Tensor) and fill_value.numel() == 1 and not isinstance(fill_value, ShardedArray):
+        fill_value = fill_value.item()
+    if not isinstance(fill_value, (bool, int, float, complex)):
+        raise ShardingError(
+            f"full: fill_value={fill_value!r} ({type(fill_value).__name__}) is not a number; "
+            f"pass a bool, int, float or complex"
+        )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ShardingError(f"full: dtype={dtype!r} is not a torch.dtype, e.g. torch.float32")
+    try:
+        held = torch.full((2,), fill_value, dtype=dtype)[0]  # (1,) skips the overflow check
+    except RuntimeError as e:
+        name = dtype if dtype is not None else "the dtype torch.full infers"
+        raise ShardingError(f"full: fill_value={fill_value!r} does not fit {name}: {e}") from None
+    if not _holds(held.item(), fill_value):
+        raise ShardingError(
+            f"full: fill_value={fill_value!r} cannot be held by dtype {held.dtype} (it would become "
+            f"{held.item()!r}); pass a value of that dtype or a dtype that holds it"
+        )
+    return held.dtype
+
+
+def _holds(held: object, value: object) -> bool:
+    """Whether storing ``value`` kept it (NaN and rounding to a float dtype count as kept)."""
+    if isinstance(value, bool) or isinstance(held, bool):
+        return bool(held) == bool(value) and (isinstance(held, bool) or held in (0, 1)) and value in (0, 1)
+    if isinstance(held, float) and not isinstance(value, complex):
+        return True  # a float dtype rounds (as torch.full does); overflow raised above
+    if isinstance(held, complex):
+        return True
+    if isinstance(value, complex):
+        return value.imag == 0 and held == value.real
+    return held == value
+
+
+def _allocating(shape: tuple[int, ...], dtype: torch.dtype, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``build()``, with an allocation failure reported with the size that failed."""
+    try:
+        return build()
+    except (RuntimeError, OverflowError, MemoryError) as e:
+        if isinstance(e, RuntimeError) and "alloc" not in str(e).lower() and "overflow" not in str(e).lower():
+            raise
+        raise ShardingError(
+            f"cannot allocate an array of shape {shape} and dtype {dtype} "
+            f"({_nbytes(shape, dtype)} bytes in total, before sharding): {str(e).splitlines()[0][:200]}"
+        ) from None
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 def zeros(shape: ShapeLike, sharding: Sharding | None = None, *, mesh: Mesh | None = None,
@@ -230,11 +293,12 @@ def empty(shape: ShapeLike, sharding: Sharding | None = None, *, mesh: Mesh | No
     shape = _shape(shape)
     dtype = dtype or torch.get_default_dtype()
     if sharding is None:
-        return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
+        return _allocating(shape, dtype, lambda: torch.empty(shape, dtype=dtype, requires_grad=requires_grad))
     layout = _layout(shape, sharding, mesh)
     device = _mesh_device(layout.mesh)
-    return _build(shape, layout, lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device),
-                  dtype, requires_grad=requires_grad)
+    return _allocating(shape, dtype, lambda: _build(
+        shape, layout, lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device),
+        dtype, requires_grad=requires_grad))
 
 
 def rand(shape: ShapeLike, sharding: Sharding | None = None, *, key: object = None, mesh: Mesh | None = None,

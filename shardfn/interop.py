@@ -91,6 +91,10 @@ def from_dtensor(dt: Any) -> ShardedArray:
     """A ShardedArray sharing ``dt``'s local tensor, on a dist mesh with the DeviceMesh's
     shape and dim names (``d0``, ``d1``, ... when unnamed). The DeviceMesh must span the
     whole world in row-major rank order."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(dt, DTensor):
+        raise ShardingError(f"from_dtensor takes a torch DTensor, got {type(dt).__name__}")
     dm = dt.device_mesh
     ranks = dm.mesh.flatten().tolist()
     if ranks != list(range(len(ranks))):

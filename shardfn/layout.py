@@ -20,7 +20,7 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 Box = tuple[tuple[int, int], ...]
 
 
-@attrs.frozen(repr=False)
+@attrs.frozen(repr=False, cache_hash=True)
 class Layout:
     """Canonical sharding of an ``ndim``-dim value: mesh axes per tensor dim (major
     first) and the pending reductions, as ``(axis, op)`` pairs in mesh order."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Sequence
@@ -47,6 +48,43 @@ def _check_names(names: object, ndim: int) -> tuple[str, ...]:
     return names
 
 
+def _check_device_type(device_type: object) -> None:
+    """A device type this machine has (torch's own availability checks)."""
+    if not isinstance(device_type, str):
+        raise ShardingError(f"Mesh device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
+    try:
+        kind = torch.device(device_type)
+    except (RuntimeError, ValueError, TypeError):
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} is not a torch device type; use one of {_available_types()}"
+        ) from None
+    if kind.index is not None or kind.type != device_type:
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} must be a bare device type (no index); "
+            f"use one of {_available_types()}"
+        )
+    if kind.type not in _available_types():
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} is not available on this machine; "
+            f"available: {_available_types()}"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _available_types() -> tuple[str, ...]:
+    """The device types this machine can allocate on ("meta": shapes only, always there)."""
+    found = ["cpu", "meta"]
+    for name in ("cuda", "xpu", "mps", "mtia", "hpu"):
+        mod = getattr(torch, name, None)
+        available = getattr(mod, "is_available", None)
+        try:
+            if available is not None and available():
+                found.append(name)
+        except Exception:  # a backend's probe failing means the device is not usable
+            continue
+    return tuple(found)
+
+
 def _default_backend(size: int) -> str:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() == size:
@@ -85,6 +123,7 @@ class Mesh:
             raise ShardingError(f"Mesh backend {backend!r} is unknown; use one of {_BACKENDS}")
         if device_type is None:
             device_type = "cuda" if backend == "dist" and torch.cuda.is_available() else "cpu"
+        _check_device_type(device_type)
         self.__attrs_init__(shape, names, backend, device_type)
 
     @property

@@ -27,6 +27,7 @@ import functools
 import heapq
 import itertools
 import math
+import operator
 from typing import Sequence
 
 import attrs
@@ -180,10 +181,25 @@ def plan_redistribute(src, dst, shape: Sequence[int], *, dtype: torch.dtype = to
     """
     from .spec import to_layout
 
-    shape = tuple(int(n) for n in shape)
+    shape = check_shape(shape)
+    if not isinstance(dtype, torch.dtype):
+        raise ShardingError(f"plan_redistribute: dtype={dtype!r} is not a torch.dtype, e.g. torch.float32")
     src_l = to_layout(src, len(shape), mesh, arg="src")
     dst_l = to_layout(dst, len(shape), src_l.mesh, arg="dst")
     return plan_layouts(src_l, dst_l, shape, dtype)
+
+
+def check_shape(shape: object, where: str = "plan_redistribute") -> tuple[int, ...]:
+    """A global shape as a tuple of non-negative ints (a string is not a shape)."""
+    ok = isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)) and all(
+        hasattr(n, "__index__") and not isinstance(n, bool) and operator.index(n) >= 0 for n in shape
+    )
+    if not ok:
+        raise ShardingError(
+            f"{where}: shape={shape!r} is not a shape; pass a tuple of non-negative "
+            f"ints, e.g. (8, 16) (a torch.Size works too)"
+        )
+    return tuple(operator.index(n) for n in shape)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -31,7 +31,7 @@ import torch
 from . import _counter_rng as _rng
 from .array import ShardedArray, raw_full, raw_reshard
 from .errors import ShardingError
-from .factory import ShapeLike, _build, _from_boxes, _layout, _mesh_device, _shape, _shard_of
+from .factory import ShapeLike, _allocating, _build, _from_boxes, _layout, _mesh_device, _shape, _shard_of
 from .layout import Box, Layout
 from .mesh import Mesh
 from .spec import Sharding
@@ -106,10 +106,10 @@ def _sample(shape: ShapeLike, sharding: Sharding | None, mesh: Mesh | None, dtyp
     tensor) or over each local shard's box."""
     shape = _shape(shape)
     if sharding is None:
-        return draw(shape, None, None)
+        return _allocating(shape, dtype, lambda: draw(shape, None, None))
     layout = _layout(shape, sharding, mesh)
     device = _mesh_device(layout.mesh)
-    return _build(shape, layout, lambda box: draw(shape, box, device), dtype)
+    return _allocating(shape, dtype, lambda: _build(shape, layout, lambda box: draw(shape, box, device), dtype))
 
 
 def uniform(key: KeyLike, shape: ShapeLike = (), sharding: Sharding | None = None, *,

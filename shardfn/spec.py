@@ -119,6 +119,13 @@ class Shard:
 
     dim: int
 
+    def __attrs_post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise ShardingError(
+                f"Shard(dim={self.dim!r}): dim must be an int tensor dim (negative counts "
+                f"from the end), e.g. Shard(0) or Shard(-1); got {type(self.dim).__name__}"
+            )
+
     def __str__(self) -> str:
         return f"S({self.dim})"
 
@@ -133,7 +140,12 @@ class Replicate:
 
 @attrs.frozen
 class Partial:
-    """Devices along this mesh axis hold parts whose reduction by ``op`` is the value."""
+    """Devices along this mesh axis hold parts whose reduction by ``op`` is the value.
+
+    ``op`` is "sum", "avg", "max" or "min". "avg" needs a floating or complex dtype (as
+    ``torch.mean`` does: an integer average would round differently on different mesh
+    shapes); "max"/"min" need a real dtype. Both are checked where the layout meets the
+    value (distribute, from_local, reshard, factories) with a ShardingError."""
 
     op: str = attrs.field(default="sum")
 
@@ -147,12 +159,34 @@ class Partial:
 Placement = Union[Shard, Replicate, Partial]
 
 
+def check_mesh(mesh: object, where: str) -> Mesh:
+    """``mesh`` itself if it is a Mesh, else a ShardingError naming ``where``."""
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(
+            f"{where} is {mesh!r} ({type(mesh).__name__}), not a Mesh; build one with "
+            f"sf.Mesh(shape, axis_names), e.g. sf.Mesh((2, 4), ('x', 'y'))"
+        )
+    return mesh
+
+
+def _as_spec(spec: object) -> P:
+    """A NamedSharding's spec: a P, or a tuple/list of P entries."""
+    if isinstance(spec, P):
+        return spec
+    if isinstance(spec, (tuple, list)):
+        return P(*spec)
+    raise ShardingError(
+        f"NamedSharding(spec={spec!r}): spec must be a P(...) (P() for replicated), "
+        f"or a tuple of its entries; got {type(spec).__name__}"
+    )
+
+
 @attrs.frozen
 class NamedSharding:
     """A spec bound to a mesh."""
 
-    mesh: Mesh
-    spec: P = attrs.field(converter=lambda s: s if isinstance(s, P) else P(*s))
+    mesh: Mesh = attrs.field(validator=lambda _, __, m: check_mesh(m, "NamedSharding(mesh=...)"))
+    spec: P = attrs.field(converter=lambda s: _as_spec(s))
 
     def placements(self, ndim: int) -> tuple[Placement, ...]:
         """The DTensor-style placements (one per mesh axis) for an ``ndim``-dim value."""
@@ -256,11 +290,11 @@ def to_layout(sharding: Sharding, ndim: int, mesh: Mesh | None = None, *, arg: s
             raise ShardingError(f"{arg}: layout {sharding!r} has rank {sharding.ndim}, tensor has rank {ndim}")
         return sharding
     if isinstance(sharding, NamedSharding):
-        if mesh is not None and sharding.mesh != mesh:
+        if mesh is not None and check_mesh(mesh, "mesh=") != sharding.mesh:
             raise ShardingError(f"{arg} is on {sharding.mesh!r} but the value is on {mesh!r}; "
                                 f"values on different meshes cannot be combined")
         return sharding.layout(ndim)
-    mesh = mesh if mesh is not None else current_mesh()
+    mesh = check_mesh(mesh, "mesh=") if mesh is not None else current_mesh()
     if mesh is None:
         raise ShardingError(
             f"{arg}={sharding!r} needs a mesh: pass mesh=, use a NamedSharding, or enter `with mesh:`"

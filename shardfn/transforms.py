@@ -24,7 +24,7 @@ from .backends import backend_for
 from .errors import ShardingError
 from .layout import Layout, device_box, is_even
 from .mesh import Mesh, current_mesh
-from .spec import NamedSharding, P, Sharding, _is_placements, layout_to_spec, to_layout
+from .spec import NamedSharding, P, Sharding, _is_placements, check_mesh, layout_to_spec, to_layout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -82,6 +82,8 @@ def _layout(spec: Any, ndim: int, mesh: Mesh, where: str) -> Layout:
 
 def _mesh_for(mesh: Mesh | None, leaves: list, fn: str) -> Mesh:
     arrays = [v for v in leaves if isinstance(v, ShardedArray)]
+    if mesh is not None:
+        check_mesh(mesh, f"{fn}(mesh=...)")
     if mesh is None:
         mesh = arrays[0].mesh if arrays else current_mesh()
     if mesh is None:

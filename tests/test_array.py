@@ -31,7 +31,26 @@ def test_even_values_are_stacked_and_uneven_ones_listed(mesh24):
     assert isinstance(even._local, torch.Tensor) and even._local.shape == (2, 4, 4, 2)
     assert isinstance(uneven._local, tuple) and len(uneven._local) == 8
     rep = sf.distribute(torch.randn(3, 3), P(), mesh=mesh24)
-    assert rep._local.stride()[:2] == (0, 0)  # replicas are views of one tensor
+    assert rep._local.shape == (1, 1, 3, 3)  # each distinct shard stored once
+    half = sf.distribute(torch.randn(8, 3), P("x"), mesh=mesh24)
+    assert half._local.shape == (2, 1, 4, 3)  # the same on every device of 'y'
+    assert [s.shape for s in half.local_shards()] == [(4, 3)] * 8
+
+
+def test_ops_on_compact_values_match_torch(mesh24):
+    """Mixed compact layouts broadcast over the mesh dims and give the unsharded values."""
+    a, b, w = torch.randn(8, 6), torch.randn(6), torch.randn(6, 4)
+    xa = sf.distribute(a, P("x"), mesh=mesh24)
+    xb = sf.distribute(b, P(), mesh=mesh24)
+    xw = sf.distribute(w, P(None, "y"), mesh=mesh24)
+    mm = (xa + xb).relu() @ xw
+    assert mm._local.shape == (2, 4, 4, 1)
+    out = mm.softmax(-1)
+    torch.testing.assert_close(out.full_tensor(), ((a + b).relu() @ w).softmax(-1))
+    s = (xa * 2).sum(0)
+    torch.testing.assert_close(s.full_tensor(), (a * 2).sum(0))
+    r = xa.reshape(2, 4, 6).transpose(0, 1)
+    torch.testing.assert_close(r.full_tensor(), a.reshape(2, 4, 6).transpose(0, 1))
 
 
 def test_distribute_into_partial_keeps_the_value(mesh24):
@@ -89,11 +108,12 @@ def test_to_local_from_local_of_partial_is_a_noop_for_values_and_grads(mesh24):
 
 
 def test_from_local_partial_avg_and_max_gradients(mesh22):
-    parts = [torch.tensor([float(i), 5.0 - i], requires_grad=True) for i in range(4)]
+    # replicated over 'x': devices 0/2 and 1/3 hold equal parts (from_local checks that)
+    parts = [torch.tensor([float(i % 2), 5.0 - i % 2], requires_grad=True) for i in range(4)]
     x = ShardedArray.from_local(parts, P(partial={"y": "avg"}), mesh=mesh22)
     x.full_tensor().sum().backward()
     assert all(torch.equal(p.grad, torch.full((2,), 0.5)) for p in parts)
-    parts = [torch.tensor([float(i), 5.0 - i], requires_grad=True) for i in range(4)]
+    parts = [torch.tensor([float(i % 2), 5.0 - i % 2], requires_grad=True) for i in range(4)]
     x = ShardedArray.from_local(parts, P(partial={"y": "max"}), mesh=mesh22)
     torch.testing.assert_close(x.full_tensor(), torch.tensor([1.0, 5.0]))
     x.full_tensor().sum().backward()

@@ -264,7 +264,7 @@ def test_pytree_reshard_coalesces_tp_sharded_gradients() -> None:
     tree = [sf.reshard(t, P(*s, partial="dp")) for t, s in zip(tree, specs)]
     with sf.debug.CommCounter() as cc:
         out = sf.reshard(tree, specs)
-    assert cc.counts == {"all_reduce": 1}, cc
+    assert cc.counts == {"all_reduce": 2}, cc  # the three tp-sharded leaves together, the whole one apart
     for o, t, s in zip(out, fulls, specs):
         assert o.spec == s
         close(o, t)

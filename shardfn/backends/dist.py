@@ -528,7 +528,9 @@ def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int
 
 def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None) -> tuple[int, ...]:
     """The global shape: ``shape`` if given, else the even one (local size times the sizes of
-    the axes sharding each dim); this rank's shard is checked against it (no exchange)."""
+    the axes sharding each dim); this rank's shard is checked against it, and every rank's
+    global shape and dtype against the others' (one small all_gather), so a mismatch is a
+    ShardingError on every rank rather than a hang or abort in a later collective."""
     mesh, x = layout.mesh, shards[0]
     rank = _state(mesh).rank
     if shape is None:
@@ -536,16 +538,65 @@ def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence
             n * math.prod(mesh.axis_size(a) for a in axes) for n, axes in zip(x.shape, layout.dims)
         )
     shape = tuple(int(n) for n in shape)
+    error = None
     if len(shape) != x.dim():
-        raise ShardingError(f"from_local: shape={shape} has rank {len(shape)} but the local tensor has rank {x.dim()}")
-    want = local_shapes(layout, shape)[rank]
-    if want != tuple(x.shape):
-        raise ShardingError(
+        error = f"from_local: shape={shape} has rank {len(shape)} but the local tensor has rank {x.dim()}"
+    elif local_shapes(layout, shape)[rank] != tuple(x.shape):
+        error = (
             f"from_local: rank {rank} (mesh coords {mesh.coords(rank)}) has a local tensor of shape "
             f"{tuple(x.shape)}, but {describe(shape, x.dtype, layout)} on {mesh!r} puts a shard of shape "
-            f"{want} there; pass shape= with the global shape for uneven layouts"
+            f"{local_shapes(layout, shape)[rank]} there; pass shape= with the global shape for uneven layouts"
         )
+    check_same_meta(mesh, shape, x.dtype, "from_local", error)
     return shape
+
+
+_DTYPE_CODE = {d: i for i, d in enumerate(sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))}
+_META_DIMS = 8  # shape entries sent as is; longer shapes also send a checksum
+
+
+def check_same_meta(mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: str, error: str | None = None) -> None:
+    """Every rank of ``mesh`` passed one global shape and dtype to ``what`` and none hit a
+    local ``error``; otherwise a ShardingError on every rank naming the ranks that differ."""
+    if _tracing():
+        if error is not None:
+            raise ShardingError(error)
+        return  # traced code: the eager run checked these inputs
+    st = _state(mesh)
+    shape = tuple(shape)
+    meta = [int(error is not None), _DTYPE_CODE.get(dtype, -1), len(shape)]
+    meta += list(shape[:_META_DIMS]) + [0] * (_META_DIMS - min(len(shape), _META_DIMS))
+    meta.append(sum((i + 1) * 1_000_003 * n for i, n in enumerate(shape)) % (1 << 62))
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    rows = run_collective(
+        f"{what} metadata check", st.groups[mesh.axis_names], funcol.all_gather_tensor, mine, 0
+    ).view(mesh.size, -1).tolist()
+    if error is not None:
+        raise ShardingError(error)
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        raise ShardingError(f"{what}: rank(s) {failed} rejected their input (see their error); every rank must pass a valid input")
+    differ = [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]
+    if differ:
+        raise ShardingError(
+            f"{what}: ranks disagree on the global shape/dtype: rank 0 has {_meta_str(rows[0])}, "
+            + ", ".join(f"rank {r} has {_meta_str(rows[r])}" for r in differ[:4])
+            + f". Every rank must pass tensors of one global shape and dtype"
+        )
+
+
+def _tracing() -> bool:
+    """Whether torch.compile is tracing (no data-dependent collectives there)."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
+
+
+def _meta_str(row: list[int]) -> str:
+    names = {i: d for d, i in _DTYPE_CODE.items()}
+    ndim = row[2]
+    shape = tuple(row[3:3 + min(ndim, _META_DIMS)]) + (("...",) if ndim > _META_DIMS else ())
+    return f"{names.get(row[1], 'an unknown dtype')}{list(shape)}"
 
 
 def shard_list(value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, ...]:

@@ -1,10 +1,13 @@
 """The local backend: every device of the mesh simulated in this process.
 
-A value is either *stacked*, one tensor of shape ``(*mesh.shape, *local_shape)`` when
-every shard has the same shape (collectives are then reshapes/reductions over the mesh
-dims and an op runs once for the whole mesh), or a tuple of per-device shards
-(row-major) for uneven layouts. Replicated values are stacked as expanded views, which
-is safe because shards are never written in place.
+A value is either *stacked*, one tensor of shape ``(d_0, ..., d_{m-1}, *local_shape)``
+when every shard has the same shape, or a tuple of per-device shards (row-major) for
+uneven layouts. In a stacked value ``d_k`` is the size of mesh axis k, or 1 where the
+layout does not vary over axis k (the axis shards no dim and is not pending a reduction):
+each distinct shard is stored once, and an op on stacked values runs once, broadcasting
+over the mesh dims, so a computation replicated over an axis costs what it costs once.
+:func:`full` expands the size-1 mesh dims (a view) for code that needs every device's
+shard; :func:`compact` cuts them back to size 1.
 """
 
 from __future__ import annotations
@@ -24,11 +27,67 @@ Value = Union[torch.Tensor, tuple]
 # -- conversions between the two forms ----------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4096)
+def varying(layout: Layout) -> tuple[bool, ...]:
+    """Per mesh axis: whether shards differ along it (it shards a dim or is pending)."""
+    pending = layout.partial_ops
+    return tuple(a in layout.axis_dim or a in pending for a in layout.mesh.axis_names)
+
+
+def full(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """A stacked value with every mesh dim at its axis size (size-1 dims expanded)."""
+    m = mesh.ndim
+    if tuple(value.shape[:m]) == mesh.shape:
+        return value
+    return value.expand(*mesh.shape, *value.shape[m:])
+
+
+def compact(value: Value, layout: Layout) -> Value:
+    """A stacked value with the mesh dims ``layout`` does not vary over cut to size 1."""
+    if isinstance(value, tuple):
+        return value
+    for k, v in enumerate(varying(layout)):
+        if not v and value.shape[k] != 1:
+            value = value.narrow(k, 0, 1)
+    return value
+
+
+def settle(value: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """An op's stacked output in its canonical form for ``layout``: size 1 on the axes
+    the layout does not vary over, the axis size on the others (a size-1 output there
+    was computed from inputs that are the same on every device, so it is too)."""
+    mesh = layout.mesh
+    for k, v in enumerate(varying(layout)):
+        n = value.shape[k]
+        if v and n == 1 and mesh.shape[k] != 1:
+            value = value.expand(*value.shape[:k], mesh.shape[k], *value.shape[k + 1:])
+        elif not v and n != 1:
+            value = value.narrow(k, 0, 1)
+    return value
+
+
+def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], mesh: Mesh) -> bool:
+    """Whether outputs of a local op run on size-1-compacted stacked inputs broadcast like
+    the inputs: each mesh dim 1 or the axis size, and never 1 where an input varies (an op
+    that does not broadcast over leading dims would have dropped devices)."""
+    for k, g in enumerate(mesh.shape):
+        if g == 1:
+            continue
+        wide = any(t.shape[k] != 1 for t in ins)
+        for o in outs:
+            if o is None:
+                continue
+            n = o.shape[k]
+            if n != 1 and n != g or (wide and n == 1):
+                return False
+    return True
+
+
 def parts(value: Value, mesh: Mesh) -> tuple[torch.Tensor, ...]:
     """Per-device shards (row-major), as views when the value is stacked."""
     if isinstance(value, tuple):
         return value
-    out = [value]
+    out = [full(value, mesh)]
     for _ in range(mesh.ndim):
         out = [t for v in out for t in v.unbind(0)]
     return tuple(out)
@@ -41,19 +100,19 @@ def stack(shards: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
 def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
     """Store shards in the preferred form for this layout."""
     if is_even(layout, shape):
-        return stack(shards, layout.mesh)
+        return compact(stack(shards, layout.mesh), layout)
     return tuple(shards)
 
 
-def replicated(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """A stacked value in which every device holds ``full`` (an expanded view)."""
-    return full.view((1,) * mesh.ndim + tuple(full.shape)).expand(*mesh.shape, *full.shape)
+def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """A stacked value in which every device holds ``whole`` (size 1 on every mesh dim)."""
+    return whole.view((1,) * mesh.ndim + tuple(whole.shape))
 
 
 def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:
     if isinstance(value, tuple):
         return value[device]
-    return value[mesh.coords(device)]
+    return value[tuple(c if n > 1 else 0 for c, n in zip(mesh.coords(device), value.shape))]
 
 
 # -- reductions -----------------------------------------------------------------------
@@ -84,19 +143,19 @@ def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtyp
     such values only take the stacked path, which keeps the sizes symbolic."""
     mesh = step.src.mesh
     if not isinstance(value, tuple) and is_even(step.dst, shape):
-        if sym_shape is not None and step.kind in _REGRID_KINDS:
-            out = _regrid(step.src, step.dst, shape, value, sym_shape)
+        if step.kind in _REGRID_KINDS:
+            out = _regrid(step.src, step.dst, shape, full(value, mesh), sym_shape)
         else:
             out = _STACKED[step.kind](step, value, mesh, shape)
         if out is not None:
-            return out
+            return compact(out, step.dst)
     if sym_shape is not None:
         # uneven shards need concrete sizes: specialise (a guard on each symbolic size)
         for n, h in zip(sym_shape, shape):
             if int(n) != h:
                 raise AssertionError(f"symbolic size {n} has hint {h} but value {int(n)}")
         if not isinstance(value, tuple):
-            value = value.view(*mesh.shape, *local_shapes(step.src, shape)[0])
+            value = value.view(*value.shape[:mesh.ndim], *local_shapes(step.src, shape)[0])
         return run_step(step, value, shape, dtype)
     shards = parts(value, mesh)
     if step.kind in ("all_reduce", "reduce_local"):
@@ -240,14 +299,20 @@ def _prod(mesh: Mesh, axes: Sequence[str]) -> int:
     return p
 
 
+def _along(x: torch.Tensor, ai: int, mesh: Mesh) -> torch.Tensor:
+    """``x`` with mesh dim ``ai`` at its axis size (a value the same on every device of
+    the axis is expanded, so a sum over the axis counts every device)."""
+    return x.expand(*x.shape[:ai], mesh.shape[ai], *x.shape[ai + 1:])
+
+
 def _all_reduce(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     ai, _ = _ai(step, mesh)
-    return _reduce(x, ai, step.op).expand(x.shape)
+    return _reduce(_along(x, ai, mesh), ai, step.op)
 
 
 def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     ai, m = _ai(step, mesh)
-    r = _split(_reduce(x, ai, step.op), m + step.dim, mesh.shape[ai])
+    r = _split(_reduce(_along(x, ai, mesh), ai, step.op), m + step.dim, mesh.shape[ai])
     return r.squeeze(ai).movedim(m - 1 + step.dim, ai)
 
 
@@ -255,6 +320,7 @@ def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...
     if step.op != "sum":
         return x
     ai, _ = _ai(step, mesh)
+    x = _along(x, ai, mesh)
     keep = torch.zeros(mesh.shape[ai], dtype=torch.bool, device=x.device)
     keep[0] = True
     keep = keep.view([-1 if i == ai else 1 for i in range(x.dim())])
@@ -313,7 +379,7 @@ def _run_routes(routes, shards: tuple, dst: Layout, shape: tuple[int, ...]) -> V
         views = parts(out, mesh)
         for r in routes:
             views[r.dst][r.dst_slices] = shards[r.src][r.src_slices]
-        return out
+        return compact(out, dst)
     by_dst: dict[int, list] = {}
     for r in routes:
         by_dst.setdefault(r.dst, []).append(r)

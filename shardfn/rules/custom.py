@@ -36,7 +36,29 @@ class EinsumRule:
                 f"{[len(s) for s in ins]} and an output of rank {len(out)}, but the call has "
                 f"tensor inputs of ranks {ranks} and outputs of ranks {[m.dim() for m in outs]}"
             )
+        _check_sizes(self.eq, ins, out, call.shapes, tuple(outs[0].shape), call.func)
         return compile_dims(call, einsum_dims(self.eq))
+
+
+def _check_sizes(eq: str, ins: Sequence[str], out: str, shapes: Sequence[tuple], out_shape: tuple,
+                 func: Any) -> None:
+    """Each letter names one size across the operands, and the output's dims have the
+    sizes its letters name (a misordered rule would otherwise give wrong values)."""
+    sizes: dict[str, tuple[int, str]] = {}
+    for i, (letters, shape) in enumerate(zip(ins, shapes)):
+        for d, (L, n) in enumerate(zip(letters, shape)):
+            seen = sizes.setdefault(L, (n, f"input {i} dim {d}"))
+            if seen[0] != n:
+                raise ShardingError(
+                    f"{_name(func)}: sharding rule {eq!r} gives letter {L!r} size {seen[0]} ({seen[1]}) "
+                    f"and size {n} (input {i} dim {d}); a letter must name one size"
+                )
+    for d, (L, n) in enumerate(zip(out, out_shape)):
+        if sizes[L][0] != n:
+            raise ShardingError(
+                f"{_name(func)}: sharding rule {eq!r} says output dim {d} is {L!r} of size {sizes[L][0]} "
+                f"({sizes[L][1]}), but the op's output has shape {out_shape}; fix the output letters"
+            )
 
 
 @attrs.frozen
@@ -128,9 +150,9 @@ def _overloads(op: Any) -> list:
     )
 
 
-def _as_rule(rule: Any) -> Rule:
+def _as_rule(rule: Any, ops: list) -> Rule:
     if isinstance(rule, str):
-        parse_einsum(rule)
+        _check_einsum(rule, ops)
         return EinsumRule(rule)
     if hasattr(rule, "candidates"):
         return rule
@@ -140,8 +162,94 @@ def _as_rule(rule: Any) -> Rule:
     )
 
 
+def _check_einsum(eq: str, ops: list) -> None:
+    """Syntax, letters and arity of an einsum rule, checked when it is registered."""
+    def bad(why: str) -> ShardingError:
+        return ShardingError(
+            f"register_sharding: einsum rule {eq!r} {why}; write one comma-separated group of "
+            f"letters per tensor input, '->', and the output's letters, e.g. 'mk,kn->mn' for mm"
+        )
+
+    if eq.replace(" ", "").count("->") != 1:
+        raise bad("needs exactly one '->'")
+    ins, out = parse_einsum(eq)
+    for part in (*ins, out):
+        if not all(c.isascii() and c.isalpha() for c in part):
+            raise bad(f"has {part!r}, which is not letters only")
+        if len(set(part)) != len(part):
+            raise bad(f"repeats a letter within {part!r}")
+    missing = sorted(set(out) - set("".join(ins)))
+    if missing:
+        raise bad(f"has output letter(s) {missing} that no input names")
+    for op in ops:
+        _check_arity(eq, len(ins), op)
+
+
+def _check_arity(eq: str, n: int, op: Any) -> None:
+    """The rule has one operand per Tensor parameter and the op returns one Tensor."""
+    types = [str(a.type) for a in op._schema.arguments]
+    if any("Tensor" in t and "[]" in t for t in types):
+        return  # a tensor list: its length is known at the call only
+    required = sum(t == "Tensor" for t in types)
+    optional = sum(t in ("Tensor?", "Optional[Tensor]") for t in types)
+    returns = [str(r.type) for r in op._schema.returns]
+    if not required <= n <= required + optional:
+        raise ShardingError(
+            f"register_sharding: einsum rule {eq!r} has {n} input(s) but {op} takes "
+            f"{required}{f' to {required + optional}' if optional else ''} tensor(s): {op._schema}"
+        )
+    if returns != ["Tensor"]:
+        raise ShardingError(
+            f"register_sharding: an einsum rule describes one tensor output, but {op} returns "
+            f"{returns}: {op._schema}; use the decorator form for several outputs"
+        )
+
+
 @overload
 def register_sharding(op: Any, rule: str | Rule) -> None: ...
+def _check_einsum(eq: str, ops: list) -> None:
+    """Syntax, letters and arity of an einsum rule, checked when it is registered."""
+    def bad(why: str) -> ShardingError:
+        return ShardingError(
+            f"register_sharding: einsum rule {eq!r} {why}; write one comma-separated group of "
+            f"letters per tensor input, '->', and the output's letters, e.g. 'mk,kn->mn' for mm"
+        )
+
+    if eq.replace(" ", "").count("->") != 1:
+        raise bad("needs exactly one '->'")
+    ins, out = parse_einsum(eq)
+    for part in (*ins, out):
+        if not all(c.isascii() and c.isalpha() for c in part):
+            raise bad(f"has {part!r}, which is not letters only")
+        if len(set(part)) != len(part):
+            raise bad(f"repeats a letter within {part!r}")
+    missing = sorted(set(out) - set("".join(ins)))
+    if missing:
+        raise bad(f"has output letter(s) {missing} that no input names")
+    for op in ops:
+        _check_arity(eq, len(ins), op)
+
+
+def _check_arity(eq: str, n: int, op: Any) -> None:
+    """The rule has one operand per Tensor parameter and the op returns one Tensor."""
+    types = [str(a.type) for a in op._schema.arguments]
+    if any("Tensor" in t and "[]" in t for t in types):
+        return  # a tensor list: its length is known at the call only
+    required = sum(t == "Tensor" for t in types)
+    optional = sum(t in ("Tensor?", "Optional[Tensor]") for t in types)
+    returns = [str(r.type) for r in op._schema.returns]
+    if not required <= n <= required + optional:
+        raise ShardingError(
+            f"register_sharding: einsum rule {eq!r} has {n} input(s) but {op} takes "
+            f"{required}{f' to {required + optional}' if optional else ''} tensor(s): {op._schema}"
+        )
+    if returns != ["Tensor"]:
+        raise ShardingError(
+            f"register_sharding: an einsum rule describes one tensor output, but {op} returns "
+            f"{returns}: {op._schema}; use the decorator form for several outputs"
+        )
+
+
 @overload
 def register_sharding(op: Any, rule: None = None) -> Callable[[Callable], Callable]: ...
 
@@ -168,7 +276,7 @@ def register_sharding(op: Any, rule: Any = None) -> Any:
             return fn
 
         return decorate
-    _install(ops, _as_rule(rule))
+    _install(ops, _as_rule(rule, ops))
     return None
 
 

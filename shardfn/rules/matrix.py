@@ -28,6 +28,10 @@ def _align(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if b.dim() > 2 and a.dim() >= b.dim() and all(n == 1 for n in b.shape[:-2]):
+        # b is the same on every device (and batch): one matmul with a's leading dims
+        # folded into rows, not a batched one over an expanded b
+        return torch.matmul(a, b.reshape(b.shape[-2:]))
     return torch.matmul(a, b)
 
 

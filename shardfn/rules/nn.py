@@ -14,7 +14,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from .base import Candidate, OpCall, _schema_info, bind, letters
+from .base import Candidate, OpCall, _schema_info, bind, letters, same_args
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .loss import ClassSharded
 
@@ -68,6 +68,28 @@ class Leading:
 _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only
 
 
+@attrs.frozen
+class _FoldMesh:
+    """Run ``func`` with the (broadcast) mesh dims of every tensor merged into its dim 0
+    (contiguous: the CPU kernel misreads grouped-query heads from transposed strides)."""
+
+    func: Any
+    m: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        m = self.m
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        lead = torch.broadcast_shapes(*(t.shape[:m] for t in tensors))
+
+        def fold(a: Any) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            return a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
+
+        outs = self.func(*[fold(a).contiguous() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)
+
+
 def _lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...], grouped: bool = False) -> tuple:
     """Letters for the leading dims of the same size as ``ref``'s; with ``grouped`` the
     last leading dim (grouped-query kv heads) is lettered whatever its size."""
@@ -112,15 +134,22 @@ class Attention:
         q, k = b["query"], b["key"]
         fn = _empty_heads_safe(call.func)
         if q.dim() != 4 or k.dim() != 4 or q.shape[1] == k.shape[1]:
-            return [attrs.evolve(c, device_fn=fn) for c in _ATTN_RULE.candidates(call)]
-        hq, hkv = q.shape[1], k.shape[1]
-        if hkv == 0 or hq % hkv:
-            return []
-        rule = _ATTN_GQA if self.forward else _ATTN_GQA_BWD
-        qi = 0 if self.forward else 1
-        mesh = call.mesh
-        return [attrs.evolve(c, device_fn=fn) for c in rule.candidates(call)
-                if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
+            cands = _ATTN_RULE.candidates(call)
+        else:
+            hq, hkv = q.shape[1], k.shape[1]
+            if hkv == 0 or hq % hkv:
+                return []
+            rule = _ATTN_GQA if self.forward else _ATTN_GQA_BWD
+            qi = 0 if self.forward else 1
+            mesh = call.mesh
+            cands = [c for c in rule.candidates(call)
+                     if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
+        if b.get("attn_mask") is not None:
+            return [attrs.evolve(c, device_fn=fn) for c in cands]
+        # without a mask every tensor starts with the batch dim: on stacked shards the mesh
+        # dims fold into it and the kernel runs once for the whole mesh
+        fold = _FoldMesh(call.func, call.mesh.ndim)
+        return [attrs.evolve(c, device_fn=fn, stacked_args=same_args, stacked_fn=fold) for c in cands]
 
 
 def _empty_heads_safe(op: Any) -> Callable:

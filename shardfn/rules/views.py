@@ -125,7 +125,8 @@ class _SetArg:
     value: Any
 
     def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-        return replace_arg(self.func, args, kwargs, self.arg, list(self.value))
+        # the leading (mesh) sizes follow the input: 1 where it is the same on every device
+        return replace_arg(self.func, args, kwargs, self.arg, [*args[0].shape[:m], *self.value[m:]])
 
 
 @attrs.frozen
@@ -420,7 +421,7 @@ class _NewStacked:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         x = args[0][(0,) * len(self.mesh_shape)]
         one = self.func(x, *args[1:], **kwargs)
-        return one.expand(*self.mesh_shape, *one.shape)
+        return one.view(*(1,) * len(self.mesh_shape), *one.shape)
 
 
 @attrs.frozen
@@ -455,7 +456,8 @@ class _SizedArgs:
     dim: int
 
     def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-        args, kwargs = replace_arg(self.func, args, kwargs, "input_sizes", list(self.sizes))
+        sizes = [*args[0].shape[:m], *self.sizes[m:]]
+        args, kwargs = replace_arg(self.func, args, kwargs, "input_sizes", sizes)
         return replace_arg(self.func, args, kwargs, "dim", self.dim)
 
 

@@ -81,6 +81,40 @@ def placements_dtensor_cannot_express_are_errors(mesh: sf.Mesh) -> None:
         sf.distribute(torch.ones(4), P("x"), mesh=local).to_dtensor()
 
 
+@scenario(backends=DIST)
+def from_local_shapes_differing_across_ranks_fail_on_every_rank(mesh: sf.Mesh) -> None:
+    """Each rank's shard fits *its own* global shape, but the ranks disagree: a
+    ShardingError on every rank (not an abort inside a later collective)."""
+    rank = dist.get_rank()
+    n = 3 if rank == 1 else 2
+    with pytest.raises(sf.ShardingError, match=r"from_local: ranks disagree on the global shape/dtype"):
+        sf.ShardedArray.from_local(torch.ones(n, 4), P(), mesh=mesh)
+    dtype = torch.float32 if rank == 2 else torch.float64
+    with pytest.raises(sf.ShardingError, match=r"ranks disagree.*torch.float32"):
+        sf.ShardedArray.from_local(torch.ones(2, 4, dtype=dtype), P(mesh.axis_names[0]), mesh=mesh)
+    x = sf.ShardedArray.from_local(torch.ones(2, 4), P(), mesh=mesh)  # the world still works
+    assert_equal(x.full_tensor(), torch.ones(2, 4))
+
+
+@scenario(backends=DIST)
+def a_bad_shard_on_one_rank_fails_on_every_rank(mesh: sf.Mesh) -> None:
+    rank = dist.get_rank()
+    local = torch.ones(5, 4) if rank == 3 else torch.ones(2, 4)
+    match = r"rank 3 .*local tensor of shape \(5, 4\)" if rank == 3 else r"rank\(s\) \[3\] rejected their input"
+    with pytest.raises(sf.ShardingError, match=match):
+        sf.ShardedArray.from_local(local, P(mesh.axis_names[0]), mesh=mesh, shape=(2 * mesh.shape[0], 4))
+
+
+@scenario(backends=DIST)
+def distribute_shapes_differing_across_ranks_fail_on_every_rank(mesh: sf.Mesh) -> None:
+    rank = dist.get_rank()
+    with pytest.raises(sf.ShardingError, match=r"distribute: ranks disagree on the global shape/dtype"):
+        sf.distribute(torch.ones(4 + (rank == 0), 2), P(mesh.axis_names[0]), mesh=mesh)
+    with pytest.raises(sf.ShardingError, match=r"distribute: ranks disagree"):
+        sf.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P(), out_specs=P())(torch.ones(2, 2 + rank))
+    assert_equal(sf.distribute(torch.ones(4, 2), P(mesh.axis_names[0]), mesh=mesh).full_tensor(), torch.ones(4, 2))
+
+
 @scenario(backends=DIST, meshes=("4",))
 def collective_timeout_is_a_clear_error(mesh: sf.Mesh) -> None:
     """Rank 0 skips a reshard: the others get a CollectiveError after the timeout (not a hang)."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-pytest.importorskip("expecttest")  # torch.testing._internal needs it
+import expecttest  # noqa: E402,F401  torch.testing._internal needs it: a missing test dependency fails here, not skips
 
 sys.path.insert(0, os.path.dirname(__file__))
 import opinfo_common as oc  # noqa: E402

@@ -1,0 +1,183 @@
+"""Simulated training on the local backend vs the same step unsharded.
+
+A transformer block (dim 256, 8 heads, MLP 1024, seq 64, batch 16; pre-norm causal
+attention (``scaled_dot_product_attention``) and MLP); one training step = forward +
+backward (``torch.autograd.grad``) + an SGD update, timed on plain tensors and on ShardedArrays of a simulated mesh in three configurations:
+
+- ``dp (8,)``: data parallel on ``Mesh((8,), ('dp',))`` (batch split, params replicated);
+- ``dp x tp (2, 4)``: Megatron on ``Mesh((2, 4), ('dp', 'tp'))`` (batch over 'dp',
+  q/k/v/w1 split by output column over 'tp', o/w2 by input row);
+- ``dp of (2, 4)``: data parallel over 'dp' of the (2, 4) mesh, replicated over 'tp'.
+
+Every configuration's losses (several steps) must equal the unsharded losses within 1e-5
+relative. Printed: unsharded ms, simulated ms, ratio (target <= 1.5), in wall time and in process
+CPU time (steadier on a shared machine).
+
+    python benchmarks/bench_sim.py [--steps 10] [--threads N] [--quick]
+
+``--quick`` (or ``SHARDFN_BENCH_QUICK=1``) uses a small model and two steps, for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's shardfn
+
+import shardfn as sf  # noqa: E402
+from shardfn import P  # noqa: E402
+
+FULL = {"dim": 256, "heads": 8, "hidden": 1024, "seq": 64, "batch": 16}
+QUICK = {"dim": 32, "heads": 4, "hidden": 64, "seq": 8, "batch": 8}
+LR = 1e-2
+
+MEGATRON = {
+    "ln1": P(), "ln2": P(),
+    "wq": P(None, "tp"), "wk": P(None, "tp"), "wv": P(None, "tp"), "wo": P("tp", None),
+    "w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None), "b2": P(),
+}
+
+CONFIGS = {
+    "dp (8,)": ((8,), ("dp",), None),
+    "dp x tp (2, 4)": ((2, 4), ("dp", "tp"), MEGATRON),
+    "dp of (2, 4)": ((2, 4), ("dp", "tp"), None),
+}
+
+
+def init_params(cfg: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    d, h = cfg["dim"], cfg["hidden"]
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[0])
+
+    return {
+        "ln1": torch.ones(d), "ln2": torch.ones(d),
+        "wq": w(d, d), "wk": w(d, d), "wv": w(d, d), "wo": w(d, d),
+        "w1": w(d, h), "b1": torch.zeros(h), "w2": w(h, d), "b2": torch.zeros(d),
+    }
+
+
+def make_batch(cfg: dict[str, int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(cfg["batch"], cfg["seq"], cfg["dim"], generator=g)
+    return x, torch.roll(x, 1, dims=1).tanh()
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _attention(h: torch.Tensor, p: dict[str, Any], heads: int) -> torch.Tensor:
+    b, t, d = h.shape
+    hd = d // heads
+
+    def split(z: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, heads, t, hd)
+        return z.reshape(b, t, heads, hd).transpose(1, 2)
+
+    q, k, v = split(h @ p["wq"]), split(h @ p["wk"]), split(h @ p["wv"])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(1, 2).reshape(b, t, d) @ p["wo"]
+
+
+def loss_fn(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: int) -> torch.Tensor:
+    x = x + _attention(_rms_norm(x, p["ln1"]), p, heads)
+    h = torch.nn.functional.gelu(_rms_norm(x, p["ln2"]) @ p["w1"] + p["b1"])
+    return (x + h @ p["w2"] + p["b2"] - y).pow(2).mean()
+
+
+def train_step(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: int) -> tuple[dict, torch.Tensor]:
+    """Forward, backward, SGD; gradients laid out like their parameters (the dp all-reduce)."""
+    params = {k: v.detach().requires_grad_() for k, v in params.items()}
+    loss = loss_fn(params, x, y, heads)
+    grads = torch.autograd.grad(loss, list(params.values()))
+    new = {}
+    for (k, p), g in zip(params.items(), grads):
+        if isinstance(p, sf.ShardedArray):
+            g = sf.reshard(g, p.sharding)
+        new[k] = (p - LR * g).detach()
+    return new, loss.detach()
+
+
+def _shard(cfg: dict[str, int], config: str) -> tuple[dict, Any]:
+    shape, names, specs = CONFIGS[config]
+    mesh = sf.Mesh(shape, names, backend="local")
+    params = {k: sf.distribute(v, (specs or {}).get(k, P()), mesh=mesh) for k, v in init_params(cfg).items()}
+    return params, mesh
+
+
+def run(cfg: dict[str, int], config: str | None, steps: int) -> tuple[list[float], float, float]:
+    """Losses of ``steps`` steps and the median step wall and CPU times (seconds; the
+    first step, which fills the caches, is left out)."""
+    if config is None:
+        params, mesh = init_params(cfg), None
+    else:
+        params, mesh = _shard(cfg, config)
+    losses, walls, cpus = [], [], []
+    for s in range(steps + 1):
+        x, y = make_batch(cfg, s)
+        if mesh is not None:
+            x, y = sf.distribute(x, P("dp"), mesh=mesh), sf.distribute(y, P("dp"), mesh=mesh)
+        t0, c0 = time.perf_counter(), time.process_time()
+        params, loss = train_step(params, x, y, cfg["heads"])
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+        losses.append(float(loss.full_tensor() if isinstance(loss, sf.ShardedArray) else loss))
+    return losses, statistics.median(walls[1:]), statistics.median(cpus[1:])
+
+
+def measure(cfg: dict[str, int], steps: int) -> list[tuple[str, float, float, float, float]]:
+    """(config, unsharded wall, simulated wall, unsharded CPU, simulated CPU) seconds per
+    configuration, the unsharded step timed again next to each simulated one; losses
+    checked against unsharded."""
+    want, _, _ = run(cfg, None, steps)
+    rows = []
+    for config in CONFIGS:
+        got, wall, cpu = run(cfg, config, steps)
+        for s, (a, b) in enumerate(zip(got, want)):
+            if abs(a - b) > 1e-5 * abs(b):
+                raise AssertionError(f"{config}: step {s} loss {a} differs from unsharded {b}")
+        _, wall0, cpu0 = run(cfg, None, steps)
+        rows.append((config, wall0, wall, cpu0, cpu))
+    return rows
+
+
+def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]]) -> str:
+    lines = [
+        f"training step of a transformer block (dim {cfg['dim']}, seq {cfg['seq']}, batch {cfg['batch']}; "
+        f"fwd + bwd + SGD), torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"{'configuration':16s}{'unsharded ms':>14s}{'simulated ms':>14s}{'ratio':>8s}"
+        f"{'CPU ms unsh.':>14s}{'CPU ms sim.':>13s}{'ratio':>8s}",
+    ]
+    for config, w0, w, c0, c in rows:
+        lines.append(f"{config:16s}{w0 * 1e3:14.1f}{w * 1e3:14.1f}{w / w0:7.2f}x"
+                     f"{c0 * 1e3:14.1f}{c * 1e3:13.1f}{c / c0:7.2f}x")
+    lines.append("losses equal unsharded within 1e-5 relative in every configuration (target ratio <= 1.5; "
+                 "CPU time = process time, steadier on a busy machine)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--quick", action="store_true", help="small model, two steps (a smoke run)")
+    ns = parser.parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
+    cfg = QUICK if quick else FULL
+    print(report(cfg, measure(cfg, 2 if quick else ns.steps)))
+
+
+if __name__ == "__main__":
+    main()
