@@ -212,7 +212,7 @@ def plan_layouts(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
     a, b = _drop_trivial(src), _drop_trivial(dst)
-    steps = () if a == b else _search(a, b, shape, itemsize, cost_model(src.mesh))
+    steps = () if a == b else _bounded_search(a, b, shape, itemsize, cost_model(src.mesh))
     return Plan(src, dst, shape, dtype, steps)
 
 
@@ -227,6 +227,22 @@ def _drop_trivial(layout: Layout) -> Layout:
 
 
 # -- the search ---------------------------------------------------------------------------
+
+
+_BYTES_ONLY = CostModel(0.0, 1.0)
+
+
+def _bounded_search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, model: CostModel) -> tuple:
+    """The latency-aware plan, unless it moves more bytes than replicating everything (by
+    the same model) and slicing, which is free, would: then the bytes-only plan."""
+    steps = _search(src, dst, shape, itemsize, model)
+    rep = Layout(src.mesh, ((),) * len(shape))
+    if model.latency_bytes == 0 or not steps or dst == rep:
+        return steps
+    bound = sum(s.bytes for s in (_search(src, rep, shape, itemsize, model) if src != rep else ()))
+    if sum(s.bytes for s in steps) <= bound:
+        return steps
+    return _search(src, dst, shape, itemsize, _BYTES_ONLY)
 
 
 def _search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, model: CostModel) -> tuple[Step, ...]:
