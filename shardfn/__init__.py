@@ -9,7 +9,10 @@ from .array import device_put as device_put
 from .array import distribute as distribute
 from .array import gather as gather
 from .array import reshard as reshard
+from ._explicit import explicit as explicit
 from .errors import FallbackWarning as FallbackWarning
+from .errors import ImplicitReshardError as ImplicitReshardError
+from .errors import ImplicitReshardWarning as ImplicitReshardWarning
 from .errors import ImmutableError as ImmutableError
 from .errors import ShardingError as ShardingError
 from .factory import empty as empty
@@ -23,9 +26,12 @@ from .interop import from_dtensor as from_dtensor
 from .mesh import Mesh as Mesh
 from .mesh import current_mesh as current_mesh
 from .plan import Plan as Plan
+from .products import einsum as einsum
+from .products import matmul as matmul
 from .plan import Step as Step
 from .plan import plan_redistribute as plan_redistribute
 from .rules.custom import register_sharding as register_sharding
+from .smap import smap as smap
 from .spec import NamedSharding as NamedSharding
 from .spec import P as P
 from .spec import Partial as Partial

@@ -360,6 +360,11 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
         if isinstance(x, torch.Tensor):
             return distribute(x, sharding)
         raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
+    target = _sharding_mesh(sharding)
+    if target is not None and target != base.mesh and isinstance(x, ShardedArray):
+        from ._mesh_views import reshard_across
+
+        return reshard_across(x, to_layout(sharding, x.ndim, target))
     dst = to_layout(sharding, x.ndim, base.mesh)
     if dst == _ft.layout_of(x):
         return x

@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from . import _functorch as _ft
+from . import _explicit
 from . import rules as _rules
 from .array import ShardedArray, _contiguous_strides, raw_full, raw_reshard, wrap
 from .backends import backend_for
@@ -58,6 +59,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         raise
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
+    if _explicit._stack:
+        _explicit.check(func, entry, leaves)
     return entry.run(args, kwargs, leaves)
 
 
@@ -99,6 +102,8 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
     entry = _cache.get(key)
     if entry is None:
         entry = _remember(key, _compile(func, hargs, hkwargs, hleaves))
+    if _explicit._stack:
+        _explicit.check(func, entry, hleaves)
     if not isinstance(entry, _Entry) or not entry.stacked:
         # uneven shards or the replicate fallback: sizes cannot stay symbolic, so
         # specialise them (a guard; a dim marked dynamic is then reported by Dynamo)

@@ -13,3 +13,11 @@ class ImmutableError(TypeError):
 
 class FallbackWarning(UserWarning):
     """An op had no sharding rule and ran on replicated inputs."""
+
+
+class ImplicitReshardError(ShardingError):
+    """Under ``sf.explicit(mode="raise")``, an op would have redistributed an input."""
+
+
+class ImplicitReshardWarning(UserWarning):
+    """Under ``sf.explicit(mode="warn")``, an op redistributed an input implicitly."""

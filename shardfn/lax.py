@@ -33,11 +33,13 @@ AxisName = str | tuple[str, ...]
 
 __all__ = [
     "all_gather",
+    "all_gather_invariant",
     "all_to_all",
     "axis_index",
     "axis_size",
     "pmax",
     "pmean",
+    "pcast",
     "pmin",
     "ppermute",
     "psum",
@@ -94,6 +96,30 @@ def _in_shard_map() -> bool:
     return bool(_bodies())
 
 
+def _manual_stack() -> list[frozenset[str]]:
+    stack = getattr(_tls, "manual", None)
+    if stack is None:
+        stack = _tls.manual = []
+    return stack
+
+
+@contextlib.contextmanager
+def _manual_axes(axes: frozenset[str]) -> Iterator[None]:
+    """Limit collectives in this thread to ``axes`` (shard_map ``axis_names``)."""
+    stack = _manual_stack()
+    stack.append(frozenset(axes))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _manual_set(mesh: Mesh) -> frozenset[str]:
+    """The axes collectives may name here (all of the mesh unless limited)."""
+    stack = _manual_stack()
+    return stack[-1] if stack else frozenset(mesh.axis_names)
+
+
 def _context(fn: str, axis_name: Any) -> tuple[Collectives, tuple[str, ...]]:
     stack = _bodies()
     if not stack:
@@ -121,6 +147,13 @@ def _axes(fn: str, axis_name: Any, mesh: Mesh) -> tuple[str, ...]:
             )
     if len(set(axes)) != len(axes):
         raise ShardingError(f"sf.lax.{fn}: axis_name {tuple(axes)!r} repeats an axis")
+    manual = _manual_set(mesh)
+    for a in axes:
+        if a not in manual:
+            raise ShardingError(
+                f"sf.lax.{fn}: axis {a!r} is not manual in this shard_map (axis_names={sorted(manual)!r}); "
+                f"collectives may name only manual axes; the body sees whole values over {a!r}"
+            )
     return tuple(axes)
 
 
@@ -157,6 +190,40 @@ def _tensor(fn: str, x: Any) -> torch.Tensor:
     return x
 
 
+def _sharded_layout(x: Any) -> Any:
+    """The layout of ``x`` if it is a ShardedArray (a body value over the automatic axes
+    of a partial-manual shard_map), else None."""
+    from . import _functorch as _ft
+    from .array import ShardedArray
+
+    if not isinstance(x, torch.Tensor):
+        return None
+    if isinstance(x, ShardedArray):
+        return x._layout
+    return _ft.layout_of(x) if _ft.base_array(x) is not None else None
+
+
+def _on_whole(fn: Any) -> Any:
+    """Run collective ``fn`` on the whole value of a ShardedArray first argument (a
+    per-device value of the manual axes, sharded over the automatic ones) and lay the
+    result out the same way (replicated if its rank changed)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(x: Any, *args: Any, **kwargs: Any) -> Any:
+        layout = _sharded_layout(x)
+        if layout is None:
+            return fn(x, *args, **kwargs)
+        from .array import distribute, gather
+        from .layout import Layout
+
+        out = fn(gather(x), *args, **kwargs)
+        dims = layout.dims if out.dim() == layout.ndim else ((),) * out.dim()
+        return distribute(out, Layout(layout.mesh, dims, ()))
+
+    return run
+
+
 def _dim(fn: str, arg: str, d: int, ndim: int) -> int:
     if not -ndim <= d < ndim:
         raise ShardingError(
@@ -179,7 +246,7 @@ def _reduce(fn: str, x: Any, axis_name: AxisName, op: str) -> Any:
         _record(body, "all_reduce", axes, t, op)
         return body.reduce(t, axes, op)
 
-    return optree.tree_map(one, x)
+    return optree.tree_map(_on_whole(one), x)
 
 
 def psum(x: Any, axis_name: AxisName) -> Any:
@@ -212,6 +279,7 @@ def pmean(x: Any, axis_name: AxisName) -> Any:
 # -- data movement -------------------------------------------------------------------------
 
 
+@_on_whole
 def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bool = False) -> torch.Tensor:
     """Gather ``x`` from every device of ``axis_name``; the result is replicated there.
 
@@ -231,6 +299,40 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
     return body.all_gather(x, axes, axis)
 
 
+def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0,
+                         tiled: bool = False) -> torch.Tensor:
+    """An all_gather whose result is replicated (invariant) over ``axis_name``; its
+    transpose takes this device's slice of the cotangent (JAX's ``all_gather_invariant``).
+
+    shardfn's ``all_gather`` already types its result as replicated (check_vma), so the
+    two agree on values and on the gradients of the whole computation.
+    Example, 2 devices holding ``[0]`` and ``[1]``: the result is ``[0, 1]`` (tiled) on both.
+    """
+    _context("all_gather_invariant", axis_name)
+    return all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+def pcast(x: Any, axis_name: AxisName, *, to: str = "varying") -> Any:
+    """Mark ``x`` (replicated over ``axis_name``) as varying over it: no data moves, the
+    value is unchanged, and the transpose is a ``psum`` over the axis (JAX's ``pcast``).
+    Used to give check_vma the varying type it expects, e.g. for a loop carry that
+    becomes varying after a ppermute. ``x`` may be a pytree."""
+    if to != "varying":
+        raise ShardingError(f"sf.lax.pcast: to={to!r} is not supported; use to='varying'")
+    body, axes = _context("pcast", axis_name)
+    one = body.axis_index(axes) * 0 + 1
+
+    def cast(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            raise ShardingError(f"sf.lax.pcast takes tensors, got {type(t).__name__}")
+        return t * one.to(t.dtype)
+
+    cast = _on_whole(cast)
+
+    return optree.tree_map(cast, x)
+
+
+@_on_whole
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0,
                  tiled: bool = False) -> torch.Tensor:
     """Sum ``x`` over ``axis_name`` and give device ``i`` of the group the ``i``-th piece.
@@ -250,6 +352,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     return out if tiled else out.squeeze(d)
 
 
+@_on_whole
 def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axis: int, *,
                tiled: bool = False) -> torch.Tensor:
     """Split ``x`` along ``split_axis`` into one piece per device of ``axis_name``, send
@@ -277,6 +380,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
     return body.all_to_all(x, axes, sa, ca).squeeze(sa)
 
 
+@_on_whole
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Send ``x`` from device ``src`` to device ``dst`` for each ``(src, dst)`` in
     ``perm`` (indices along ``axis_name``); devices that receive nothing get zeros.
@@ -290,7 +394,28 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     return body.ppermute(x, axes, pairs)
 
 
+_perms: dict[int, tuple[Any, tuple]] = {}
+
+
+def _materialised(perm: Any) -> Any:
+    """A one-shot iterator (``zip(...)``) as ``perm``, read once and remembered: the body
+    runs once per device and per call, and a second read would find it empty."""
+    if not isinstance(perm, Iterator):
+        return perm
+    with _perm_lock:
+        hit = _perms.get(id(perm))
+        if hit is None or hit[0] is not perm:
+            if len(_perms) > 256:
+                _perms.clear()
+            hit = _perms[id(perm)] = (perm, tuple(perm))
+    return hit[1]
+
+
+_perm_lock = threading.Lock()
+
+
 def _check_perm(perm: Any, g: int, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    perm = _materialised(perm)
     try:
         pairs = tuple((int(s), int(d)) for s, d in perm)
     except (TypeError, ValueError):

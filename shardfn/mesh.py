@@ -152,6 +152,19 @@ class Mesh:
         """Row-major coordinates of ``device`` on the mesh."""
         return _coords(self.shape, device)
 
+    def flatten(self, axes: Sequence[str], name: str) -> Mesh:
+        """A view of this mesh with the adjacent ``axes`` (in mesh order) merged into one
+        axis ``name``; same devices, same numbering."""
+        from ._mesh_views import flatten
+
+        return flatten(self, tuple(axes), name)
+
+    def unflatten(self, axis: str, shape: Sequence[int], names: Sequence[str]) -> Mesh:
+        """A view of this mesh with ``axis`` split into axes ``names`` of sizes ``shape``."""
+        from ._mesh_views import unflatten
+
+        return unflatten(self, axis, tuple(shape), tuple(names))
+
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"Mesh({axes}, backend={self.backend!r})"

@@ -102,15 +102,17 @@ def _local_shape(shape: Sequence[int], layout: Layout) -> tuple[int, ...]:
 
 
 @overload
-def shard_map(f: F, *, mesh: Mesh | None = None, in_specs: Any, out_specs: Any, check_vma: bool = True) -> F: ...
+def shard_map(f: F, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any, check_vma: bool = True,
+              axis_names: Any = None) -> F: ...
 
 
 @overload
-def shard_map(f: None = None, *, mesh: Mesh | None = None, in_specs: Any, out_specs: Any,
-              check_vma: bool = True) -> Callable[[F], F]: ...
+def shard_map(f: None = None, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any,
+              check_vma: bool = True, axis_names: Any = None) -> Callable[[F], F]: ...
 
 
-def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any, out_specs: Any, check_vma: bool = True) -> Any:
+def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any,
+              check_vma: bool = True, axis_names: Any = None) -> Any:
     """Map ``f`` over the shards of its arguments (JAX's ``shard_map``).
 
     Args:
@@ -120,11 +122,18 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any, out_spe
         in_specs: a P per positional argument, or a tree prefix of the arguments; a single
             P applies to all of them. ShardedArrays are resharded to their spec, plain
             tensors distributed. Non-tensor leaves are passed through unchanged.
+            ``None``: each ShardedArray argument keeps its own spec (a plain tensor is
+            then an error).
         out_specs: a tree prefix of the outputs; each output becomes a ShardedArray whose
             shards are the devices' local outputs. ``P(..., partial=axis)`` declares the
             local outputs pending sums over ``axis``.
         check_vma: raise a ShardingError when an output varies over a mesh axis its
-            out_spec leaves out (psum / all_gather results count as replicated).
+            out_spec leaves out (psum / all_gather results count as replicated), or
+            when ``partial=`` names an axis the output does not vary over.
+        axis_names: the mesh axes the body is manual over (default: all). Collectives
+            may name only these; over the other axes the body sees whole values (the
+            arguments are gathered over them on entry and the results laid out as their
+            out_specs say on exit, without communication).
 
     Returns:
         The mapped function. Results and gradients equal those of the unsharded
@@ -137,10 +146,15 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any, out_spe
             return sf.lax.psum(((x @ w) ** 2).sum(), 'x')
     """
     if f is None:
-        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
+                                 axis_names=axis_names)
 
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
+        if axis_names is not None or _manual_context():
+            from ._manual import shard_map_manual
+
+            return shard_map_manual(f, mesh, in_specs, out_specs, check_vma, axis_names, args, kwargs)
         return _shard_map(f, mesh, in_specs, out_specs, check_vma, args, kwargs)
 
     return _dynamo.in_graph(mapped)
@@ -150,7 +164,7 @@ class _Inputs:
     """The flattened arguments of one shard_map call and their layouts."""
 
     def __init__(self, in_specs: Any, args: tuple, mesh: Mesh | None) -> None:
-        specs = _arg_specs(in_specs, args, "shard_map in_specs")
+        specs = _own_specs(args) if in_specs is None else _arg_specs(in_specs, args, "shard_map in_specs")
         self.paths, self.leaves, specs, self.treespec = _match(specs, args, "shard_map in_specs", "args")
         self.mesh = _mesh_for(mesh, self.leaves, "shard_map")
         self.layouts: list[Layout | None] = []
@@ -158,7 +172,10 @@ class _Inputs:
             self.layouts.append(self._layout(path, v, s))
 
     def _layout(self, path: str, v: Any, spec: Any) -> Layout | None:
-        if not isinstance(v, torch.Tensor) or spec is None:
+        if not isinstance(v, torch.Tensor):
+            check_scalar_spec(path, v, spec, "in_specs")
+            return None
+        if spec is None:
             return None
         layout = _layout(spec, v.dim(), self.mesh, f"shard_map in_specs for {path}")
         if layout.partial:
@@ -173,6 +190,26 @@ class _Inputs:
 
     def rebuild(self, leaves: list) -> tuple:
         return optree.tree_unflatten(self.treespec, leaves)
+
+
+def _own_specs(args: tuple) -> tuple:
+    """in_specs=None: each ShardedArray argument's own spec (plain tensors are an error)."""
+    paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
+    specs = []
+    for path, v in zip(paths, leaves):
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+            raise ShardingError(
+                f"shard_map with in_specs=None takes each argument's own spec, but {_path_str('args', path)} "
+                f"is a plain tensor with no spec; pass in_specs=, or sf.distribute it first"
+            )
+        specs.append(v._layout if isinstance(v, ShardedArray) else None)
+    return tuple(optree.tree_unflatten(treespec, specs))
+
+
+def _manual_context() -> bool:
+    from .lax import _in_shard_map
+
+    return _in_shard_map()
 
 
 def _shard_map(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: Any, check_vma: bool,
@@ -203,6 +240,39 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
                 f"reduce it with sf.lax.psum(y, {a!r}) (or pmean / pmax / all_gather), or add "
                 f"{a!r} to the out_spec (e.g. {hint}); check_vma=False takes device {a}=0's value"
             )
+        if a in layout.partial_ops and a not in varying:
+            raise ShardingError(
+                f"shard_map {path} has out_spec {spec!r} with partial over mesh axis {a!r}, but it does "
+                f"not vary over {a!r}: summing its identical copies would multiply it by "
+                f"{mesh.axis_size(a)}; drop {a!r} from partial= (or psum over {a!r} in the body "
+                f"only where the value really differs)"
+            )
+
+
+def check_scalar_spec(path: str, v: Any, spec: Any, what: str) -> None:
+    """A non-tensor leaf (a Python number) is the same on every device: only a spec that
+    shards nothing and sums nothing can hold for it."""
+    if spec is None or _is_trivial(spec):
+        return
+    raise ShardingError(
+        f"shard_map {what} for {path} is {spec!r}, but {path} is a {type(v).__name__}, not a tensor: "
+        f"it has no dims to split and is the same on every device, so that spec cannot hold; use P() "
+        f"(or None), or make it a tensor"
+    )
+
+
+def _is_trivial(spec: Any) -> bool:
+    if isinstance(spec, NamedSharding):
+        spec = spec.spec
+    if isinstance(spec, Layout):
+        return spec.is_replicated()
+    if _is_placements(spec):
+        from .spec import Replicate
+
+        return all(isinstance(p, Replicate) for p in spec)
+    if isinstance(spec, P):
+        return not spec.partial and all(e is None for e in spec)
+    return False
 
 
 def _out_layout(path: str, spec: Any, ndim: int, mesh: Mesh) -> Layout:
@@ -257,6 +327,7 @@ def _run_stacked(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, 
 
 def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool) -> Any:
     if not isinstance(c, torch.Tensor):
+        check_scalar_spec(path, c, spec, "out_specs")
         return c
     m = mesh.ndim
     layout = _out_layout(path, spec, c.dim() - m, mesh)
@@ -343,6 +414,7 @@ def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool
                    vma_of: Callable[[Any], frozenset[str]] | None, exchange: bool = False) -> Any:
     """One ShardedArray from the local outputs of the devices this process holds."""
     if not isinstance(outs[0], torch.Tensor):
+        check_scalar_spec(path, outs[0], spec, "out_specs")
         return outs[0]
     layout = _out_layout(path, spec, outs[0].dim(), mesh)
     if check_vma and vma_of is not None:

@@ -6,6 +6,7 @@ Rules are data (see the family modules: ``pointwise``, ...); each rule object tu
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .base import Rule
@@ -15,17 +16,27 @@ _FAMILIES = ("pointwise", "matrix", "reductions", "views", "indexing", "nn", "ra
 _loaded = False
 
 
+_load_lock = threading.RLock()
+_loading = False
+
+
 def _load() -> None:
-    global _loaded
+    """Fill the table once; other threads (shard_map bodies run per device) wait for it,
+    a re-entrant call from the loading thread returns at once."""
+    global _loaded, _loading
     if _loaded:
         return
-    _loaded = True
-    import importlib
+    with _load_lock:
+        if _loaded or _loading:
+            return
+        _loading = True
+        import importlib
 
-    for name in _FAMILIES:
-        table = importlib.import_module(f"{__name__}.{name}").TABLE
-        for op, rule in table.items():
-            _TABLE.setdefault(op, rule)
+        for name in _FAMILIES:
+            table = importlib.import_module(f"{__name__}.{name}").TABLE
+            for op, rule in table.items():
+                _TABLE.setdefault(op, rule)
+        _loaded = True
 
 
 def lookup(func: Any) -> Rule | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from dist_harness import (
     assert_equal,
@@ -81,11 +82,15 @@ def three_dim_all_to_all(mesh: sf.Mesh) -> None:
 @scenario
 def partial_sources_all_ops_and_dtypes(mesh: sf.Mesh) -> None:
     """Pending reductions of every op resolved to replicated and sharded layouts, for
-    float and integer dtypes (integer averages round down, as on the local backend)."""
+    float and integer dtypes (an integer Partial("avg") is an error, as torch.mean's)."""
     a = mesh.axis_names[0]
     for dtype in (torch.float32, torch.int64, torch.float16, torch.bfloat16):
         for op in ("sum", "avg", "max", "min"):
             src = P(None, partial={a: op})
+            if op == "avg" and not dtype.is_floating_point:
+                with pytest.raises(sf.ShardingError, match=r"Partial\('avg'\).*floating"):
+                    source(src, mesh, (6, 5), dtype=dtype)
+                continue
             for dst in (P(), P(a), P(None, a), P(partial={a: op})):
                 x, full, _ = source(src, mesh, (6, 5), dtype=dtype)
                 y = sf.reshard(x, dst)
