@@ -367,7 +367,12 @@ device_put = distribute
 
 def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     """The same global value in a new layout, moved with the cheapest plan; the gradient
-    is resharded back."""
+    is resharded back. ``x`` may be a pytree of arrays (``sharding`` a matching tree or a
+    prefix): leaves sharing plan steps then move together (``coalesce.py``)."""
+    if not isinstance(x, torch.Tensor):
+        from .coalesce import reshard_tree
+
+        return reshard_tree(x, sharding)
     base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
     if base is None:
         if isinstance(x, torch.Tensor):
@@ -395,9 +400,24 @@ def gather(x: ShardedArray) -> torch.Tensor:
 
 
 def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
-    """The backend value of ``x`` laid out as ``dst`` (no autograd)."""
+    """The backend value of ``x`` laid out as ``dst`` (no autograd). A pending reduction
+    is run once per target layout however many ops read ``x``: the array is immutable,
+    so the result is kept on it (checked against the shards it was made from, which the
+    autograd engine's ``.grad`` accumulation may rebind)."""
     if dst is x._layout or dst == x._layout:
         return x._local
+    if not x._layout.partial:
+        return _execute_reshard(x, dst)
+    cache = x.__dict__.setdefault("_reduced", {})
+    hit = cache.get(dst)
+    if hit is not None and hit[0] is x._local and hit[1] == x._layout:
+        return hit[2]
+    value = _execute_reshard(x, dst)
+    cache[dst] = (x._local, x._layout, value)
+    return value
+
+
+def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
     return execute(plan_layouts(x._layout, dst, _ft.hint_shape(x.shape), x.dtype), x._local, tuple(x.shape))
 
 

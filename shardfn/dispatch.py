@@ -47,7 +47,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     special = _SPECIAL.get(func)
     if special is not None:
-        return special(func, args, kwargs)
+        out = special(func, args, kwargs)
+        if out is not NotImplemented:  # a handler may leave a call to the rule table
+            return out
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
     if func is aten.native_batch_norm.default:
@@ -590,9 +592,11 @@ _SPECIAL: dict[Any, Callable] = {
 
 
 def _install_random_ops() -> None:
+    from .rules.loss import SPECIAL as LOSS
     from .rules.random_ops import SPECIAL
 
     _SPECIAL.update(SPECIAL)
+    _SPECIAL.update(LOSS)
 
 
 _install_random_ops()

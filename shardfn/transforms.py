@@ -564,8 +564,26 @@ def with_sharding_constraint(x: Any, sharding: Any) -> Any:
             "tensors; constrain the arguments or results of the shard_map instead"
         )
     paths, leaves, specs, treespec = _match(sharding, x, "with_sharding_constraint sharding", "x")
+    if len(leaves) > 1:
+        leaves = _coalesced_moves(leaves, specs)
     out = [_constrain(p, v, s) for p, v, s in zip(paths, leaves, specs)]
     return optree.tree_unflatten(treespec, out)
+
+
+def _coalesced_moves(leaves: list, specs: list) -> list:
+    """Leaves moved towards their shardings together (one collective per shared plan
+    step and bucket); the per-leaf constraint that follows is then free."""
+    from .coalesce import reshard_tree
+
+    pick = [i for i, (v, s) in enumerate(zip(leaves, specs)) if isinstance(v, ShardedArray) and s is not None]
+    try:
+        moved = reshard_tree([leaves[i] for i in pick], [specs[i] for i in pick])
+    except ShardingError:
+        return leaves  # the per-leaf pass reports the offending leaf by path
+    out = list(leaves)
+    for i, v in zip(pick, moved):
+        out[i] = v
+    return out
 
 
 def _constrain(path: str, v: Any, sharding: Sharding | None) -> Any:

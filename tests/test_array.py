@@ -193,7 +193,8 @@ def test_comm_counter_counts_kinds_and_bytes(mesh24):
         x.full_tensor()
         sf.reshard(x, P("x", "y"))  # no-op
         sf.reshard(x, P("y", "x"))
-    assert c.counts["all_gather"] == 2 and sum(c.counts.values()) == 3
+    # small values: the latency-aware planner gathers over both axes in one exchange
+    assert c.counts == {"all_to_all": 2} and sum(c.counts.values()) == 2
     plan_bytes = (
         sf.plan_redistribute(P("x", "y"), P(), (8, 8), mesh=mesh24).bytes_per_device
         + sf.plan_redistribute(P("x", "y"), P("y", "x"), (8, 8), mesh=mesh24).bytes_per_device

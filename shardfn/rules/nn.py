@@ -8,6 +8,7 @@ exactly what data parallelism needs. Activations (gelu, silu, relu, ...) are poi
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import attrs
@@ -15,6 +16,7 @@ import torch
 
 from .base import Candidate, OpCall, _schema_info, bind, letters, same_args
 from .dims import LINEAR_OPS, Dims, compile_dims
+from .loss import ClassSharded
 
 aten = torch.ops.aten
 
@@ -34,6 +36,8 @@ class Leading:
     lead_fn: LeadFn
     linear: tuple[str, ...] = ()
     batched_outs: tuple[int, ...] | None = None
+    grouped: tuple[str, ...] = ()
+    grouped_outs: tuple[int, ...] = ()
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
@@ -46,12 +50,13 @@ class Leading:
         if ref is None or len(ref) < lead:
             return []
         ls = letters(lead)
-        ins = tuple(_lettered(tuple(v.shape), ref, ls) if n in self.batched and not (
+        ins = tuple(_lettered(tuple(v.shape), ref, ls, n in self.grouped) if n in self.batched and not (
                         n in _BROADCAST and v.ndim != len(ref)) else (None,) * v.ndim
                     for n, (_, v) in zip(by_name, call.arrays))
         outs = tuple(
             None if not isinstance(m, torch.Tensor)
-            else _lettered(tuple(m.shape), ref, ls) if self.batched_outs is None or i in self.batched_outs
+            else _lettered(tuple(m.shape), ref, ls, i in self.grouped_outs)
+            if self.batched_outs is None or i in self.batched_outs
             else (None,) * m.dim()
             for i, m in enumerate(call.out_metas))
         partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear)
@@ -64,24 +69,9 @@ _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lett
 
 
 @attrs.frozen
-class Attention:
-    """CPU flash attention (forward and backward): ``Leading`` over batch and heads; without
-    a mask every tensor argument and output starts with the batch dim, so on stacked
-    shards the mesh dims fold into it and the kernel runs once for the whole mesh."""
-
-    rule: Leading
-
-    def candidates(self, call: OpCall) -> list[Candidate]:
-        cands = self.rule.candidates(call)
-        if bind(call.func, call.args, call.kwargs).get("attn_mask") is not None:
-            return cands
-        fold = _FoldMesh(call.func, call.mesh.ndim)
-        return [attrs.evolve(c, stacked_args=same_args, stacked_fn=fold) for c in cands]
-
-
-@attrs.frozen
 class _FoldMesh:
-    """Run ``func`` with the (broadcast) mesh dims of every tensor merged into its dim 0."""
+    """Run ``func`` with the (broadcast) mesh dims of every tensor merged into its dim 0
+    (contiguous: the CPU kernel misreads grouped-query heads from transposed strides)."""
 
     func: Any
     m: int
@@ -96,15 +86,18 @@ class _FoldMesh:
                 return a
             return a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
 
-        outs = self.func(*[fold(a) for a in args], **kwargs)
+        outs = self.func(*[fold(a).contiguous() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
         return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)
 
 
-def _lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...]) -> tuple:
+def _lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...], grouped: bool = False) -> tuple:
+    """Letters for the leading dims of the same size as ``ref``'s; with ``grouped`` the
+    last leading dim (grouped-query kv heads) is lettered whatever its size."""
     k = len(ls)
     if len(shape) < k:
         return (None,) * len(shape)
-    return tuple(L if shape[i] == ref[i] else None for i, L in enumerate(ls)) + (None,) * (len(shape) - k)
+    return tuple(L if shape[i] == ref[i] or (grouped and i == k - 1) else None
+                 for i, L in enumerate(ls)) + (None,) * (len(shape) - k)
 
 
 def _layer_norm_lead(reduce: bool) -> LeadFn:
@@ -124,6 +117,59 @@ def _nll_lead(b: dict) -> tuple[int, bool]:
 
 def _heads_lead(b: dict) -> tuple[int, bool]:
     return 2, False
+
+
+@attrs.frozen
+class Attention:
+    """Fused attention (and its backward) with grouped-query kv heads: query head ``h``
+    reads kv head ``h // (Hq // Hkv)``, so kv heads are split like query heads, over the
+    same axes. That pairs every query head with its own kv head exactly when the number
+    of pieces divides ``Hkv`` (contiguous blocks then line up); other splits of the heads
+    are dropped (the heads stay whole: a correct, costlier plan)."""
+
+    forward: bool
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        q, k = b["query"], b["key"]
+        fn = _empty_heads_safe(call.func)
+        if q.dim() != 4 or k.dim() != 4 or q.shape[1] == k.shape[1]:
+            cands = _ATTN_RULE.candidates(call)
+        else:
+            hq, hkv = q.shape[1], k.shape[1]
+            if hkv == 0 or hq % hkv:
+                return []
+            rule = _ATTN_GQA if self.forward else _ATTN_GQA_BWD
+            qi = 0 if self.forward else 1
+            mesh = call.mesh
+            cands = [c for c in rule.candidates(call)
+                     if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
+        if b.get("attn_mask") is not None:
+            return [attrs.evolve(c, device_fn=fn) for c in cands]
+        # without a mask every tensor starts with the batch dim: on stacked shards the mesh
+        # dims fold into it and the kernel runs once for the whole mesh
+        fold = _FoldMesh(call.func, call.mesh.ndim)
+        return [attrs.evolve(c, device_fn=fn, stacked_args=same_args, stacked_fn=fold) for c in cands]
+
+
+def _empty_heads_safe(op: Any) -> Callable:
+    """``op`` run on one device's shards, made contiguous (the CPU kernel reads
+    grouped-query heads wrongly from transposed strides, which gathers produce); a
+    device holding no heads (more pieces than heads) gets empty results (the kernel
+    divides by the head count)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {n: a.contiguous() if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()}
+        b = bind(op, args, kwargs)
+        q, k = b["query"], b["key"]
+        if k.shape[1] and q.shape[1]:
+            return op(*args, **kwargs)
+        meta = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
+                  **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
+        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=q.device) for m in meta)
+
+    return run
 
 
 def _embedding_bwd_lead(b: dict) -> tuple[int, bool]:
@@ -207,9 +253,25 @@ _POOL_OPS = (
 
 _LN = Leading(("input",), _layer_norm_lead(False))
 _LN_BWD = Leading(("grad_out", "input", "mean", "rstd"), _layer_norm_lead(True), batched_outs=(0,))
-_NLL = Leading(("self", "target"), _nll_lead, batched_outs=(0,))
-_NLL_BWD = Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,))
+
+
+@attrs.frozen
+class _AnyOf:
+    """The candidates of several rules."""
+
+    rules: tuple
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return [c for r in self.rules for c in r.candidates(call)]
+
+
+_NLL = _AnyOf((Leading(("self", "target"), _nll_lead, batched_outs=(0,)), ClassSharded(backward=False)))
+_NLL_BWD = _AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,)),
+                   ClassSharded(backward=True)))
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "out", "logsumexp", "attn_bias")
+_ATTN_RULE = Leading(_ATTN, _heads_lead)
+_ATTN_GQA = Leading(_ATTN, _heads_lead, grouped=("key", "value"))
+_ATTN_GQA_BWD = Leading(_ATTN, _heads_lead, grouped=("key", "value"), grouped_outs=(1, 2))
 
 TABLE = {
     aten.native_layer_norm: _LN,
@@ -218,8 +280,8 @@ TABLE = {
     aten.nll_loss2d_forward: _NLL,
     aten.nll_loss_backward: _NLL_BWD,
     aten.nll_loss2d_backward: _NLL_BWD,
-    aten._scaled_dot_product_flash_attention_for_cpu: Attention(Leading(_ATTN, _heads_lead)),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: Attention(Leading(_ATTN, _heads_lead)),
+    aten._scaled_dot_product_flash_attention_for_cpu: Attention(forward=True),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: Attention(forward=False),
     aten.embedding: Embedding(),
     aten.convolution: Leading(("input",), _conv_lead, batched_outs=(0,)),
     aten.convolution_backward: Leading(("grad_output", "input"), _conv_lead, batched_outs=(0,)),

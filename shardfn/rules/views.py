@@ -354,6 +354,9 @@ class Concat:
     new_dim: bool = False
 
     def candidates(self, call: OpCall) -> list[Candidate]:
+        legacy = [i for i, s in enumerate(call.shapes) if s == (0,)] if not self.new_dim else []
+        if legacy and len(legacy) < len(call.arrays) and all(isinstance(p, tuple) for p, _ in call.arrays):
+            return self._without_legacy_empty(call, legacy)
         shapes = call.shapes
         ranks = {len(s) for s in shapes}
         if len(ranks) != 1 or any(not isinstance(p, tuple) for p, _ in call.arrays):
@@ -370,14 +373,31 @@ class Concat:
         dd = d - (n + 1) if self.new_dim else neg_dim(d, n)
         return compile_dims(call, spec, stacked_args=_DimArg(dd))
 
+    def _without_legacy_empty(self, call: OpCall, legacy: list[int]) -> list[Candidate]:
+        """cat skips torch's legacy empty 1-D operands (``torch.tensor([])``, how a KV
+        cache starts): they keep their layout and drop out of the local call."""
+        keep = [i for i in range(len(call.arrays)) if i not in legacy]
+        sub = attrs.evolve(call, arrays=[call.arrays[i] for i in keep])
+        skip = frozenset(call.arrays[i][0][1] for i in legacy)
+        out = []
+        for c in self.candidates(sub):
+            ins = list(c.in_layouts)
+            for i in legacy:
+                ins.insert(i, call.arrays[i][1]._layout)
+            stacked = _DimArg(c.stacked_args.dim, skip) if isinstance(c.stacked_args, _DimArg) else c.stacked_args
+            out.append(attrs.evolve(c, in_layouts=tuple(ins), stacked_args=stacked))
+        return out
+
 
 @attrs.frozen
 class _DimArg:
     dim: int
+    skip: frozenset = frozenset()  # list positions of legacy empty operands
 
     def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
         kwargs = {k: v for k, v in kwargs.items() if k != "dim"}
-        return (args[0], self.dim), kwargs
+        tensors = [t for j, t in enumerate(args[0]) if j not in self.skip] if self.skip else args[0]
+        return (tensors, self.dim), kwargs
 
 
 @attrs.frozen

@@ -1,0 +1,133 @@
+"""Coalesced resharding of a pytree: leaves whose plans are the same all_reduces move
+together, one collective per step and size bucket (flatten, concatenate, run, split),
+as DDP buckets gradients (~25 MB). It works on backend values through the backend
+protocol (``shard_list``/``from_shards``), so it runs on either backend, and is an
+autograd Function; every other leaf is resharded on its own."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import optree
+import torch
+
+from .array import ShardedArray, reshard, wrap
+from .layout import Layout, is_even
+from .plan import plan_layouts
+from .spec import to_layout
+
+BUCKET_BYTES = 25 * 2**20
+"""Largest coalesced buffer (bytes): DDP's default bucket size."""
+
+_LINEAR = ("sum", "avg")
+
+
+def reshard_tree(tree: Any, shardings: Any) -> Any:
+    """``tree`` with every leaf laid out as its sharding (``shardings``: a matching tree or
+    a prefix of it); same-plan all_reduces of many leaves run as one per bucket."""
+    from .transforms import _match
+
+    _, leaves, specs, treespec = _match(shardings, tree, "reshard shardings", "tree")
+    out = list(leaves)
+    groups: dict[tuple, list[tuple[int, Layout]]] = {}
+    for i, (v, s) in enumerate(zip(leaves, specs)):
+        if s is None or not isinstance(v, torch.Tensor):
+            continue
+        if not isinstance(v, ShardedArray):
+            out[i] = reshard(v, s)
+            continue
+        dst = to_layout(s, v.ndim, v.mesh)
+        key = _group_key(v, dst)
+        if key is None:
+            out[i] = reshard(v, s)
+        else:
+            groups.setdefault(key, []).append((i, dst))
+    for key, members in groups.items():
+        for bucket in _buckets(members, leaves):
+            _move_bucket(bucket, leaves, out, Layout(key[0], (key[4],), key[3]))
+    return optree.tree_unflatten(treespec, out)
+
+
+def _group_key(v: ShardedArray, dst: Layout) -> tuple | None:
+    """Leaves with equal keys move as one flat buffer: pending sums resolved with the dims
+    unchanged. Whole-dim leaves make a true 1-D value (any plan); leaves with sharded
+    dims only when their plan is all_reduces (elementwise on equal-sized even shards)."""
+    src = v._layout
+    if dst == src or src.dims != dst.dims or not src.partial:
+        return None
+    if any(op not in _LINEAR for _, op in src.partial) or not set(dst.partial) <= set(src.partial):
+        return None
+    if any(src.dims):
+        if not is_even(src, tuple(v.shape)):
+            return None
+        plan = plan_layouts(src, dst, tuple(v.shape), v.dtype)
+        if any(s.kind != "all_reduce" for s in plan.steps):
+            return None
+    axes = tuple(a for a in v.mesh.axis_names if a in src.axis_dim)
+    return (v.mesh, v.dtype, src.partial, dst.partial, axes)
+
+
+def _buckets(members: list, leaves: list) -> list[list]:
+    """Members in order, cut into buckets of at most BUCKET_BYTES (a larger leaf alone)."""
+    out: list[list] = [[]]
+    size = 0
+    for i, dst in members:
+        n = leaves[i].numel() * leaves[i].element_size()
+        if out[-1] and size + n > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append((i, dst))
+        size += n
+    return [b for b in out if b]
+
+
+def _move_bucket(bucket: list, leaves: list, out: list, flat_dst: Layout) -> None:
+    if len(bucket) == 1:
+        i, dst = bucket[0]
+        out[i] = reshard(leaves[i], dst)
+        return
+    moved = _Coalesced.apply(flat_dst, tuple(dst for _, dst in bucket), *[leaves[i] for i, _ in bucket])
+    for (i, _), v in zip(bucket, moved):
+        out[i] = v
+
+
+class _Coalesced(torch.autograd.Function):
+    """Reshard leaves of whole dims with one plan on the concatenation of each device's
+    flattened shards (backend values, no per-leaf dispatch); the backward reshards each
+    gradient back like ``reshard``'s."""
+
+    @staticmethod
+    def forward(flat_dst: Layout, dsts: tuple, *xs: ShardedArray) -> tuple:
+        from .backends import backend_for, execute
+
+        mesh = flat_dst.mesh
+        backend = backend_for(mesh)
+        per_leaf = [backend.shard_list(x._local, mesh) for x in xs]
+        shapes = [tuple(p[0].shape) for p in per_leaf]  # local shapes: even (or whole) leaves
+        sizes = [p[0].numel() for p in per_leaf]
+        # the flat buffer varies over the axes the leaves shard (its "global" value is each
+        # device's concatenation side by side); the plan's all_reduces are elementwise
+        flat_src = Layout(mesh, flat_dst.dims, xs[0]._layout.partial)
+        flat = [torch.cat([p[d].reshape(-1) for p in per_leaf]) for d in range(len(per_leaf[0]))]
+        total = (sum(sizes) * math.prod(mesh.axis_size(a) for a in flat_dst.dims[0]),)
+        value = backend.from_shards(flat, flat_src, total)
+        value = execute(plan_layouts(flat_src, flat_dst, total, xs[0].dtype), value)
+        moved = [t.split(sizes) for t in backend.shard_list(value, mesh)]
+        return tuple(
+            wrap(backend.from_shards([m[k].view(shape) for m in moved], dst, tuple(x.shape)), dst, x.shape, x.dtype)
+            for k, (x, dst, shape) in enumerate(zip(xs, dsts, shapes))
+        )
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.srcs = [x._layout for x in inputs[2:]]
+        ctx.dsts = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: Any) -> tuple:
+        from .array import _as_sharded
+
+        back = tuple(None if g is None else reshard(_as_sharded(g, dst), src.without_partial())
+                     for g, src, dst in zip(gs, ctx.srcs, ctx.dsts))
+        return (None, None, *back)

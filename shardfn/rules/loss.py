@@ -1,0 +1,159 @@
+"""The loss kept sharded, as Megatron does by hand.
+
+- ``nll_loss`` with ``reduction="mean"`` on batch-sharded rows: the rows' loss sum and
+  total weight stay pending sums, stacked into one 2-element all_reduce, then divided
+  (the total weight is global, as the backward needs it).
+- vocabulary-parallel loss on class-sharded logits: ``log_softmax`` over a sharded
+  class dim runs Megatron's vocab_parallel_cross_entropy reductions (a max all_reduce
+  and a sum-of-exp all_reduce of batch-sized tensors), its backward one sum all_reduce;
+  ``nll_loss`` picks each target's log-probability on the device holding that class
+  (other targets are ignored there), so loss and total weight are pending sums over the
+  class axes.
+
+``SPECIAL`` handlers compose these from ops on ShardedArrays (each dispatched by its own
+rule) and return ``NotImplemented`` where the plain rule applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from ..layout import Layout, device_box
+from .base import Candidate, OpCall, bind
+
+aten = torch.ops.aten
+
+_MEAN, _SUM = 1, 2
+
+
+def _sharded(x: Any) -> bool:
+    from ..array import ShardedArray
+
+    return isinstance(x, ShardedArray)
+
+
+def _nll_mean(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Mean nll over sharded rows or classes: pending sums of loss and weight, one
+    all_reduce of both, one division."""
+    b = bind(func, args, kwargs)
+    x, t = b["self"], b["target"]
+    if b["reduction"] != _MEAN or x.dim() < 2 or not _sharded(x) or not x._layout.dims[0] and not x._layout.dims[1]:
+        return NotImplemented
+    with torch.no_grad():
+        total, weight = func(x, t, b["weight"], _SUM, b["ignore_index"])
+        both = torch.stack([total, weight])
+        from ..array import raw_reshard, wrap
+
+        rep = Layout(both.mesh, ((),))
+        both = wrap(raw_reshard(both, rep), rep, both.shape, both.dtype)
+        return both[0] / both[1], both[1]
+
+
+def _log_softmax_classes(func: Any, args: tuple, kwargs: dict) -> Any:
+    """log_softmax over a sharded dim: max and sum-of-exp all_reduces of the other dims."""
+    b = bind(func, args, kwargs)
+    x, dim = b["self"], b["dim"]
+    if not _sharded(x) or x.dim() == 0 or not x._layout.dims[dim % x.dim()]:
+        return NotImplemented
+    with torch.no_grad():
+        if b["half_to_float"]:
+            x = aten._to_copy(x, dtype=torch.float32)
+        m = x.amax(dim, keepdim=True)
+        shifted = x - m
+        return shifted - shifted.exp().sum(dim, keepdim=True).log()
+
+
+def _log_softmax_backward_classes(func: Any, args: tuple, kwargs: dict) -> Any:
+    """grad - exp(out) * sum(grad): one sum all_reduce over the sharded dim."""
+    b = bind(func, args, kwargs)
+    g, out, dim = b["grad_output"], b["output"], b["dim"]
+    if not _sharded(out) or out.dim() == 0 or not out._layout.dims[dim % out.dim()]:
+        return NotImplemented
+    with torch.no_grad():
+        res = g - out.exp() * g.sum(dim, keepdim=True)
+        return res if res.dtype == b["input_dtype"] else aten._to_copy(res, dtype=b["input_dtype"])
+
+
+SPECIAL = {
+    aten.nll_loss_forward.default: _nll_mean,
+    aten._log_softmax.default: _log_softmax_classes,
+    aten._log_softmax_backward_data.default: _log_softmax_backward_classes,
+}
+
+
+@attrs.frozen
+class ClassSharded:
+    """nll_loss (and its backward) on logits whose class dim (1) is sharded: each device
+    looks up the targets in its class range, the others are ignored there; loss and total
+    weight are pending sums over the class axes (the input gradient stays class-sharded)."""
+
+    backward: bool
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        x = b["self"]
+        names = [_arg_name(call.func, p) for p, _ in call.arrays]
+        if x.dim() != 2 or b["ignore_index"] >= 0 or "self" not in names:
+            return []
+        xl = call.arrays[names.index("self")][1]._layout
+        cls = xl.dims[1]
+        if not cls:
+            return []
+        mesh = call.mesh
+        rows = xl.dims[0]
+        part_cls = tuple((a, "sum") for a in cls)
+        ins = []
+        for n, (_, v) in zip(names, call.arrays):
+            if n == "self":
+                ins.append(Layout(mesh, (rows, cls)))
+            elif n == "target":
+                ins.append(Layout(mesh, (rows,)))
+            elif n == "weight":
+                ins.append(Layout(mesh, (cls,)))
+            elif n == "grad_output":
+                ins.append(Layout(mesh, (rows,) if v.dim() == 1 else ((),) * v.dim()))
+            else:  # total_weight: the global one for "mean"
+                ins.append(v._layout if b["reduction"] != _MEAN else Layout(mesh, ()))
+        if self.backward:
+            outs = (Layout(mesh, (rows, cls)),)
+        else:
+            red = b["reduction"]
+            loss = Layout(mesh, (rows,), _order(mesh, part_cls)) if red == 0 else Layout(
+                mesh, (), _order(mesh, part_cls + tuple((a, "sum") for a in rows)))
+            if red == _MEAN:
+                return []  # handled by _nll_mean, which asks for "sum"
+            outs = (loss, Layout(mesh, (), _order(mesh, part_cls + tuple((a, "sum") for a in rows))))
+        return [Candidate(tuple(ins), outs, device_args=_ClassRange(xl, tuple(x.shape), call.func))]
+
+
+def _order(mesh: Any, partial: tuple) -> tuple:
+    names = mesh.axis_names
+    return tuple(sorted(partial, key=lambda p: names.index(p[0])))
+
+
+def _arg_name(func: Any, path: Any) -> str:
+    from .base import _schema_info
+
+    names = _schema_info(func)[0]
+    return names[path] if isinstance(path, int) else path
+
+
+@attrs.frozen
+class _ClassRange:
+    """One device's arguments: targets outside its class range become ``ignore_index``."""
+
+    layout: Layout
+    shape: tuple[int, ...]
+    func: Any
+
+    def __call__(self, args: tuple, kwargs: dict, dev: int) -> tuple[tuple, dict]:
+        lo, hi = device_box(self.layout, self.shape, dev)[1]
+        b = bind(self.func, args, kwargs)
+        t, ii = b["target"], b["ignore_index"]
+        inside = (t >= lo) & (t < hi)
+        b["target"] = torch.where(inside, t - lo, torch.full_like(t, ii))
+        names = [a.name for a in self.func._schema.arguments]
+        return tuple(b[n] for n in names), {}
