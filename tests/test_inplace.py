@@ -7,6 +7,9 @@ their own temporaries (also through views) give torch's values and gradients.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -271,3 +274,26 @@ def test_data_reads_still_work(mesh):
     d = x.data
     assert isinstance(d, sf.ShardedArray) and not d.requires_grad
     assert torch.equal(d.full_tensor(), torch.ones(4, 4))
+
+
+_AFTER_FAILED_COMPILE = """
+import torch, shardfn as sf
+from shardfn import P
+mesh = sf.Mesh((2,), ("x",))
+x = sf.distribute(torch.randn(9, 4), P("x"), mesh=mesh)
+torch._dynamo.mark_dynamic(x, 0)
+try:
+    torch.compile(lambda x: x * 2.0, backend="aot_eager", fullgraph=True)(x)
+except Exception:
+    pass
+y = sf.distribute(torch.randn(4, 4), P("x"), mesh=mesh)
+print("filled", torch.empty_like(y).random_(0, 5).shape)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="known limitation of the reference-count test in _inplace.py: after a "
+                   "torch.compile that failed on a dim marked dynamic, an unnamed temporary counts one reference "
+                   "too many, so its in-place fill raises ImmutableError (never a wrong value)")
+def test_private_temporary_after_failed_compile():
+    proc = subprocess.run([sys.executable, "-c", _AFTER_FAILED_COMPILE], capture_output=True, text=True, timeout=300)
+    assert "filled torch.Size([4, 4])" in proc.stdout, proc.stderr[-2000:]
