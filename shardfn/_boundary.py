@@ -350,6 +350,7 @@ class Opaque(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.saved = inputs[1]
+        ctx.save_for_backward(*inputs[2:])
         ctx.mark_non_differentiable(*[o for o in output if not _float(o)])
 
     @staticmethod
@@ -361,9 +362,34 @@ class Opaque(torch.autograd.Function):
         xs, outs = ctx.saved.xs, ctx.saved.outs
         pairs = [(o, unwrapped(c)) for o, c in zip(outs, cts) if c is not None and o.requires_grad]
         wrt = [x for x in xs if x.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
+        grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
                      if pairs and wrt else [None] * len(wrt))
-        return (None, None, *[next(grads) if x.requires_grad else None for x in xs])
+        # The replayed graph starts at detached inputs: a second derivative through these
+        # gradients would silently be zero, so differentiating them again raises instead.
+        present = [i for i, g in enumerate(grads) if g is not None]
+        held = [t for t in (*ctx.saved_tensors, *cts) if isinstance(t, torch.Tensor)]
+        guarded = _FirstOrderOnly.apply(len(present), *[grads[i] for i in present], *held) if present else ()
+        for i, g in zip(present, guarded):
+            grads[i] = g
+        it = iter(grads)
+        return (None, None, *[next(it) if x.requires_grad else None for x in xs])
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes gradients through; tied to the inputs and cotangents of an Opaque node so that
+    any attempt to differentiate them again reaches this backward and raises."""
+
+    @staticmethod
+    def forward(n: int, *tensors: torch.Tensor) -> tuple:
+        return tuple(t.clone() for t in tensors[:n])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, *cts: Any) -> Any:
+        raise ShardingError(_UNEVEN_LIMIT.format(what="second-order derivatives"))
 
 
 # -- with_sharding_constraint ------------------------------------------------------------------------

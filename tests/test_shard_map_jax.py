@@ -435,3 +435,22 @@ def test_uneven_first_order_under_torch_func_and_clear_limits():
         _close(a, b, "grad")
     with pytest.raises(sf.ShardingError, match="uneven shards"):
         torch.func.jvp(loss, (x, w), (x, w))
+
+
+def test_uneven_second_order_under_torch_func_raises_not_zero():
+    """The per-device node is first-order only under torch.func: differentiating its
+    gradient again raises (a silent zero before); plain autograd double backward is exact."""
+    mesh = sf.Mesh((4,), ("i",))
+    f = sf.shard_map(lambda x: lax.psum(torch.sin(x).sum(0), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+    x = torch.randn(7, 3, dtype=torch.float64)
+
+    def loss(x):
+        return sf.gather(f(x)).sum()
+
+    _close(torch.func.grad(loss)(x), torch.cos(x), "grad")
+    with pytest.raises(sf.ShardingError, match="second-order derivatives .* uneven shards"):
+        torch.func.grad(lambda x: torch.func.grad(loss)(x).sum())(x)
+    xr = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(loss(xr), xr, create_graph=True)
+    (g2,) = torch.autograd.grad(g.sum(), xr)
+    _close(g2, -torch.sin(x), "double backward")
