@@ -292,6 +292,18 @@ def test_register_sharding_output_letters_checked_against_real_sizes(mesh22):
     torch.testing.assert_close(_mm(xa, xb).full_tensor(), a @ b)
 
 
+def test_register_sharding_misordered_output_caught_on_square_operands(mesh22):
+    """Equal sizes hide a swapped output (m == n): the first call probes the op with
+    distinct letter sizes and raises instead of computing a transposed result."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    xa, xb = sf.distribute(a, P("x"), mesh=mesh22), sf.distribute(b, P(), mesh=mesh22)
+    sf.register_sharding(_mm, "mk,kn->nm")
+    with pytest.raises(ShardingError, match=r"says the output's dims are \['n', 'm'\].* not \(4, 3\)"):
+        _mm(xa, xb)
+    sf.register_sharding(_mm, "mk,kn->mn")
+    torch.testing.assert_close(_mm(xa, xb).full_tensor(), a @ b)
+
+
 def test_register_sharding_letter_sizes_must_agree(mesh22):
     sf.register_sharding(_mm, "mk,nk->mn")
     a, b = torch.randn(8, 6), torch.randn(6, 4)

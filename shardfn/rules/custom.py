@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence, overload
 
 import attrs
 import torch
+from torch.utils import _pytree as pytree
 
 from ..errors import ShardingError
 from ..layout import Layout
@@ -37,6 +38,7 @@ class EinsumRule:
                 f"tensor inputs of ranks {ranks} and outputs of ranks {[m.dim() for m in outs]}"
             )
         _check_sizes(self.eq, ins, out, call.shapes, tuple(outs[0].shape), call.func)
+        _probe_letters(self.eq, ins, out, call)
         return compile_dims(call, einsum_dims(self.eq))
 
 
@@ -59,6 +61,29 @@ def _check_sizes(eq: str, ins: Sequence[str], out: str, shapes: Sequence[tuple],
                 f"{_name(func)}: sharding rule {eq!r} says output dim {d} is {L!r} of size {sizes[L][0]} "
                 f"({sizes[L][1]}), but the op's output has shape {out_shape}; fix the output letters"
             )
+
+
+def _probe_letters(eq: str, ins: Sequence[str], out: str, call: OpCall) -> None:
+    """Run the op on meta operands whose letters all have distinct sizes: the output's
+    sizes then tell which letter each output dim really is, which equal sizes (square
+    matrices) cannot. An op that refuses the probe shapes is not probed."""
+    sizes = {L: 2 + i for i, L in enumerate(sorted(set("".join(ins))))}
+    probes = iter([torch.empty([sizes[L] for L in letters], dtype=v.dtype, device="meta")
+                   for letters, (_, v) in zip(ins, call.arrays)])
+    from ..array import ShardedArray
+
+    args, kwargs = pytree.tree_map_only(ShardedArray, lambda _: next(probes), (call.args, call.kwargs))
+    try:
+        result = call.func(*args, **kwargs)
+    except Exception:  # the op's own constraints on sizes: nothing to learn from the probe
+        return
+    got = tuple(result.shape) if isinstance(result, torch.Tensor) else None
+    want = tuple(sizes[L] for L in out)
+    if got is not None and got != want:
+        raise ShardingError(
+            f"{_name(call.func)}: sharding rule {eq!r} says the output's dims are {list(out)}, but with "
+            f"letter sizes {sizes} the op returns shape {got}, not {want}; fix the output letters"
+        )
 
 
 @attrs.frozen
@@ -207,49 +232,6 @@ def _check_arity(eq: str, n: int, op: Any) -> None:
 
 @overload
 def register_sharding(op: Any, rule: str | Rule) -> None: ...
-def _check_einsum(eq: str, ops: list) -> None:
-    """Syntax, letters and arity of an einsum rule, checked when it is registered."""
-    def bad(why: str) -> ShardingError:
-        return ShardingError(
-            f"register_sharding: einsum rule {eq!r} {why}; write one comma-separated group of "
-            f"letters per tensor input, '->', and the output's letters, e.g. 'mk,kn->mn' for mm"
-        )
-
-    if eq.replace(" ", "").count("->") != 1:
-        raise bad("needs exactly one '->'")
-    ins, out = parse_einsum(eq)
-    for part in (*ins, out):
-        if not all(c.isascii() and c.isalpha() for c in part):
-            raise bad(f"has {part!r}, which is not letters only")
-        if len(set(part)) != len(part):
-            raise bad(f"repeats a letter within {part!r}")
-    missing = sorted(set(out) - set("".join(ins)))
-    if missing:
-        raise bad(f"has output letter(s) {missing} that no input names")
-    for op in ops:
-        _check_arity(eq, len(ins), op)
-
-
-def _check_arity(eq: str, n: int, op: Any) -> None:
-    """The rule has one operand per Tensor parameter and the op returns one Tensor."""
-    types = [str(a.type) for a in op._schema.arguments]
-    if any("Tensor" in t and "[]" in t for t in types):
-        return  # a tensor list: its length is known at the call only
-    required = sum(t == "Tensor" for t in types)
-    optional = sum(t in ("Tensor?", "Optional[Tensor]") for t in types)
-    returns = [str(r.type) for r in op._schema.returns]
-    if not required <= n <= required + optional:
-        raise ShardingError(
-            f"register_sharding: einsum rule {eq!r} has {n} input(s) but {op} takes "
-            f"{required}{f' to {required + optional}' if optional else ''} tensor(s): {op._schema}"
-        )
-    if returns != ["Tensor"]:
-        raise ShardingError(
-            f"register_sharding: an einsum rule describes one tensor output, but {op} returns "
-            f"{returns}: {op._schema}; use the decorator form for several outputs"
-        )
-
-
 @overload
 def register_sharding(op: Any, rule: None = None) -> Callable[[Callable], Callable]: ...
 
