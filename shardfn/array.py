@@ -112,13 +112,16 @@ class ShardedArray(torch.Tensor):
 
     @classmethod
     def from_local(cls, local: Any, sharding: Sharding, *, mesh: Mesh | None = None,
-                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> ShardedArray:
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None,
+                   run_check: bool = True) -> ShardedArray:
         """Build a ShardedArray from shards: a list, one per device (local backend), or
-        this rank's tensor (dist). Shard shapes are checked against the layout; on the
-        local backend shards replicated over an axis must be equal (a ShardingError names
-        the devices that differ); on dist every rank's global shape and dtype are checked
-        against the others' (values are trusted, as in JAX/DTensor)."""
-        return _from_local(local, sharding, mesh, shape, stride, check_replicas=True)
+        this rank's tensor (dist). Shard shapes are always checked against the layout.
+        With ``run_check`` (the default), on the local backend shards replicated over an
+        axis must be equal (a ShardingError names the devices that differ), and on dist
+        every rank's global shape and dtype are checked against the others' (one small
+        all_gather; values are trusted, as in JAX/DTensor). ``run_check=False`` skips
+        both, for hot loops whose inputs are known to agree (DTensor's spelling)."""
+        return _from_local(local, sharding, mesh, shape, stride, run_check=run_check)
 
     # -- torch integration ---------------------------------------------------------------
     @classmethod
@@ -578,7 +581,7 @@ def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
 
 
 def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequence[int] | None,
-                stride: Sequence[int] | None, *, check_replicas: bool = False) -> ShardedArray:
+                stride: Sequence[int] | None, *, run_check: bool = False) -> ShardedArray:
     if mesh is not None:
         check_mesh(mesh, "from_local(mesh=...)")
     if mesh is None and not isinstance(sharding, NamedSharding | Layout):
@@ -591,8 +594,8 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     ndim = shards[0].dim()
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
     backend = backend_for(layout.mesh)
-    shape = backend.global_shape(shards, layout, shape)
-    if check_replicas and layout.mesh.backend == "local":
+    shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
+    if run_check and layout.mesh.backend == "local":
         _check_replicas_agree(shards, layout)
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
 

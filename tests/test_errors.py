@@ -234,6 +234,15 @@ def test_from_local_replicated_parts_must_agree(mesh22):
         ShardedArray.from_local(parts, P(), mesh=mesh22)
 
 
+def test_from_local_run_check_false_trusts_the_parts(mesh22):
+    """DTensor's spelling: no replica comparison (the caller vouches), shapes still checked."""
+    parts = [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([2.0]), torch.tensor([2.0])]
+    x = ShardedArray.from_local(parts, P(), mesh=mesh22, run_check=False)
+    assert x.shape == (1,) and x.spec == P()
+    with pytest.raises(ShardingError, match="from_local"):
+        ShardedArray.from_local([torch.ones(2)] * 3 + [torch.ones(3)], P(), mesh=mesh22, run_check=False)
+
+
 def test_from_local_replicas_checked_per_group(mesh22):
     """P('x') replicates over 'y': devices (0, 1) and (2, 3) form the groups."""
     a, b = torch.tensor([1.0]), torch.tensor([3.0])

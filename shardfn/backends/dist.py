@@ -526,7 +526,8 @@ def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int
     return shards[0]
 
 
-def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None) -> tuple[int, ...]:
+def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None, *,
+                 check_ranks: bool = True) -> tuple[int, ...]:
     """The global shape: ``shape`` if given, else the even one (local size times the sizes of
     the axes sharding each dim); this rank's shard is checked against it, and every rank's
     global shape and dtype against the others' (one small all_gather), so a mismatch is a
@@ -547,7 +548,10 @@ def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence
             f"{tuple(x.shape)}, but {describe(shape, x.dtype, layout)} on {mesh!r} puts a shard of shape "
             f"{local_shapes(layout, shape)[rank]} there; pass shape= with the global shape for uneven layouts"
         )
-    check_same_meta(mesh, shape, x.dtype, "from_local", error)
+    if check_ranks:
+        check_same_meta(mesh, shape, x.dtype, "from_local", error)
+    elif error is not None:
+        raise ShardingError(error)
     return shape
 
 

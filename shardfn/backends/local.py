@@ -408,8 +408,10 @@ def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int
     return from_parts(shards, layout, shape)
 
 
-def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None) -> tuple[int, ...]:
-    """The global shape the shards describe (or ``shape``), checked against the layout."""
+def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None, *,
+                 check_ranks: bool = True) -> tuple[int, ...]:
+    """The global shape the shards describe (or ``shape``), checked against the layout
+    (every device's shard is here, so ``check_ranks`` has nothing more to check)."""
     from ..errors import ShardingError
 
     mesh = layout.mesh

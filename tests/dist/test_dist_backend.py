@@ -101,6 +101,28 @@ def from_local_shapes_differing_across_ranks_fail_on_every_rank(mesh: sf.Mesh) -
 
 
 @scenario(backends=DIST)
+def from_local_run_check_false_skips_the_metadata_exchange(mesh: sf.Mesh) -> None:
+    """run_check=False builds the same array without the cross-rank all_gather; this rank's
+    shard is still checked against the layout."""
+    from shardfn.backends import dist as backend
+
+    calls = []
+    real = backend.check_same_meta
+    backend.check_same_meta = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        x = sf.ShardedArray.from_local(torch.ones(2, 4), P(mesh.axis_names[0]), mesh=mesh, run_check=False)
+        assert calls == []
+        y = sf.ShardedArray.from_local(torch.ones(2, 4), P(mesh.axis_names[0]), mesh=mesh)
+        assert len(calls) == 1
+    finally:
+        backend.check_same_meta = real
+    assert_equal(x.full_tensor(), y.full_tensor())
+    with pytest.raises(sf.ShardingError, match=r"local tensor of shape \(3, 4\)"):
+        sf.ShardedArray.from_local(torch.ones(3, 4), P(mesh.axis_names[0]), mesh=mesh, shape=(2 * mesh.shape[0], 4),
+                                   run_check=False)
+
+
+@scenario(backends=DIST)
 def a_bad_shard_on_one_rank_fails_on_every_rank(mesh: sf.Mesh) -> None:
     rank = dist.get_rank()
     local = torch.ones(5, 4) if rank == 3 else torch.ones(2, 4)
