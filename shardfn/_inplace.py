@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .array import ShardedArray
 from .errors import ImmutableError
 
 aten = torch.ops.aten
@@ -81,8 +82,6 @@ def is_view(func: Any) -> bool:
 def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """Record on each output of a view op what it aliases: for a private base, the link to
     replay (base, op, arguments, output index); for an observable one, a flag."""
-    from .array import ShardedArray
-
     base = args[0] if args else None
     if not isinstance(base, ShardedArray):
         return
@@ -190,8 +189,6 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list:
 
 def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run an in-place / ``out=`` op on ShardedArrays by the policy in the module doc."""
-    from .array import ShardedArray
-
     targets = _written(func, args, kwargs)
     accumulating = func is aten.add_.Tensor and torch._C._current_graph_task_id() != -1
     for t in targets:
@@ -206,7 +203,6 @@ def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     """``native_batch_norm`` updates its running stats without saying so in its schema:
     with ShardedArray running stats in training it is judged as the annotated
     ``_native_batch_norm_legit`` (which writes ``running_mean(a!)``/``running_var(b!)``)."""
-    from .array import ShardedArray
     from .dispatch import dispatch
     from .rules.base import bind
 
