@@ -613,7 +613,7 @@ def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:
         coords = list(mesh.coords(dev))
         for i in replicated:
             coords[i] = 0
-        first = _device_index(mesh, coords)
+        first = mesh.device_at(coords)
         if first != dev and not _same_values(shards[first], shard):
             bad.append((first, dev))
     if bad:
@@ -624,13 +624,6 @@ def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:
             f"devices {pairs} differ; replicas must hold equal values (shard the value, declare it "
             f"Partial, or pass equal shards)"
         )
-
-
-def _device_index(mesh: Mesh, coords: Sequence[int]) -> int:
-    dev = 0
-    for n, c in zip(mesh.shape, coords):
-        dev = dev * n + c
-    return dev
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

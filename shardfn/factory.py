@@ -127,16 +127,9 @@ def _stacked(layout: Layout, shape: tuple[int, ...], make: MakeShard) -> torch.T
     local = local_shapes(layout, shape)[0]
     shards = []
     for coords in itertools.product(*(range(n) for n in sub)):
-        dev = _device_at(mesh.shape, coords)
+        dev = mesh.device_at(coords)
         shards.append(make(dev, device_box(layout, shape, dev)))
     return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
-
-
-def _device_at(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
-    dev = 0
-    for n, c in zip(mesh_shape, coords):
-        dev = dev * n + c
-    return dev
 
 
 def _build(shape: tuple[int, ...], layout: Layout, make: Callable[[Box], torch.Tensor], dtype: torch.dtype,

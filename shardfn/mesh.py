@@ -152,6 +152,13 @@ class Mesh:
         """Row-major coordinates of ``device`` on the mesh."""
         return _coords(self.shape, device)
 
+    def device_at(self, coords: Sequence[int]) -> int:
+        """The device at row-major ``coords`` (the inverse of :meth:`coords`)."""
+        dev = 0
+        for n, c in zip(self.shape, coords):
+            dev = dev * n + c
+        return dev
+
     def flatten(self, axes: Sequence[str], name: str) -> Mesh:
         """A view of this mesh with the adjacent ``axes`` (in mesh order) merged into one
         axis ``name``; same devices, same numbering."""

@@ -342,7 +342,7 @@ def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
         for combo in itertools.product(*(range(mesh.shape[i]) for i in src_axes)):
             for i, c in zip(src_axes, combo):
                 coords[i] = c
-            s = _device(mesh.shape, coords)
+            s = mesh.device_at(coords)
             inter = box_intersection(db[t], sb[s])
             if inter is None or box_numel(inter) == 0:
                 continue
@@ -354,13 +354,6 @@ def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
     kind = "permute" if whole and len(set(moved)) == len(moved) else "all_to_all"
     group = math.prod(mesh.axis_size(a) for a in axes)
     return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, max(sent), group, pieces=tuple(pieces))
-
-
-def _device(mesh_shape: tuple[int, ...], coords: Sequence[int]) -> int:
-    d = 0
-    for n, c in zip(mesh_shape, coords):
-        d = d * n + c
-    return d
 
 
 def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:
