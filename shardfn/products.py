@@ -9,8 +9,6 @@ never an all_reduce followed by a slice.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ._explicit import explicit

@@ -587,7 +587,7 @@ def check_same_meta(mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: 
         raise ShardingError(
             f"{what}: ranks disagree on the global shape/dtype: rank 0 has {_meta_str(rows[0])}, "
             + ", ".join(f"rank {r} has {_meta_str(rows[r])}" for r in differ[:4])
-            + f". Every rank must pass tensors of one global shape and dtype"
+            + ". Every rank must pass tensors of one global shape and dtype"
         )
 
 
