@@ -4,14 +4,13 @@
 lookup keyed on the op, the input layouts/shapes/dtypes and the static arguments (floats
 excluded, so a new scalar each step still hits). On a miss the rule table proposes
 candidate strategies, each costed by the bytes its input redistributions move; the
-cheapest is compiled into an :class:`_Entry` that reshards inputs, runs the local op
-once for the whole mesh (stacked) or once per device, and wraps the outputs.
+cheapest is compiled into an :class:`_Entry` that reshards inputs, runs the backend's
+local call (``compile_call``), and wraps the outputs.
 """
 
 from __future__ import annotations
 
 import math
-import functools
 import warnings
 from typing import Any, Callable
 
@@ -24,9 +23,8 @@ from . import _inplace
 from . import rules as _rules
 from .array import ShardedArray, _contiguous_strides, raw_full, raw_reshard, wrap
 from .backends import backend_for
-from .backends import local as _local_backend
 from .errors import FallbackWarning, ShardingError
-from .layout import Layout, describe, is_even
+from .layout import Layout, describe
 from .plan import plan_layouts
 from .rules.base import Candidate, OpCall
 
@@ -119,7 +117,7 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
         # specialise them (a guard; a dim marked dynamic is then reported by Dynamo)
         return dispatch(func, *_replace(args, kwargs, _specialised))
     try:
-        return entry.run(args, kwargs, leaves, symbolic=True, stacked_args=_symbolic_size_args(entry, args, kwargs))
+        return entry.run(args, kwargs, leaves, symbolic=True)
     except _BakedSizes:
         return dispatch(func, *_replace(args, kwargs, _specialised))
 
@@ -143,31 +141,6 @@ def _specialised(path: Any, v: Any) -> Any:
     if isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape):
         return v.view(tuple(int(n) for n in v.shape))
     return v
-
-
-def _symbolic_size_args(entry: "_Entry", args: tuple, kwargs: dict) -> Any:
-    """Rules that set a size argument to the local shape (view, reshape, expand, the
-    backward of select/unsqueeze) computed it from the hints; redo it from the symbolic
-    sizes in ``args``."""
-    from .rules.base import bind
-    from .rules.views import _SetArg, _SizedArgs
-
-    sa = entry.cand.stacked_args
-    if not isinstance(sa, (_SetArg, _SizedArgs)):
-        return None
-    name = sa.arg if isinstance(sa, _SetArg) else "input_sizes"
-    sizes = list(bind(entry.func, args, kwargs)[name])
-    if not any(isinstance(n, torch.SymInt) for n in sizes):
-        return None
-    dst, mesh = entry.cand.out_layouts[0], entry.call.mesh
-    local = []
-    for n, axes in zip(sizes, dst.dims):
-        k = math.prod(mesh.axis_size(a) for a in axes)
-        if k > 1 and not isinstance(n, torch.SymInt) and n < 0:
-            raise ShardingError(f"{_op_name(entry.func)}: a -1 size on a sharded dim with dynamic sizes")
-        local.append(n if k == 1 else n // k)
-    value = (*mesh.shape, *local)
-    return attrs.evolve(sa, value=value) if isinstance(sa, _SetArg) else attrs.evolve(sa, sizes=value)
 
 
 # -- call analysis -----------------------------------------------------------------------------
@@ -325,7 +298,9 @@ def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:
 
 @attrs.define
 class _Entry:
-    """A compiled strategy for one cache key."""
+    """A compiled strategy for one cache key: which inputs to reshard, the backend's
+    local call (``compile_call``: everything about running it is decided here, once),
+    and the output metadata."""
 
     func: Any
     call: OpCall
@@ -333,14 +308,13 @@ class _Entry:
     out_shapes: list = attrs.field(init=False)
     out_dtypes: list = attrs.field(init=False)
     rebuild: Callable = attrs.field(init=False)
-    stacked: bool = attrs.field(init=False)
-    batched: bool = attrs.field(init=False, default=True)
-    # hot-path precomputations: output strides, where the sharded args sit, and the
-    # mesh-dim sizes of stacked inputs already seen to broadcast (-> outputs canonical?)
+    stacked: bool = attrs.field(init=False)  # the local call keeps symbolic sizes symbolic
+    # hot-path precomputations: output strides, where the sharded args sit, which
+    # inputs need resharding, the backend's local call
     out_strides: list = attrs.field(init=False)
     positional: tuple | None = attrs.field(init=False)
     moves: list = attrs.field(init=False)
-    verified: dict = attrs.field(init=False, factory=dict)
+    local: Any = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
@@ -354,26 +328,17 @@ class _Entry:
         ]
         paths = tuple(p for p, _ in self.call.arrays)
         self.positional = paths if all(isinstance(p, int) for p in paths) else None
-        c = self.cand
-        self.stacked = (
-            self.call.mesh.backend == "local"
-            and c.stacked_args is not None
-            and all(is_even(l, tuple(v.shape)) for (_, v), l in zip(self.call.arrays, c.in_layouts))
-            and all(
-                l is None or is_even(l, s) for l, s in zip(c.out_layouts, self.out_shapes)
-            )
-        )
+        self.local = backend_for(self.call.mesh).compile_call(
+            self.func, self.call, self.cand, self.out_shapes, self.positional)
+        self.stacked = self.local.keeps_symbolic
         # the cache must not keep the first call's arrays alive (nor count as holding them)
         self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
 
-    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
+    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False) -> Any:
         arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
         values = {p: raw_reshard(v, want) if move else v._local
                   for (p, v), want, move in zip(arrays, self.cand.in_layouts, self.moves)}
-        if self.stacked:
-            locals_ = self._stacked(args, kwargs, values, stacked_args)
-        else:
-            locals_ = self._per_device(args, kwargs, values)
+        locals_ = self.local(args, kwargs, values, symbolic)
         results = []
         for local, layout, shape, dtype, stride in zip(locals_, self.cand.out_layouts, self.out_shapes,
                                                        self.out_dtypes, self.out_strides):
@@ -386,75 +351,6 @@ class _Entry:
                     shape = _check_static_output(self.func, args, kwargs, len(results), shape)
             results.append(ShardedArray(local, layout, shape, dtype, stride=stride))
         return self.rebuild(results)
-
-    def _substituted(self, args: tuple, kwargs: dict, values: dict, fn: Callable) -> tuple[tuple, dict]:
-        """args/kwargs with each sharded argument replaced by ``fn(its backend value)``."""
-        if self.positional is not None:
-            a = list(args)
-            for p in self.positional:
-                a[p] = fn(values[p])
-            return tuple(a), kwargs
-        return _replace(args, kwargs, lambda p, v: fn(values[p]) if isinstance(v, ShardedArray) else v)
-
-    def _stacked(self, args: tuple, kwargs: dict, values: dict, stacked_args: Any) -> list:
-        """One local call on the stacked values; mesh dims of size 1 (the same on every
-        device) broadcast, unless this op was seen not to broadcast over leading dims, in
-        which case they are expanded first."""
-        local = _local_backend
-        mesh = self.call.mesh
-        adapt = stacked_args or self.cand.stacked_args
-        fn = self.cand.stacked_fn or self.func
-        layouts = self.cand.out_layouts
-        if self.batched:
-            m = mesh.ndim
-            sig = tuple(v.shape[:m] for v in values.values())
-            settled = self.verified.get(sig)
-            a, k = adapt(*self._substituted(args, kwargs, values, _same), m)
-            if settled is True:
-                return _flat_outputs(fn(*a, **k))[0]
-            try:
-                outs = _flat_outputs(fn(*a, **k))[0]
-            except (RuntimeError, IndexError, ValueError):
-                outs = None
-            tensors = [o if isinstance(o, torch.Tensor) and l is not None else None
-                       for o, l in zip(outs or (), layouts)]
-            if outs is not None and (settled is not None or local.batch_consistent(list(values.values()), tensors, mesh)):
-                fixed = [o if t is None else local.settle(o, l) for o, t, l in zip(outs, tensors, layouts)]
-                if len(self.verified) < 64:
-                    self.verified[sig] = all(f is o for f, o in zip(fixed, outs))
-                return fixed
-            self.batched = False
-        a, k = adapt(*self._substituted(args, kwargs, values, functools.partial(local.full, mesh=mesh)), mesh.ndim)
-        outs, _ = _flat_outputs(fn(*a, **k))
-        return [local.settle(o, l) if isinstance(o, torch.Tensor) and l is not None else o
-                for o, l in zip(outs, layouts)]
-
-    def _per_device(self, args: tuple, kwargs: dict, values: dict) -> list:
-        mesh = self.call.mesh
-        backend = backend_for(mesh)
-        if mesh.backend != "local":
-            a, k = self._substituted(args, kwargs, values, _same)
-            if self.cand.device_args is not None:
-                a, k = self.cand.device_args(a, k, backend.rank_of(mesh))
-            outs, _ = _flat_outputs((self.cand.device_fn or self.func)(*a, **k))
-            return outs
-        from .backends.local import from_parts
-
-        per_dev = []
-        for dev in range(mesh.size):
-            a, k = _replace(args, kwargs, functools.partial(_device_arg, values, mesh, dev))
-            if self.cand.device_args is not None:
-                a, k = self.cand.device_args(a, k, dev)
-            per_dev.append(_flat_outputs((self.cand.device_fn or self.func)(*a, **k))[0])
-        out = []
-        for i, (layout, shape) in enumerate(zip(self.cand.out_layouts, self.out_shapes)):
-            col = [o[i] for o in per_dev]
-            out.append(col[0] if layout is None else from_parts(col, layout, shape))
-        return out
-
-
-def _same(v: Any) -> Any:
-    return v
 
 
 def _check_static_output(func: Any, args: tuple, kwargs: dict, i: int, shape: tuple) -> tuple:
@@ -479,13 +375,6 @@ def _global_of_stacked(local: torch.Tensor, layout: Layout) -> tuple:
     )
 
 
-def _device_arg(values: dict, mesh: Any, dev: int, path: Any, v: Any) -> Any:
-    """One device's view of a sharded argument; other arguments pass through."""
-    from .backends.local import device_view
-
-    return device_view(values[path], mesh, dev) if isinstance(v, ShardedArray) else v
-
-
 # -- fallback: replicate, run once, replicate the result ------------------------------------------
 
 
@@ -508,7 +397,7 @@ class _Fallback:
     func: Any
     mesh: Any
 
-    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
+    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False) -> Any:
         # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
         # trust a contiguous-looking argument; a replicated value is an expanded view)
         a, k = _replace(args, kwargs, lambda p, v: raw_full(v).contiguous() if isinstance(v, ShardedArray) else v)

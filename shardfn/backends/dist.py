@@ -613,3 +613,31 @@ def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     ok = torch.tensor([int(all(flags))], dtype=torch.int32, device=device)
     return bool(run_collective("all_reduce", st.groups[mesh.axis_names], funcol.all_reduce, ok, "min").item())
+
+
+# -- running an op's local call -------------------------------------------------------------
+
+
+def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], positional: tuple | None) -> Any:
+    """The local computation of one strategy: the local call once, on this rank's shards
+    (localised sizes and shard facts are this rank's). ``(args, kwargs, values,
+    symbolic) -> flat outputs``."""
+    return RankCall(func, cand, call, out_shapes, positional)
+
+
+class RankCall:
+    """The local call on this rank's shards."""
+
+    keeps_symbolic = False
+
+    def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
+        from ._device_call import DeviceCall
+
+        self.rank = rank_of(call.mesh)
+        self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes, (self.rank,))
+        self.positional = positional
+
+    def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
+        from ._device_call import same, substitute
+
+        return self.device_call(*substitute(args, kwargs, values, self.positional, same), self.rank)

@@ -13,7 +13,7 @@ shard; :func:`compact` cuts them back to size 1.
 from __future__ import annotations
 
 import functools
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -453,3 +453,113 @@ def shard_list(value: Value, mesh: Mesh) -> tuple:
 
 def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
     return all(flags)
+
+
+# -- running an op's local call -------------------------------------------------------------
+
+
+def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], positional: tuple | None) -> Any:
+    """The local computation of one strategy on this backend's values: one call on the
+    stacked values when every layout is even and the call has a batched form
+    (``_batching``), else once per device. ``(args, kwargs, values, symbolic) -> flat
+    outputs`` (stacked values or per-device tuples, non-tensor outputs as they are)."""
+    from . import _batching
+
+    per_device = PerDeviceCall(func, cand, call, out_shapes, positional)
+    even = all(is_even(l, tuple(v.shape)) for (_, v), l in zip(call.arrays, cand.in_layouts)) and all(
+        l is None or is_even(l, s) for l, s in zip(cand.out_layouts, out_shapes))
+    batched = _batching.batched_call(func, cand, call, out_shapes) if even else None
+    if batched is None:
+        return per_device
+    return StackedCall(batched, per_device, call.mesh, cand.out_layouts, positional)
+
+
+def _flat(out: Any) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class StackedCall:
+    """One local call on the stacked values. Mesh dims of size 1 (the same on every
+    device) broadcast; the first run for each combination of input mesh-dim sizes is
+    checked (:func:`batch_consistent`), and a call that fails it or raises is run on
+    values expanded to the full mesh, and if that raises too, once per device."""
+
+    keeps_symbolic = True
+
+    def __init__(self, fn: Any, per_device: "PerDeviceCall", mesh: Mesh, layouts: tuple, positional: tuple | None) -> None:
+        self.fn, self.per_device, self.mesh, self.layouts, self.positional = fn, per_device, mesh, layouts, positional
+        self.mode = "batched"  # -> "full" -> "per_device" as calls show what the op supports
+        self.verified: dict = {}
+
+    def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
+        from ._device_call import same, substitute
+
+        mesh, layouts = self.mesh, self.layouts
+        if self.mode == "batched":
+            m = mesh.ndim
+            sig = tuple(v.shape[:m] for v in values.values())
+            settled = self.verified.get(sig)
+            a, k = substitute(args, kwargs, values, self.positional, same)
+            if settled is True:
+                return _flat(self.fn(a, k, symbolic))
+            try:
+                outs = _flat(self.fn(a, k, symbolic))
+            except (RuntimeError, IndexError, ValueError) as e:
+                if _is_sharding_error(e):
+                    raise
+                outs = None
+            tensors = [o if isinstance(o, torch.Tensor) and l is not None else None
+                       for o, l in zip(outs or (), layouts)]
+            if outs is not None and (settled is not None or batch_consistent(list(values.values()), tensors, mesh)):
+                fixed = [o if t is None else settle(o, l) for o, t, l in zip(outs, tensors, layouts)]
+                if len(self.verified) < 64:
+                    self.verified[sig] = all(f is o for f, o in zip(fixed, outs))
+                return fixed
+            self.mode = "full"
+        if self.mode == "full":
+            a, k = substitute(args, kwargs, values, self.positional, functools.partial(full, mesh=mesh))
+            try:
+                outs = _flat(self.fn(a, k, symbolic))
+            except (RuntimeError, IndexError, ValueError) as e:
+                if symbolic or _is_sharding_error(e):
+                    raise
+                self.mode = "per_device"
+            else:
+                return [settle(o, l) if isinstance(o, torch.Tensor) and l is not None else o
+                        for o, l in zip(outs, layouts)]
+        return self.per_device(args, kwargs, values)
+
+
+def _is_sharding_error(e: Exception) -> bool:
+    from ..errors import ShardingError
+
+    return isinstance(e, ShardingError)
+
+
+class PerDeviceCall:
+    """The local call once per device, on each device's shard (uneven layouts, or ops
+    with no batched form); outputs are stored in their preferred form."""
+
+    keeps_symbolic = False
+
+    def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
+        from ._device_call import DeviceCall
+
+        self.mesh = call.mesh
+        self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes,
+                                      range(call.mesh.size))
+        self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
+
+    def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
+        from ._device_call import substitute
+
+        mesh = self.mesh
+        per_dev = []
+        for dev in range(mesh.size):
+            a, k = substitute(args, kwargs, values, self.positional, lambda v: device_view(v, mesh, dev))
+            per_dev.append(self.device_call(a, k, dev))
+        out = []
+        for i, (layout, shape) in enumerate(zip(self.layouts, self.out_shapes)):
+            col = [o[i] for o in per_dev]
+            out.append(col[0] if layout is None else from_parts(col, layout, shape))
+        return out

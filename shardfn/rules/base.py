@@ -9,6 +9,7 @@ import torch
 
 from ..layout import Layout
 from ..mesh import Mesh
+from .._schema import _schema_info, bind, replace_arg  # noqa: F401  (rules use them)
 
 
 @attrs.frozen
@@ -44,20 +45,46 @@ class OpCall:
 
 
 @attrs.frozen
+class ShardFact:
+    """A fact about one device's shard that a ``local_fn`` needs, passed to it as the
+    keyword ``name``: the ``offset`` (first global index) or ``size`` of input ``input``'s
+    shard along dim ``dim`` (``input`` counts sharded inputs in argument order)."""
+
+    name: str
+    kind: str  # "offset" | "size"
+    input: int
+    dim: int
+
+
+@attrs.frozen
 class Candidate:
     """A strategy: the layout each sharded input must have (argument order), the layout
-    of each output (None for non-tensor outputs), and how to adapt the arguments to run
-    the local op once on stacked shards (``stacked_args(args, kwargs, mesh_ndim)``) or
-    per device (``device_args(args, kwargs, device)``). ``stacked_fn``/``device_fn``
-    replace the op itself in those runs (e.g. batched matmul for ``mm`` on stacked
-    shards, a masked lookup for a vocabulary-sharded embedding)."""
+    of each output (None for non-tensor outputs), and declarative facts about the local
+    call each device makes, in logical (unsharded-rank) terms. Backends decide how to run
+    it; nothing here says how shards are stored.
+
+    - ``local_op``/``local_args``: run this aten op instead (arguments matched by schema
+      name), with the named arguments set to these values (``squeeze`` of exactly the
+      dims that are size 1 globally, a view of a lazily-conjugated value materialised).
+    - ``local_sizes``: (argument, output index) pairs: the argument is a shape that must
+      become that output's local shape (view, reshape, expand, ``*_backward`` sizes).
+    - ``local_fn``: a computation on one device's shards that is not the op itself
+      (vocabulary-sharded embedding, class-range nll, mean over uneven shards); it takes
+      the op's arguments plus the ``facts`` (:class:`ShardFact`) as keywords.
+    - ``dense``: the local call needs contiguous tensors with conj/neg flags resolved.
+    - ``broadcast``: the local call is elementwise, its tensor operands broadcasting
+      against each other right-aligned (pointwise ops).
+    """
 
     in_layouts: tuple[Layout, ...]
     out_layouts: tuple[Layout | None, ...]
-    stacked_args: Callable | None = None
-    device_args: Callable | None = None
-    stacked_fn: Callable | None = None
-    device_fn: Callable | None = None
+    local_op: Any = None
+    local_args: tuple[tuple[str, Any], ...] = ()
+    local_sizes: tuple[tuple[str, int], ...] = ()
+    local_fn: Callable | None = None
+    facts: tuple[ShardFact, ...] = ()
+    dense: bool = False
+    broadcast: bool = False
 
 
 class Rule(Protocol):
@@ -72,17 +99,6 @@ def out_layouts_for(call: OpCall, fn: Callable[[torch.Tensor], Layout]) -> tuple
     return tuple(fn(m) if isinstance(m, torch.Tensor) else None for m in call.out_metas)
 
 
-def same_args(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
-    """A ``stacked_args`` for ops whose local call needs no change."""
-    return args, kwargs
-
-
-def neg_dim(d: int, ndim: int) -> int:
-    """``d`` as a negative dim: it then names the same local dim of a stacked value."""
-    ndim = max(ndim, 1)
-    return d - ndim if d >= 0 else d
-
-
 def norm_dims(dim: Any, ndim: int) -> tuple[int, ...]:
     """Normalised, sorted dims from an int, a list, or None (None/[] = all dims)."""
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
@@ -91,37 +107,6 @@ def norm_dims(dim: Any, ndim: int) -> tuple[int, ...]:
         dim = [dim]
     n = max(ndim, 1)
     return tuple(sorted({d % n for d in dim}))
-
-
-def _schema_info(func: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    info = _SCHEMAS.get(func)
-    if info is None:
-        args = func._schema.arguments
-        names = tuple(a.name for a in args)
-        defaults = {a.name: a.default_value for a in args if a.has_default_value()}
-        info = _SCHEMAS[func] = (names, defaults)
-    return info
-
-
-_SCHEMAS: dict[Any, tuple] = {}
-
-
-def bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Arguments by schema name, defaults filled in."""
-    names, defaults = _schema_info(func)
-    b = dict(defaults)
-    b.update(zip(names, args))
-    b.update(kwargs)
-    return b
-
-
-def replace_arg(func: Any, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
-    """``args``/``kwargs`` with the argument called ``name`` set to ``value``."""
-    names, _ = _schema_info(func)
-    i = names.index(name)
-    if i < len(args):
-        return args[:i] + (value,) + args[i + 1:], kwargs
-    return args, {**kwargs, name: value}
 
 
 def letters(n: int, start: int = 0) -> tuple[str, ...]:

@@ -52,8 +52,8 @@ _REPLICATE = ("rep",)
 
 
 def compile_dims(call: OpCall, spec: Dims, **fns: Any) -> list[Candidate]:
-    """Candidates for ``call`` under ``spec``; ``fns`` are passed on to every Candidate
-    (``stacked_args``, ``device_args``, ``stacked_fn``, ``device_fn``)."""
+    """Candidates for ``call`` under ``spec``; ``fns`` (local-call facts such as
+    ``local_sizes``) are passed on to every Candidate."""
     mesh = call.mesh
     layouts = call.layouts
     options = [_axis_options(a, layouts, spec) for a in mesh.axis_names]

@@ -6,12 +6,10 @@ with a sharded index gives a sharded output dim, no gather of the source).
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import torch
 
-from .base import Candidate, OpCall, bind, letters, replace_arg
+from .base import Candidate, OpCall, bind, letters
 from .dims import Dims, compile_dims
 
 aten = torch.ops.aten
@@ -43,8 +41,7 @@ class IndexSelect:
 class GatherScatter:
     """gather / scatter / scatter_add / scatter_reduce: dims other than ``dim`` on which
     every operand has the same size share their sharding; ``dim`` is whole in ``self``.
-    gather's index may be sharded along ``dim`` too (its output follows it). All operands
-    have one rank, so the op runs once on stacked shards with ``dim`` made negative."""
+    gather's index may be sharded along ``dim`` too (its output follows it)."""
 
     gather: bool = False
 
@@ -63,16 +60,7 @@ class GatherScatter:
             spec = Dims((common, idx), (idx,))
         else:
             spec = Dims((common,) * len(call.arrays), (common,))
-        return compile_dims(call, spec, stacked_args=_NegDimArg(call.func, d - n))
-
-
-@attrs.frozen
-class _NegDimArg:
-    func: Any
-    dim: int
-
-    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-        return replace_arg(self.func, args, kwargs, "dim", self.dim)
+        return compile_dims(call, spec)
 
 
 @attrs.frozen

@@ -21,8 +21,8 @@ from typing import Any
 import attrs
 import torch
 
-from ..layout import Layout, device_box
-from .base import Candidate, OpCall, bind
+from ..layout import Layout
+from .base import Candidate, OpCall, ShardFact, bind
 
 aten = torch.ops.aten
 
@@ -126,7 +126,9 @@ class ClassSharded:
             if red == _MEAN:
                 return []  # handled by _nll_mean, which asks for "sum"
             outs = (loss, Layout(mesh, (), _order(mesh, part_cls + tuple((a, "sum") for a in rows))))
-        return [Candidate(tuple(ins), outs, device_args=_ClassRange(xl, tuple(x.shape), call.func))]
+        i = names.index("self")
+        facts = (ShardFact("lo", "offset", i, 1), ShardFact("classes", "size", i, 1))
+        return [Candidate(tuple(ins), outs, local_fn=_ClassRange(call.func), facts=facts)]
 
 
 def _order(mesh: Any, partial: tuple) -> tuple:
@@ -143,17 +145,15 @@ def _arg_name(func: Any, path: Any) -> str:
 
 @attrs.frozen
 class _ClassRange:
-    """One device's arguments: targets outside its class range become ``ignore_index``."""
+    """The op on one device's shards, whose classes are ``[lo, lo + classes)``: targets
+    outside that range become ``ignore_index``, the others are shifted into it."""
 
-    layout: Layout
-    shape: tuple[int, ...]
     func: Any
 
-    def __call__(self, args: tuple, kwargs: dict, dev: int) -> tuple[tuple, dict]:
-        lo, hi = device_box(self.layout, self.shape, dev)[1]
+    def __call__(self, *args: Any, lo: Any, classes: Any, **kwargs: Any) -> Any:
         b = bind(self.func, args, kwargs)
         t, ii = b["target"], b["ignore_index"]
-        inside = (t >= lo) & (t < hi)
+        inside = (t >= lo) & (t < lo + classes)
         b["target"] = torch.where(inside, t - lo, torch.full_like(t, ii))
         names = [a.name for a in self.func._schema.arguments]
-        return tuple(b[n] for n in names), {}
+        return self.func(*(b[n] for n in names))

@@ -4,55 +4,18 @@ Each op is one equation; contracted letters that end up sharded leave the result
 Partial(sum), and a pending sum on one operand passes through (the product is linear in
 each operand). Ops of the ``add*`` family take an addend (``self``) broadcast against
 the product, which must carry the product's pending sums (free: a replicated addend is
-split into a pending sum locally). On stacked shards the local op becomes one batched
-``matmul`` for the whole mesh.
+split into a pending sum locally). Each device runs the op itself on its shards.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import attrs
 import torch
 
-from .base import Candidate, OpCall, letters, same_args
+from .base import Candidate, OpCall, letters
 from .dims import Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
 
 aten = torch.ops.aten
-
-
-def _align(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
-    """A stacked addend of lower rank, padded with singleton dims after the mesh dims."""
-    r = t.dim() - m
-    return t if r == rank else t.reshape(*t.shape[:m], *([1] * (rank - r)), *t.shape[m:])
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if b.dim() > 2 and a.dim() >= b.dim() and all(n == 1 for n in b.shape[:-2]):
-        # b is the same on every device (and batch): one matmul with a's leading dims
-        # folded into rows, not a batched one over an expanded b
-        return torch.matmul(a, b.reshape(b.shape[-2:]))
-    return torch.matmul(a, b)
-
-
-def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(a, v.unsqueeze(-1)).squeeze(-1)
-
-
-def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a * b).sum(-1, dtype=a.dtype)
-
-
-def _vdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.conj() * b).sum(-1, dtype=a.dtype)
-
-
-def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.unsqueeze(-1) * b.unsqueeze(-2)
-
-
-def _bsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(a, b).sum(-3)
 
 
 @attrs.frozen
@@ -60,7 +23,6 @@ class Einsum:
     """A matrix product given by an einsum equation (``addend``: arg 0 is added)."""
 
     eq: str
-    product: Callable
     addend: bool = False
 
     def candidates(self, call: OpCall) -> list[Candidate]:
@@ -71,36 +33,7 @@ class Einsum:
         out_shape = tuple(call.out_metas[0].shape)
         if self.addend:
             spec = with_addend(spec, broadcast_letters(spec.outs[0], call.shapes[0], out_shape))
-            stacked = _AddendStacked(self.product, len(out_shape))
-        else:
-            stacked = _PlainStacked(self.product)
-        return compile_dims(call, spec, stacked_args=same_args, stacked_fn=stacked)
-
-
-@attrs.frozen
-class _PlainStacked:
-    product: Callable
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.product(*args)
-
-
-@attrs.frozen
-class _AddendStacked:
-    """Addend ops on stacked shards; the mesh rank is recovered from the operand ranks."""
-
-    product: Callable
-    out_rank: int
-
-    def __call__(self, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
-        out = self.product(a, b)
-        m = out.dim() - self.out_rank
-        if alpha != 1:
-            out = out * alpha
-        if beta == 0:
-            return out
-        bias = _align(bias, m, self.out_rank)
-        return out + (bias if beta == 1 else bias * beta)
+        return compile_dims(call, spec)
 
 
 @attrs.frozen
@@ -136,16 +69,16 @@ _LINALG = (
 
 TABLE = {
     **{getattr(aten, n): BatchedLinalg() for n in _LINALG if hasattr(aten, n)},
-    aten.mm: Einsum("mk,kn->mn", _mm),
-    aten.bmm: Einsum("bmk,bkn->bmn", _mm),
-    aten.mv: Einsum("mk,k->m", _mv),
-    aten.dot: Einsum("k,k->", _dot),
-    aten.vdot: Einsum("k,k->", _vdot),
-    aten.addmm: Einsum("mk,kn->mn", _mm, addend=True),
-    aten.baddbmm: Einsum("bmk,bkn->bmn", _mm, addend=True),
-    aten.addmv: Einsum("mk,k->m", _mv, addend=True),
-    aten.addbmm: Einsum("bmk,bkn->mn", _bsum, addend=True),
-    aten.addr: Einsum("m,n->mn", _outer, addend=True),
-    aten.outer: Einsum("m,n->mn", _outer),
-    aten.ger: Einsum("m,n->mn", _outer),
+    aten.mm: Einsum("mk,kn->mn"),
+    aten.bmm: Einsum("bmk,bkn->bmn"),
+    aten.mv: Einsum("mk,k->m"),
+    aten.dot: Einsum("k,k->"),
+    aten.vdot: Einsum("k,k->"),
+    aten.addmm: Einsum("mk,kn->mn", addend=True),
+    aten.baddbmm: Einsum("bmk,bkn->bmn", addend=True),
+    aten.addmv: Einsum("mk,k->m", addend=True),
+    aten.addbmm: Einsum("bmk,bkn->mn", addend=True),
+    aten.addr: Einsum("m,n->mn", addend=True),
+    aten.outer: Einsum("m,n->mn"),
+    aten.ger: Einsum("m,n->mn"),
 }

@@ -14,7 +14,8 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from .base import Candidate, OpCall, _schema_info, bind, letters, same_args
+from ..layout import local_shapes
+from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .loss import ClassSharded
 
@@ -68,28 +69,6 @@ class Leading:
 _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only
 
 
-@attrs.frozen
-class _FoldMesh:
-    """Run ``func`` with the (broadcast) mesh dims of every tensor merged into its dim 0
-    (contiguous: the CPU kernel misreads grouped-query heads from transposed strides)."""
-
-    func: Any
-    m: int
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        m = self.m
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        lead = torch.broadcast_shapes(*(t.shape[:m] for t in tensors))
-
-        def fold(a: Any) -> Any:
-            if not isinstance(a, torch.Tensor):
-                return a
-            return a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
-
-        outs = self.func(*[fold(a).contiguous() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
-        return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)
-
-
 def _lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...], grouped: bool = False) -> tuple:
     """Letters for the leading dims of the same size as ``ref``'s; with ``grouped`` the
     last leading dim (grouped-query kv heads) is lettered whatever its size."""
@@ -132,7 +111,7 @@ class Attention:
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
         q, k = b["query"], b["key"]
-        fn = _empty_heads_safe(call.func)
+        fn = _EmptyHeads(call.func)
         if q.dim() != 4 or k.dim() != 4 or q.shape[1] == k.shape[1]:
             cands = _ATTN_RULE.candidates(call)
         else:
@@ -144,32 +123,35 @@ class Attention:
             mesh = call.mesh
             cands = [c for c in rule.candidates(call)
                      if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
-        if b.get("attn_mask") is not None:
-            return [attrs.evolve(c, device_fn=fn) for c in cands]
-        # without a mask every tensor starts with the batch dim: on stacked shards the mesh
-        # dims fold into it and the kernel runs once for the whole mesh
-        fold = _FoldMesh(call.func, call.mesh.ndim)
-        return [attrs.evolve(c, device_fn=fn, stacked_args=same_args, stacked_fn=fold) for c in cands]
+        return [attrs.evolve(c, dense=True, local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
 
 
-def _empty_heads_safe(op: Any) -> Callable:
-    """``op`` run on one device's shards, made contiguous (the CPU kernel reads
-    grouped-query heads wrongly from transposed strides, which gathers produce); a
-    device holding no heads (more pieces than heads) gets empty results (the kernel
-    divides by the head count)."""
+def _no_heads_somewhere(call: OpCall, c: Candidate) -> bool:
+    """Whether some device's query/key/value shard has no heads (more pieces than heads)."""
+    names = _schema_info(call.func)[0]
+    return any(
+        s[1] == 0
+        for (p, v), lay in zip(call.arrays, c.in_layouts)
+        if (names[p] if isinstance(p, int) else p) in ("query", "key", "value") and v.ndim == 4
+        for s in local_shapes(lay, tuple(v.shape))
+    )
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
-        kwargs = {n: a.contiguous() if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()}
-        b = bind(op, args, kwargs)
+
+@attrs.frozen
+class _EmptyHeads:
+    """``op`` on one device's shards, giving empty results on a device holding no heads
+    (more pieces than heads; the kernel divides by the head count)."""
+
+    op: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        b = bind(self.op, args, kwargs)
         q, k = b["query"], b["key"]
         if k.shape[1] and q.shape[1]:
-            return op(*args, **kwargs)
-        meta = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
-                  **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
+            return self.op(*args, **kwargs)
+        meta = self.op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
+                       **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
         return tuple(torch.zeros(m.shape, dtype=m.dtype, device=q.device) for m in meta)
-
-    return run
 
 
 def _embedding_bwd_lead(b: dict) -> tuple[int, bool]:
@@ -194,29 +176,21 @@ class Embedding:
         for c in compile_dims(call, spec):
             axes = c.in_layouts[0].dims[0]
             if axes:
-                c = attrs.evolve(c, stacked_args=None, device_args=_VocabShard(c.in_layouts[0], tuple(w.shape)),
-                                 device_fn=_masked_embedding)
+                c = attrs.evolve(c, local_fn=_vocab_embedding, facts=_VOCAB_FACTS)
             out.append(c)
         return out
 
 
-@attrs.frozen
-class _VocabShard:
-    layout: Any
-    shape: tuple[int, ...]
-
-    def __call__(self, args: tuple, kwargs: dict, dev: int) -> tuple[tuple, dict]:
-        from ..layout import device_box
-
-        lo, hi = device_box(self.layout, self.shape, dev)[0]
-        return (args[0], args[1], lo, hi), {}
+_VOCAB_FACTS = (ShardFact("lo", "offset", 0, 0), ShardFact("rows", "size", 0, 0))
 
 
-def _masked_embedding(weight: torch.Tensor, idx: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    inside = (idx >= lo) & (idx < hi)
-    local = torch.where(inside, idx - lo, torch.zeros_like(idx))
+def _vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, *rest: Any, lo: Any, rows: Any) -> torch.Tensor:
+    """One device's lookup in its vocabulary rows ``[lo, lo + rows)``: zeros for the
+    indices outside (the output is a pending sum over the vocabulary axes)."""
+    inside = (indices >= lo) & (indices < lo + rows)
+    local = torch.where(inside, indices - lo, torch.zeros_like(indices))
     if weight.shape[0] == 0:
-        return torch.zeros(*idx.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        return torch.zeros(*indices.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
     return torch.nn.functional.embedding(local, weight) * inside.unsqueeze(-1).to(weight.dtype)
 
 

@@ -91,44 +91,19 @@ class Pointwise:
                 ins = tuple(l if j in keep else _clear_axes(l, axes) for j, l in enumerate(ins))
             out = Layout(mesh, base.dims, partial)
             cands.append(Candidate(ins, tuple(out if isinstance(m, torch.Tensor) else None for m in call.out_metas),
-                                   stacked_args=_aligner(call, len(out_shape), mesh.ndim)))
+                                   broadcast=True))
         if not cands:
             # every sharded operand is broadcast: lay the output out like the largest one
             _, v = max(call.arrays, key=lambda pv: pv[1].numel())
             base = Layout(mesh, ((),) * (len(out_shape) - v.ndim) + v._layout.dims)
             ins = tuple(Layout(mesh, _map_dims(base, out_shape, s)) for s in shapes)
             cands.append(Candidate(ins, tuple(base if isinstance(m, torch.Tensor) else None for m in call.out_metas),
-                                   stacked_args=_aligner(call, len(out_shape), mesh.ndim)))
+                                   broadcast=True))
         return cands
 
 
 def _clear_axes(layout: Layout, axes: set) -> Layout:
     return Layout(layout.mesh, tuple(tuple(a for a in d if a not in axes) for d in layout.dims))
-
-
-def _aligner(call: OpCall, out_rank: int, m: int):
-    """Stacked operands are (*mesh, *local): pad lower-rank ones with singleton dims
-    after the mesh dims so broadcasting lines up the local dims."""
-    ranks = {p: v.ndim for p, v in call.arrays}
-
-    def align(args: tuple, kwargs: dict, mesh_ndim: int) -> tuple[tuple, dict]:
-        def fix(path: Any, x: Any) -> Any:
-            r = ranks.get(path)
-            if r is None or r == out_rank:
-                return x
-            return x.reshape(*x.shape[:m], *([1] * (out_rank - r)), *x.shape[m:])
-
-        new = list(args)
-        for path in ranks:
-            if isinstance(path, int):
-                new[path] = fix(path, new[path])
-            elif isinstance(path, str):
-                kwargs = {**kwargs, path: fix(path, kwargs[path])}
-        return tuple(new), kwargs
-
-    if all(r == out_rank for r in ranks.values()):
-        return lambda a, k, n: (a, k)
-    return align
 
 
 @attrs.frozen
@@ -140,35 +115,19 @@ class Like:
         (_, v), *_ = call.arrays
         layout = v._layout
         return [Candidate((layout,) + tuple(x._layout for _, x in call.arrays[1:]),
-                          (layout.without_partial(),), stacked_args=lambda a, k, n: (a, k))]
-
-
-@attrs.frozen
-class StackedAs:
-    """A rule whose candidates run ``fn`` instead of the op on stacked shards."""
-
-    rule: Any
-    fn: Any
-
-    def candidates(self, call: OpCall) -> list[Candidate]:
-        return [attrs.evolve(c, stacked_fn=self.fn) for c in self.rule.candidates(call)]
+                          (layout.without_partial(),))]
 
 
 @attrs.frozen
 class Materialised:
-    """A rule whose op runs as ``fn`` everywhere (stacked and per device)."""
+    """A rule whose local call is ``op`` (same arguments): lazy conj/neg views would
+    leak a flag into the shards, so each device materialises its shard."""
 
     rule: Any
-    fn: Any
+    op: Any
 
     def candidates(self, call: OpCall) -> list[Candidate]:
-        return [attrs.evolve(c, stacked_fn=self.fn, device_fn=self.fn) for c in self.rule.candidates(call)]
-
-
-def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """masked_fill with a stacked (per-device) value tensor."""
-    value = value.reshape(*value.shape, *([1] * (x.dim() - value.dim())))
-    return torch.where(mask, value.to(x.dtype), x)
+        return [attrs.evolve(c, local_op=self.op) for c in self.rule.candidates(call)]
 
 
 POINTWISE = Pointwise()
@@ -187,10 +146,8 @@ _UNTAGGED = (
 
 TABLE = {
     **{getattr(aten, n): POINTWISE for n in _UNTAGGED if hasattr(aten, n)},
-    aten.masked_fill.Tensor: StackedAs(POINTWISE, _masked_fill),
-    # lazy conj/neg views would leak a flag into the shards: materialise them
-    aten._conj: Materialised(POINTWISE, torch.conj_physical),
-    aten._neg_view: Materialised(POINTWISE, torch.neg),
+    aten._conj: Materialised(POINTWISE, aten.conj_physical.default),
+    aten._neg_view: Materialised(POINTWISE, aten.neg.default),
     aten.zeros_like: LIKE,
     aten.ones_like: LIKE,
     aten.empty_like: LIKE,

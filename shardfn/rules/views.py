@@ -16,9 +16,9 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from ..layout import Layout, local_shapes, split_range
+from ..layout import Layout, split_range
 from ..mesh import Mesh
-from .base import Candidate, OpCall, bind, letters, neg_dim, norm_dims, replace_arg, same_args
+from .base import Candidate, OpCall, bind, letters, norm_dims
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .reductions import AlongDim
 
@@ -107,43 +107,7 @@ class View:
 
 def _local_shape_candidate(call: OpCall, ins: tuple, dst: Layout, out_shape: tuple, arg: str) -> Candidate:
     """A candidate whose ``arg`` (a shape) becomes each device's local output shape."""
-    shapes = local_shapes(dst, out_shape)
-    mesh_shape = call.mesh.shape
-    return Candidate(
-        ins, (dst,),
-        stacked_args=_SetArg(call.func, arg, tuple(mesh_shape) + shapes[0]),
-        device_args=_SetArgPerDevice(call.func, arg, shapes),
-        stacked_fn=_LOCAL_FNS.get(call.func.overloadpacket),
-        device_fn=_LOCAL_FNS.get(call.func.overloadpacket),
-    )
-
-
-@attrs.frozen
-class _SetArg:
-    func: Any
-    arg: str
-    value: Any
-
-    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-        # the leading (mesh) sizes follow the input: 1 where it is the same on every device
-        return replace_arg(self.func, args, kwargs, self.arg, [*args[0].shape[:m], *self.value[m:]])
-
-
-@attrs.frozen
-class _SetArgPerDevice:
-    func: Any
-    arg: str
-    values: tuple
-
-    def __call__(self, args: tuple, kwargs: dict, dev: int) -> tuple[tuple, dict]:
-        return replace_arg(self.func, args, kwargs, self.arg, list(self.values[dev]))
-
-
-def _reshape(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
-    return x.reshape(size)
-
-
-_LOCAL_FNS = {aten.view: _reshape, aten._unsafe_view: _reshape, aten.reshape: _reshape, aten.view_copy: _reshape}
+    return Candidate(ins, (dst,), local_sizes=((arg, 0),))
 
 
 @attrs.frozen
@@ -158,18 +122,7 @@ class Expand:
         keep = [() if shape[i] == 1 else lay.dims[i] for i in range(len(shape))]
         src = Layout(call.mesh, tuple(keep), lay.partial)
         dst = Layout(call.mesh, ((),) * lead + tuple(keep), lay.partial)
-        cand = _local_shape_candidate(call, (src,), dst, out_shape, "size")
-        return [attrs.evolve(cand, stacked_fn=_ExpandStacked(call.mesh.ndim), device_fn=None)]
-
-
-@attrs.frozen
-class _ExpandStacked:
-    m: int
-
-    def __call__(self, x: torch.Tensor, size: Sequence[int], implicit: bool = False) -> torch.Tensor:
-        lead = len(size) - x.dim()
-        m = self.m
-        return x.reshape(*x.shape[:m], *([1] * lead), *x.shape[m:]).expand(size)
+        return [_local_shape_candidate(call, (src,), dst, out_shape, "size")]
 
 
 # -- dim permutations and insertions -----------------------------------------------------------
@@ -178,11 +131,13 @@ class _ExpandStacked:
 @attrs.frozen
 class Mapped:
     """Ops whose output dims each come whole from one input dim (or are new):
-    ``mapping(bound_args, ndim) -> (dims that must be whole, out dim -> in dim | None)``,
-    with a local function run on stacked shards and per device alike."""
+    ``mapping(bound_args, ndim) -> (dims that must be whole, out dim -> in dim | None)``.
+    ``local(whole) -> (local_op, local_args)``: the local call when it is not the op
+    itself; ``dense``: the op needs contiguous shards."""
 
     mapping: Any
-    local: Any
+    local: Any = None
+    dense: bool = False
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         if len(call.arrays) != 1:
@@ -194,32 +149,12 @@ class Mapped:
         src = Layout(call.mesh, tuple(() if i in whole else d for i, d in enumerate(lay.dims)), lay.partial)
         dst = Layout(call.mesh, tuple(() if i is None else src.dims[i] for i in out_map), lay.partial)
         outs = tuple(dst if isinstance(m, torch.Tensor) else None for m in call.out_metas)
-        if x.ndim == 0:
-            return [Candidate((src,), outs)]  # a scalar's dim 0 / -1: the op itself, per device
-        fn = _Local(self.local, x.ndim, call.func, tuple(whole))
-        return [Candidate((src,), outs, stacked_args=same_args, stacked_fn=fn, device_fn=fn)]
-
-
-@attrs.frozen
-class _Local:
-    local: Any
-    ndim: int
-    func: Any
-    whole: tuple[int, ...]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        x = args[0]
-        b = bind(self.func, args, kwargs)
-        b["_whole"] = self.whole
-        return self.local(x, x.dim() - self.ndim, self.ndim, b)
+        op, args = self.local(tuple(whole)) if self.local is not None and x.ndim else (None, ())
+        return [Candidate((src,), outs, local_op=op, local_args=args, dense=self.dense)]
 
 
 def _permute_map(b: dict, n: int) -> tuple:
     return (), [d % n for d in b["dims"]]
-
-
-def _permute(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return x.permute(*range(m), *[m + d % n for d in b["dims"]])
 
 
 def _transpose_map(b: dict, n: int) -> tuple:
@@ -230,16 +165,8 @@ def _transpose_map(b: dict, n: int) -> tuple:
     return (), out
 
 
-def _transpose(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return x.transpose(neg_dim(b["dim0"], n), neg_dim(b["dim1"], n)) if n else x
-
-
 def _t_map(b: dict, n: int) -> tuple:
     return (), list(range(n))[::-1]
-
-
-def _t(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return x.transpose(-1, -2) if n == 2 else x
 
 
 def _squeeze_dims(b: dict, n: int) -> tuple[int, ...]:
@@ -251,14 +178,14 @@ def _squeeze_dims(b: dict, n: int) -> tuple[int, ...]:
     return tuple(d for d in cand if shape[d] == 1)
 
 
+def _squeeze_local(whole: tuple) -> tuple:
+    """squeeze exactly the dims that are size 1 globally (a sharded dim may be size 1 locally)."""
+    return aten.squeeze.dims, (("dim", whole),)
+
+
 def _squeeze_map(b: dict, n: int) -> tuple:
     sq = _squeeze_dims(b, n)
     return sq, [i for i in range(n) if i not in sq]
-
-
-def _squeeze(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    sq = b["_whole"]
-    return x.squeeze(tuple(d - n for d in sq)) if sq else x
 
 
 def _unsqueeze_map(b: dict, n: int) -> tuple:
@@ -268,17 +195,9 @@ def _unsqueeze_map(b: dict, n: int) -> tuple:
     return (), out
 
 
-def _unsqueeze(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return x.unsqueeze(b["dim"] % (n + 1) - (n + 1))
-
-
 def _select_map(b: dict, n: int) -> tuple:
     d = b["dim"] % n
     return (d,), [i for i in range(n) if i != d]
-
-
-def _select(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return x.select(neg_dim(b["dim"], n), b["index"])
 
 
 def _slice_map(b: dict, n: int) -> tuple:
@@ -289,18 +208,9 @@ def _slice_map(b: dict, n: int) -> tuple:
     return (() if full else (d,)), list(range(n))
 
 
-def _slice(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return torch.ops.aten.slice.Tensor(x, neg_dim(b["dim"], n), b.get("start"), b.get("end"), b.get("step", 1))
-
-
 def _split_map(b: dict, n: int) -> tuple:
     d = b["dim"] % n
     return (d,), list(range(n))
-
-
-def _split(x: torch.Tensor, m: int, n: int, b: dict) -> Any:
-    size = b.get("split_size", b.get("split_sizes"))
-    return torch.split(x, size, neg_dim(b["dim"], n))
 
 
 def _unbind_map(b: dict, n: int) -> tuple:
@@ -308,17 +218,9 @@ def _unbind_map(b: dict, n: int) -> tuple:
     return (d,), [i for i in range(n) if i != d]
 
 
-def _unbind(x: torch.Tensor, m: int, n: int, b: dict) -> Any:
-    return torch.unbind(x, neg_dim(b["dim"], n))
-
-
 def _diagonal_map(b: dict, n: int) -> tuple:
     d1, d2 = b["dim1"] % n, b["dim2"] % n
     return (d1, d2), [i for i in range(n) if i not in (d1, d2)] + [None]
-
-
-def _diagonal(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return torch.diagonal(x, b["offset"], neg_dim(b["dim1"], n), neg_dim(b["dim2"], n))
 
 
 def _unfold_map(b: dict, n: int) -> tuple:
@@ -326,22 +228,11 @@ def _unfold_map(b: dict, n: int) -> tuple:
     return (d,), list(range(n)) + [None]
 
 
-def _unfold(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return x.unfold(neg_dim(b["dimension"], n), b["size"], b["step"])
-
-
 def _repeat_map(b: dict, n: int) -> tuple:
     reps = list(b["repeats"])
     lead = len(reps) - n
     whole = tuple(i for i in range(n) if reps[lead + i] != 1)
     return whole, [None] * lead + list(range(n))
-
-
-def _repeat(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    reps = list(b["repeats"])
-    lead = len(reps) - n
-    x = x.reshape(*x.shape[:m], *([1] * lead), *x.shape[m:])
-    return x.repeat(*([1] * m), *reps)
 
 
 # -- many tensors ---------------------------------------------------------------------------------
@@ -370,34 +261,20 @@ class Concat:
         ins = tuple(None if (i == d and not self.new_dim) else L for i, L in enumerate(ls))
         out = ins[:d] + (None,) + ins[d:] if self.new_dim else ins
         spec = Dims((ins,) * len(call.arrays), (out,), (), LINEAR_OPS, joint=True)
-        dd = d - (n + 1) if self.new_dim else neg_dim(d, n)
-        return compile_dims(call, spec, stacked_args=_DimArg(dd))
+        return compile_dims(call, spec)
 
     def _without_legacy_empty(self, call: OpCall, legacy: list[int]) -> list[Candidate]:
         """cat skips torch's legacy empty 1-D operands (``torch.tensor([])``, how a KV
         cache starts): they keep their layout and drop out of the local call."""
         keep = [i for i in range(len(call.arrays)) if i not in legacy]
         sub = attrs.evolve(call, arrays=[call.arrays[i] for i in keep])
-        skip = frozenset(call.arrays[i][0][1] for i in legacy)
         out = []
         for c in self.candidates(sub):
             ins = list(c.in_layouts)
             for i in legacy:
                 ins.insert(i, call.arrays[i][1]._layout)
-            stacked = _DimArg(c.stacked_args.dim, skip) if isinstance(c.stacked_args, _DimArg) else c.stacked_args
-            out.append(attrs.evolve(c, in_layouts=tuple(ins), stacked_args=stacked))
+            out.append(attrs.evolve(c, in_layouts=tuple(ins)))
         return out
-
-
-@attrs.frozen
-class _DimArg:
-    dim: int
-    skip: frozenset = frozenset()  # list positions of legacy empty operands
-
-    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-        kwargs = {k: v for k, v in kwargs.items() if k != "dim"}
-        tensors = [t for j, t in enumerate(args[0]) if j not in self.skip] if self.skip else args[0]
-        return (tensors, self.dim), kwargs
 
 
 @attrs.frozen
@@ -408,20 +285,7 @@ class NewFactory:
         (_, x), = call.arrays
         out = call.out_metas[0]
         dst = Layout(call.mesh, ((),) * out.dim())
-        mesh_shape = tuple(call.mesh.shape)
-        return [Candidate((x._layout,), (dst,), stacked_args=same_args,
-                          stacked_fn=_NewStacked(call.func, mesh_shape))]
-
-
-@attrs.frozen
-class _NewStacked:
-    func: Any
-    mesh_shape: tuple
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        x = args[0][(0,) * len(self.mesh_shape)]
-        one = self.func(x, *args[1:], **kwargs)
-        return one.view(*(1,) * len(self.mesh_shape), *one.shape)
+        return [Candidate((x._layout,), (dst,))]
 
 
 @attrs.frozen
@@ -444,21 +308,7 @@ class SizedBackward:
             out_dims = dims
         src = Layout(call.mesh, tuple(dims), g._layout.partial)
         dst = Layout(call.mesh, tuple(out_dims), g._layout.partial)
-        shapes = local_shapes(dst, out_shape)
-        return [Candidate((src,), (dst,), stacked_args=_SizedArgs(call.func, tuple(call.mesh.shape) + shapes[0], d - n),
-                          device_args=_SetArgPerDevice(call.func, "input_sizes", shapes))]
-
-
-@attrs.frozen
-class _SizedArgs:
-    func: Any
-    sizes: tuple
-    dim: int
-
-    def __call__(self, args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-        sizes = [*args[0].shape[:m], *self.sizes[m:]]
-        args, kwargs = replace_arg(self.func, args, kwargs, "input_sizes", sizes)
-        return replace_arg(self.func, args, kwargs, "dim", self.dim)
+        return [Candidate((src,), (dst,), local_sizes=(("input_sizes", 0),))]
 
 
 @attrs.frozen
@@ -469,23 +319,15 @@ class PadLast:
         n = len(call.shapes[0])
         k = len(bind(call.func, call.args, call.kwargs)["pad"]) // 2
         ls = tuple(None if i >= n - k else L for i, L in enumerate(letters(n)))
-        return compile_dims(call, Dims((ls,), (ls,)), stacked_args=same_args if n else None)
+        return compile_dims(call, Dims((ls,), (ls,)))
 
 
 def _as_complex_map(b: dict, n: int) -> tuple:
     return (n - 1,), list(range(n - 1))
 
 
-def _as_complex(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return torch.view_as_complex(x.contiguous())
-
-
 def _as_real_map(b: dict, n: int) -> tuple:
     return (), list(range(n)) + [None]
-
-
-def _as_real(x: torch.Tensor, m: int, n: int, b: dict) -> torch.Tensor:
-    return torch.view_as_real(x.resolve_conj())
 
 
 def _whole(*dims: int) -> AlongDim:
@@ -497,19 +339,19 @@ TABLE = {
     aten._unsafe_view: View(),
     aten.reshape: View(),
     aten.expand: Expand(),
-    aten.permute: Mapped(_permute_map, _permute),
-    aten.transpose.int: Mapped(_transpose_map, _transpose),
-    aten.t: Mapped(_t_map, _t),
-    aten.squeeze: Mapped(_squeeze_map, _squeeze),
-    aten.unsqueeze: Mapped(_unsqueeze_map, _unsqueeze),
-    aten.select.int: Mapped(_select_map, _select),
-    aten.slice.Tensor: Mapped(_slice_map, _slice),
-    aten.split.Tensor: Mapped(_split_map, _split),
-    aten.split_with_sizes: Mapped(_split_map, _split),
-    aten.unbind.int: Mapped(_unbind_map, _unbind),
-    aten.diagonal: Mapped(_diagonal_map, _diagonal),
-    aten.unfold: Mapped(_unfold_map, _unfold),
-    aten.repeat: Mapped(_repeat_map, _repeat),
+    aten.permute: Mapped(_permute_map),
+    aten.transpose.int: Mapped(_transpose_map),
+    aten.t: Mapped(_t_map),
+    aten.squeeze: Mapped(_squeeze_map, _squeeze_local),
+    aten.unsqueeze: Mapped(_unsqueeze_map),
+    aten.select.int: Mapped(_select_map),
+    aten.slice.Tensor: Mapped(_slice_map),
+    aten.split.Tensor: Mapped(_split_map),
+    aten.split_with_sizes: Mapped(_split_map),
+    aten.unbind.int: Mapped(_unbind_map),
+    aten.diagonal: Mapped(_diagonal_map),
+    aten.unfold: Mapped(_unfold_map),
+    aten.repeat: Mapped(_repeat_map),
     aten.cat: Concat(),
     aten.stack: Concat(new_dim=True),
     aten.flip: AlongDim(arg="dims"),
@@ -519,8 +361,8 @@ TABLE = {
     aten.slice_backward: SizedBackward(),
     aten.select_backward: SizedBackward(insert=True),
     aten.constant_pad_nd: PadLast(),
-    aten.view_as_complex: Mapped(_as_complex_map, _as_complex),
-    aten.view_as_real: Mapped(_as_real_map, _as_real),
+    aten.view_as_complex: Mapped(_as_complex_map, dense=True),
+    aten.view_as_real: Mapped(_as_real_map, dense=True),
     aten.new_zeros: NewFactory(),
     aten.new_ones: NewFactory(),
     aten.new_empty: NewFactory(),
