@@ -47,6 +47,8 @@ _ALL_DIMS = _packets(
     "sum", "nansum", "mean", "amax", "amin", "count_nonzero", "var", "std", "var_mean", "std_mean",
     "logsumexp", "linalg_vector_norm", "any", "all",
 )
+# Ops for which an empty dim list means the flattened tensor.
+_FLAT_WHEN_EMPTY = _packets("roll")
 # Ops whose dim arguments count the output's dims (a new dim is inserted).
 _OUT_RANK = _packets("unsqueeze", "unsqueeze_copy", "stack", "select_backward", "slice_backward")
 # Ops that batch over leading dims once their dim arguments are negative.
@@ -193,7 +195,7 @@ def _target(info: Info) -> Any:
 def _dim_fixes(info: Info) -> list | None:
     """(name, value) for each dim argument of the local op, made negative (the logical
     dims keep their names once the mesh dims are prepended); None when some dim cannot
-    be named that way (a 0-d value, an empty dim list meaning "flattened")."""
+    be named that way (a 0-d value, roll's empty dim list meaning "flattened")."""
     target = _target(info)
     packet = getattr(target, "overloadpacket", None)
     ref = len(info.out_shapes[0]) if packet in _OUT_RANK else info.rank
@@ -205,8 +207,8 @@ def _dim_fixes(info: Info) -> list | None:
         v = b.get(a.name)
         empty = v is None or isinstance(v, (list, tuple)) and not v
         if empty and packet not in _ALL_DIMS:
-            if v is None:
-                continue  # the op's own default
+            if v is None or packet not in _FLAT_WHEN_EMPTY:
+                continue  # the op's own default, or no dims
             return None
         if ref == 0:
             return None

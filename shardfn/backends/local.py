@@ -66,19 +66,21 @@ def settle(value: torch.Tensor, layout: Layout) -> torch.Tensor:
     return value
 
 
-def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], mesh: Mesh) -> bool:
+def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None], mesh: Mesh,
+                     layouts: Sequence[Layout | None] | None = None) -> bool:
     """Whether outputs of a local op run on size-1-compacted stacked inputs broadcast like
-    the inputs: each mesh dim 1 or the axis size, and never 1 where an input varies (an op
-    that does not broadcast over leading dims would have dropped devices)."""
-    for k, g in enumerate(mesh.shape):
-        if g == 1:
+    the inputs: each mesh dim 1 or the axis size, and never 1 where an input varies and
+    the output's layout does too (an op that does not broadcast over leading dims would
+    have dropped devices; an output the same on every device, such as a ``new_zeros``,
+    may be size 1 there)."""
+    wides = [any(t.shape[k] != 1 for t in ins) for k in range(mesh.ndim)]
+    for i, o in enumerate(outs):
+        if o is None:
             continue
-        wide = any(t.shape[k] != 1 for t in ins)
-        for o in outs:
-            if o is None:
-                continue
+        vary = varying(layouts[i]) if layouts is not None and layouts[i] is not None else (True,) * mesh.ndim
+        for k, g in enumerate(mesh.shape):
             n = o.shape[k]
-            if n != 1 and n != g or (wide and n == 1):
+            if g != 1 and (n != 1 and n != g or (wides[k] and vary[k] and n == 1)):
                 return False
     return True
 
@@ -510,7 +512,7 @@ class StackedCall:
                 outs = None
             tensors = [o if isinstance(o, torch.Tensor) and l is not None else None
                        for o, l in zip(outs or (), layouts)]
-            if outs is not None and (settled is not None or batch_consistent(list(values.values()), tensors, mesh)):
+            if outs is not None and (settled is not None or batch_consistent(list(values.values()), tensors, mesh, layouts)):
                 fixed = [o if t is None else settle(o, l) for o, t, l in zip(outs, tensors, layouts)]
                 if len(self.verified) < 64:
                     self.verified[sig] = all(f is o for f, o in zip(fixed, outs))

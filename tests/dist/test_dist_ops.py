@@ -53,4 +53,32 @@ def reductions_and_views(mesh: sf.Mesh) -> None:
                                          grad=True, exact=False, what=f"{shape} {spec} grad")
 
 
+@scenario
+def local_call_facts(mesh: sf.Mesh) -> None:
+    """Rules' declarative local-call facts on every backend: shard offsets (vocabulary-
+    sharded embedding, class-sharded nll), squeeze of exactly the globally size-1 dims
+    (a sharded dim may be size 1 locally), a mean over even and uneven shards, amax on
+    an empty shard."""
+    a, b = _axes(mesh)
+    F = torch.nn.functional
+    for vocab in (12, 10):
+        w, idx = torch.randn(vocab, 5), torch.randint(0, vocab, (6, 3))
+        check_against_twin_and_torch(lambda w, i: F.embedding(i, w), mesh, [(w, P(a)), (idx, P())],
+                                     grad=False, exact=False, what=f"vocab {vocab} embedding")
+        logits, target = torch.randn(6, vocab), torch.randint(0, vocab, (6,))
+        check_against_twin_and_torch(lambda x, t=target: F.nll_loss(x, t, reduction="sum"), mesh,
+                                     [(logits, P(None, a))], grad=True, exact=False, what=f"{vocab} classes nll")
+    n = mesh.axis_size(a)
+    x = torch.randn(n, 1, 3)
+    check_against_twin_and_torch(lambda x: (x.squeeze(), x.squeeze(0), x.squeeze((0, 1))), mesh, [(x, P(a))],
+                                 grad=False, what="squeeze of a dim split into size-1 shards")
+    for shape in ((8, 6), (7, 5)):
+        x = torch.randn(shape)
+        check_against_twin_and_torch(lambda x: (x.mean(0), x.mean()), mesh, [(x, P(a, b) if a != b else P(a))],
+                                     grad=True, exact=False, what=f"{shape} mean")
+    x = torch.randn(n - 1, 4)
+    check_against_twin_and_torch(lambda x: (x.amax(0), x.amin(0)), mesh, [(x, P(a))], grad=False,
+                                 what="amax over an empty shard")
+
+
 test_local, test_dist = collect(globals())
