@@ -14,7 +14,8 @@ sizes, dense inputs) into a call on stacked values, computed once per cache entr
   the mesh dims, so broadcasting lines up the logical dims;
 - *batched forms* for ops that do not batch over leading dims (``mm`` and friends as
   ``matmul``, ``t``, ``permute``, ``repeat``, ``expand``, ``new_*`` factories, reductions
-  without a dim argument, flash attention with the mesh dims folded into the batch).
+  without a dim argument, layer norm and embedding with their replicated weights
+  unstacked, convolution and flash attention with the mesh dims folded into the batch).
 
 :func:`batched_call` returns None where no batched form is known (custom ops, indexing,
 nn kernels, a ``local_fn``): the local backend then runs the call once per device.
@@ -77,6 +78,7 @@ class Info:
         self.func, self.op, self.cand = func, op, cand
         self.m = call.mesh.ndim
         self.shapes = {p: tuple(v.shape) for p, v in call.arrays}
+        self.layouts = {p: l for (p, _), l in zip(call.arrays, cand.in_layouts)}
         self.out_shapes = list(out_shapes)
 
         def static(v: Any) -> Any:
@@ -419,6 +421,87 @@ def _attention(info: Info) -> "_Call | None":
     return _Call(info, run, (), ())
 
 
+def _same_everywhere(info: Info, *names: str) -> bool:
+    """Whether the sharded arguments called ``names`` are the same on every device
+    (replicated, nothing pending): one copy of them serves the whole batch."""
+    schema = _schema_info(info.func)[0]
+    for p, lay in info.layouts.items():
+        name = schema[p] if isinstance(p, int) else p if isinstance(p, str) else schema[p[0]]
+        if name in names and (any(lay.dims) or lay.partial):
+            return False
+    return True
+
+
+def _one(t: Any, m: int) -> Any:
+    """A stacked value that is the same on every device, as one logical tensor."""
+    return t[(0,) * m] if isinstance(t, torch.Tensor) else t
+
+
+def _layer_norm(info: Info) -> "_Call | None":
+    """native_layer_norm batches over leading dims; weight and bias (replicated) are unstacked."""
+    if not _same_everywhere(info, "weight", "bias"):
+        return None
+    m = info.m
+
+    def run(x: torch.Tensor, shape: Any, weight: Any, bias: Any, eps: float) -> Any:
+        return aten.native_layer_norm.default(x, shape, _one(weight, m), _one(bias, m), eps)
+
+    return _Call(info, run, (), ())
+
+
+def _layer_norm_backward(info: Info) -> "_Call | None":
+    """The input gradient from the kernel (batched over leading dims); the weight and
+    bias gradients per device (each device's sum over its rows: a pending sum where the
+    rows are sharded), which the kernel would sum over the mesh dims too."""
+    if not _same_everywhere(info, "weight", "bias"):
+        return None
+    m, lead = info.m, info.rank - len(info.bound["normalized_shape"])
+    rows = list(range(m, m + lead))
+
+    def run(g: torch.Tensor, x: torch.Tensor, shape: Any, mean: torch.Tensor, rstd: torch.Tensor,
+            weight: Any, bias: Any, mask: Sequence[bool]) -> Any:
+        gi, _, _ = aten.native_layer_norm_backward.default(
+            g, x, shape, mean, rstd, _one(weight, m), _one(bias, m), [mask[0], False, False])
+        gw = gb = None
+        if mask[1]:
+            gw = g * ((x - mean) * rstd)
+            gw = gw.sum(rows) if rows else gw
+        if mask[2]:
+            gb = g.sum(rows) if rows else g.clone()
+        return gi, gw, gb
+
+    return _Call(info, run, (), ())
+
+
+def _embedding(info: Info) -> "_Call | None":
+    """embedding with a replicated weight: one lookup of the stacked indices."""
+    if not _same_everywhere(info, "weight"):
+        return None
+    m = info.m
+
+    def run(weight: torch.Tensor, indices: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        return aten.embedding.default(_one(weight, m), indices, *rest, **kwargs)
+
+    return _Call(info, run, (), ())
+
+
+def _convolution(info: Info) -> "_Call | None":
+    """convolution with replicated weight and bias: the mesh dims folded into the batch
+    dim (an unbatched input's mesh dims become its batch)."""
+    if not _same_everywhere(info, "weight", "bias"):
+        return None
+    m = info.m
+    batched = info.rank == len(info.shapes.get(1, info.bound["weight"]))
+
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: Any, *rest: Any) -> torch.Tensor:
+        mesh_dims = x.shape[:m]
+        flat = x.reshape(-1, *x.shape[m + 1:]) if batched else x.reshape(-1, *x.shape[m:])
+        out = aten.convolution.default(flat, _one(weight, m), _one(bias, m), *rest)
+        return out.reshape(*mesh_dims, -1, *out.shape[1:]) if batched else out.reshape(*mesh_dims, *out.shape[1:])
+
+    return _Call(info, run, (), ())
+
+
 _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.mm: _product(_mm),
     aten.bmm: _product(_mm),
@@ -459,6 +542,10 @@ _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.std.default: _all_dims(lambda x, d, r, k: aten.std.dim(x, d, *r)),
     aten.var_mean.default: _all_dims(lambda x, d, r, k: aten.var_mean.dim(x, d, *r)),
     aten.std_mean.default: _all_dims(lambda x, d, r, k: aten.std_mean.dim(x, d, *r)),
+    aten.native_layer_norm.default: _layer_norm,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
+    aten.embedding.default: _embedding,
+    aten.convolution.default: _convolution,
     aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention,
 }
