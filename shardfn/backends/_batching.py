@@ -141,6 +141,8 @@ class _Call:
         self.align = list(align)
         self.dense = info.cand.dense
         self.m = info.m
+        # nothing to adapt: callers may call ``fn(*args, **kwargs)`` directly
+        self.direct = fn if self.rebind is None and not (self.fixes or self.sized or self.align or self.dense) else None
 
     def _where(self, name: str) -> tuple[int, str]:
         """Argument ``name`` of the local op: (position or -1 if keyword-only, name)."""
