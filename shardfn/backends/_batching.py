@@ -141,6 +141,7 @@ class _Call:
         self.align = list(align)
         self.dense = info.cand.dense
         self.m = info.m
+        self.op_name = str(info.func)
         # nothing to adapt: callers may call ``fn(*args, **kwargs)`` directly
         self.direct = fn if self.rebind is None and not (self.fixes or self.sized or self.align or self.dense) else None
 
@@ -158,7 +159,7 @@ class _Call:
             m = self.m
             for where, splits, local in self.sized:
                 if symbolic:
-                    local = _symbolic_local(_get(args, kwargs, where), splits)
+                    local = _symbolic_local(_get(args, kwargs, where), splits, self.op_name)
                 _set(args, kwargs, where, [*args[0].shape[:m], *local])
             for where, pad in self.align:
                 x = _get(args, kwargs, where)
@@ -182,12 +183,12 @@ def _set(args: list, kwargs: dict, where: tuple[int, str], v: Any) -> None:
         kwargs[name] = v
 
 
-def _symbolic_local(sizes: Sequence[Any], splits: Sequence[int]) -> list:
+def _symbolic_local(sizes: Sequence[Any], splits: Sequence[int], op: str) -> list:
     """Local sizes from global ones that may be symbolic (torch.compile dynamic shapes)."""
     out = []
     for n, k in zip(sizes, splits):
         if k > 1 and not isinstance(n, torch.SymInt) and n < 0:
-            raise ShardingError("a -1 size on a sharded dim with dynamic sizes")
+            raise ShardingError(f"{op}: a -1 size on a sharded dim with dynamic sizes; give the size")
         out.append(n if k == 1 else n // k)
     return out
 
