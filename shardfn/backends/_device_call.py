@@ -119,6 +119,8 @@ class DeviceCall:
             for dev in devices:
                 lo, hi = device_box(cand.in_layouts[f.input], tuple(in_shapes[f.input]), dev)[f.dim]
                 self.facts[dev][f.name] = lo if f.kind == "offset" else hi - lo
+        trivial = not (cand.local_sizes or cand.facts or cand.dense) and self.rebind is None
+        self.direct = self.fn if trivial else None  # nothing to adapt: call ``fn`` directly
 
     def __call__(self, args: tuple, kwargs: dict, dev: int) -> list:
         for name, size in self.sizes[dev]:

@@ -40,6 +40,7 @@ from ..errors import ShardingError
 from ..layout import Layout, describe, local_shapes, split_range
 from ..mesh import Mesh
 from ..plan import Step
+from ._device_call import DeviceCall, same, substitute
 from .local import _reduce
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
@@ -631,13 +632,14 @@ class RankCall:
     keeps_symbolic = False
 
     def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
-        from ._device_call import DeviceCall
-
         self.rank = rank_of(call.mesh)
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes, (self.rank,))
         self.positional = positional
+        self.direct = self.device_call.direct  # the op itself when nothing needs adapting
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
-        from ._device_call import same, substitute
-
-        return self.device_call(*substitute(args, kwargs, values, self.positional, same), self.rank)
+        a, k = substitute(args, kwargs, values, self.positional, same)
+        if self.direct is not None:
+            out = self.direct(*a, **k)
+            return list(out) if isinstance(out, (tuple, list)) else [out]
+        return self.device_call(a, k, self.rank)

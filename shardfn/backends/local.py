@@ -20,6 +20,7 @@ import torch
 from ..layout import Layout, is_even, local_shapes
 from ..mesh import Mesh
 from ..plan import Step, _exchange
+from ._device_call import DeviceCall, same, substitute
 
 Value = Union[torch.Tensor, tuple]
 
@@ -495,8 +496,6 @@ class StackedCall:
         self.direct = getattr(fn, "direct", None)  # the op itself when no argument needs adapting
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
-        from ._device_call import same, substitute
-
         mesh, layouts = self.mesh, self.layouts
         if self.mode == "batched":
             m = mesh.ndim
@@ -547,16 +546,12 @@ class PerDeviceCall:
     keeps_symbolic = False
 
     def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
-        from ._device_call import DeviceCall
-
         self.mesh = call.mesh
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes,
                                       range(call.mesh.size))
         self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
-        from ._device_call import substitute
-
         mesh = self.mesh
         per_dev = []
         for dev in range(mesh.size):
