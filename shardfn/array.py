@@ -37,6 +37,7 @@ class ShardedArray(torch.Tensor):
 
     _local: Any
     _layout: Layout
+    _kf: Any = None  # interned (layout, shape, dtype) for dispatch's fast key (dispatch.fragment_of)
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -126,7 +127,7 @@ class ShardedArray(torch.Tensor):
     # -- torch integration ---------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _dispatcher()(func, args, kwargs or {})
+        return _dispatch_fn(func, args, kwargs or _NO_KWARGS)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         if isinstance(self._local, tuple):
@@ -321,13 +322,33 @@ def _named(layout: Layout) -> NamedSharding:
     return NamedSharding(layout.mesh, layout_to_spec(layout))
 
 
-@functools.cache
-def _dispatcher() -> Callable:
-    """``dispatch.dispatch`` (imported on first use: dispatch imports this module); cached,
-    since an import statement costs microseconds on every op."""
+def _dispatch_first(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``dispatch.dispatch``, imported on first use (dispatch imports this module); it then
+    takes this function's place, so later ops call it directly."""
+    global _dispatch_fn
     from .dispatch import dispatch
 
-    return dispatch
+    _dispatch_fn = dispatch
+    return dispatch(func, args, kwargs)
+
+
+_dispatch_fn: Callable = _dispatch_first
+_NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, stride: tuple, frag: Any) -> ShardedArray:
+    """``ShardedArray(local, layout, shape, dtype, stride=stride)`` for an op output whose
+    layout, shape, dtype and strides dispatch has checked and precomputed; ``frag`` is its
+    fast-key fragment."""
+    r = _make_wrapper(ShardedArray, shape, strides=stride, dtype=dtype,
+                      device=(local[0] if type(local) is tuple else local).device)
+    r._local = local
+    r._layout = layout
+    r._kf = frag
+    return r
 
 
 def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:

@@ -22,7 +22,7 @@ from . import _functorch as _ft
 from . import _explicit
 from . import _inplace
 from . import rules as _rules
-from .array import ShardedArray, _contiguous_strides, raw_full, raw_reshard, wrap
+from .array import ShardedArray, _contiguous_strides, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
 from .backends import backend_for
 from .backends import local as _local_backend
 from .errors import FallbackWarning, ShardingError
@@ -38,13 +38,28 @@ _warned: set[str] = set()
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    out = _dispatch(func, args, kwargs)
+    """Run ``func`` on ShardedArrays: a warm call is one fast key, one dict lookup, the
+    entry's run; anything else (a miss, explicit mode, plain tensors, symbolic sizes,
+    special and in-place ops) takes ``_dispatch``."""
+    fkey = _fast_key(func, args, kwargs)
+    if fkey is not None and not _explicit._stack:
+        entry = _cache.get(fkey)
+        if entry is not None:
+            out = entry.run(args, kwargs)
+            if func in _VIEWS:
+                _inplace.note_views(func, args, kwargs, out)
+            return out
+    out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
+        _VIEWS.add(func)
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
     return out
 
 
-def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+_VIEWS: set = set()  # ops seen to return an alias of an input (``_inplace.is_view``)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
     special = _SPECIAL.get(func)
     if special is not None:
         out = special(func, args, kwargs)
@@ -69,6 +84,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         raise
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
+    if fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default:
+        _remember(fkey, entry)  # the next such call takes dispatch's fast path
     if _explicit._stack:
         _explicit.check(func, entry, leaves)
     return entry.run(args, kwargs, leaves)
@@ -221,6 +238,97 @@ def _tensor_slots(func: Any) -> frozenset:
     return slots
 
 
+_FAST = object()  # marks a fast key (never equal to a ``_key`` part)
+_KW = object()  # separates a fast key's keyword arguments from its positional ones
+_TRUE, _FALSE = object(), object()  # bools keyed apart from ints (True == 1 promotes differently)
+_MISS = object()
+_AS_IS = frozenset({int, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+
+
+def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """The warm-path cache key: the op, then per argument its array's interned (layout,
+    shape, dtype) fragment, or its value (ints, strings, None, dtypes, devices), or just
+    its type (floats, complex), or a bool marker; lists and tuples as tuples of those.
+    None (take ``_dispatch``) for anything else: plain tensors, SymInts, symbolic shapes."""
+    parts = [func, _FAST]
+    for a in args:
+        t = type(a)
+        if t is ShardedArray:
+            k = a._kf
+            if k is None:
+                k = _fragment(a)
+                if k is None:
+                    return None
+            parts.append(k)
+        elif t is int or a is None:
+            parts.append(a)
+        else:
+            k = _fast_part(a, t)
+            if k is _MISS:
+                return None
+            parts.append(k)
+    if kwargs:
+        parts.append(_KW)
+        for name, a in kwargs.items():
+            k = _fast_part(a, type(a))
+            if k is _MISS:
+                return None
+            parts.append(name)
+            parts.append(k)
+    return tuple(parts)
+
+
+def _fast_part(a: Any, t: type) -> Any:
+    """One argument's part of a fast key (``_MISS`` if it has none)."""
+    if t is ShardedArray:
+        k = a._kf
+        return k if k is not None else (_fragment(a) or _MISS)
+    if t in _AS_IS:
+        return a
+    if t is float:
+        return float
+    if t is bool:
+        return _TRUE if a else _FALSE
+    if t is list or t is tuple:
+        out = tuple(_fast_part(b, type(b)) for b in a)
+        return _MISS if _MISS in out else out
+    if t is complex:
+        return complex
+    return _MISS
+
+
+_fragments: dict[tuple, Any] = {}
+_FRAGMENTS_MAX = 65536
+
+
+def _fragment(x: ShardedArray) -> Any:
+    """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
+    it); None while its shape is symbolic."""
+    try:
+        k = fragment_of(x._layout, tuple(x.shape), x.dtype)
+    except TypeError:  # SymInts do not hash
+        return None
+    x._kf = k
+    return k
+
+
+def fragment_of(layout: Layout, shape: tuple, dtype: torch.dtype) -> Any:
+    """A unique object per (layout, shape, dtype): fast keys hash it by identity. Never
+    reused for another triple (dropping the table only makes new objects)."""
+    k = _fragments.get((layout, shape, dtype))
+    if k is None:
+        if len(_fragments) >= _FRAGMENTS_MAX:
+            _fragments.clear()
+        k = _fragments[(layout, shape, dtype)] = _Fragment()
+    return k
+
+
+class _Fragment:
+    """An identity-hashed stand-in for one (layout, shape, dtype) in fast keys."""
+
+    __slots__ = ("__weakref__",)
+
+
 def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
@@ -339,6 +447,9 @@ class _Entry:
     # mesh-dim sizes of stacked inputs already seen to broadcast (-> outputs canonical?)
     out_strides: list = attrs.field(init=False)
     positional: tuple | None = attrs.field(init=False)
+    paths: tuple = attrs.field(init=False)  # where the sharded arguments sit (fixed by the key)
+    any_move: bool = attrs.field(init=False)
+    out_fragments: list = attrs.field(init=False)  # the outputs' fast-key fragments
     moves: list = attrs.field(init=False)
     verified: dict = attrs.field(init=False, factory=dict)
 
@@ -352,8 +463,16 @@ class _Entry:
             v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
             for (_, v), want in zip(self.call.arrays, self.cand.in_layouts)
         ]
-        paths = tuple(p for p, _ in self.call.arrays)
+        paths = self.paths = tuple(p for p, _ in self.call.arrays)
         self.positional = paths if all(isinstance(p, int) for p in paths) else None
+        self.any_move = any(self.moves)
+        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
+            if l is not None and l.partial:
+                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
+        self.out_fragments = [
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
+            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+        ]
         c = self.cand
         self.stacked = (
             self.call.mesh.backend == "local"
@@ -366,26 +485,41 @@ class _Entry:
         # the cache must not keep the first call's arrays alive (nor count as holding them)
         self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
 
-    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
-        arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
-        values = {p: raw_reshard(v, want) if move else v._local
-                  for (p, v), want, move in zip(arrays, self.cand.in_layouts, self.moves)}
+    def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False,
+            stacked_args: Any = None) -> Any:
+        """Reshard the inputs that need it, run the local op, wrap the outputs (the sharded
+        arguments sit where ``paths`` says: the cache key fixes it, ``leaves`` is unused)."""
+        if self.positional is not None and not self.any_move:
+            values = {p: args[p]._local for p in self.positional}
+        else:
+            values = {p: raw_reshard(v, want) if move else v._local
+                      for p, want, move in zip(self.paths, self.cand.in_layouts, self.moves)
+                      for v in (_at(args, kwargs, p),)}
         if self.stacked:
             locals_ = self._stacked(args, kwargs, values, stacked_args)
         else:
             locals_ = self._per_device(args, kwargs, values)
+        if symbolic:
+            return self.rebuild(self._wrap_symbolic(args, kwargs, locals_))
+        return self.rebuild([
+            local if layout is None else _wrap_output(local, layout, shape, dtype, stride, frag)
+            for local, layout, shape, dtype, stride, frag in zip(
+                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_strides,
+                self.out_fragments)
+        ])
+
+    def _wrap_symbolic(self, args: tuple, kwargs: dict, locals_: list) -> list:
+        """Outputs of a symbolic call: global sizes read off the stacked local outputs."""
         results = []
-        for local, layout, shape, dtype, stride in zip(locals_, self.cand.out_layouts, self.out_shapes,
-                                                       self.out_dtypes, self.out_strides):
+        for local, layout, dtype in zip(locals_, self.cand.out_layouts, self.out_dtypes):
             if layout is None:
                 results.append(local)
                 continue
-            if symbolic:
-                shape, stride = _global_of_stacked(local, layout), None
-                if not _ft.is_symbolic(shape):
-                    shape = _check_static_output(self.func, args, kwargs, len(results), shape)
-            results.append(ShardedArray(local, layout, shape, dtype, stride=stride))
-        return self.rebuild(results)
+            shape = _global_of_stacked(local, layout)
+            if not _ft.is_symbolic(shape):
+                shape = _check_static_output(self.func, args, kwargs, len(results), shape)
+            results.append(ShardedArray(local, layout, shape, dtype))
+        return results
 
     def _substituted(self, args: tuple, kwargs: dict, values: dict, fn: Callable) -> tuple[tuple, dict]:
         """args/kwargs with each sharded argument replaced by ``fn(its backend value)``."""
@@ -453,6 +587,15 @@ class _Entry:
         return out
 
 
+def _at(args: tuple, kwargs: dict, path: Any) -> Any:
+    """The argument at ``path`` (a position, a (position, index) pair, or a keyword)."""
+    if isinstance(path, int):
+        return args[path]
+    if isinstance(path, tuple):
+        return args[path[0]][path[1]]
+    return kwargs[path]
+
+
 def _same(v: Any) -> Any:
     return v
 
@@ -508,7 +651,8 @@ class _Fallback:
     func: Any
     mesh: Any
 
-    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
+    def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False,
+            stacked_args: Any = None) -> Any:
         # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
         # trust a contiguous-looking argument; a replicated value is an expanded view)
         a, k = _replace(args, kwargs, lambda p, v: raw_full(v).contiguous() if isinstance(v, ShardedArray) else v)
