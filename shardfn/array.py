@@ -339,12 +339,10 @@ _NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
-def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, stride: tuple, frag: Any) -> ShardedArray:
-    """``ShardedArray(local, layout, shape, dtype, stride=stride)`` for an op output whose
-    layout, shape, dtype and strides dispatch has checked and precomputed; ``frag`` is its
-    fast-key fragment."""
-    r = _make_wrapper(ShardedArray, shape, strides=stride, dtype=dtype,
-                      device=(local[0] if type(local) is tuple else local).device)
+def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any) -> ShardedArray:
+    """``ShardedArray(local, layout, shape, dtype)`` (contiguous) for an op output whose
+    layout, shape and dtype dispatch has checked once; ``frag`` is its fast-key fragment."""
+    r = _make_wrapper(ShardedArray, shape, dtype=dtype, device=(local[0] if type(local) is tuple else local).device)
     r._local = local
     r._layout = layout
     r._kf = frag

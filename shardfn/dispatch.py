@@ -46,17 +46,17 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         entry = _cache.get(fkey)
         if entry is not None:
             out = entry.run(args, kwargs)
-            if func in _VIEWS:
+            if fkey[0] in _VIEWS:
                 _inplace.note_views(func, args, kwargs, out)
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
-        _VIEWS.add(func)
+        _VIEWS.add(id(func))
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
     return out
 
 
-_VIEWS: set = set()  # ops seen to return an alias of an input (``_inplace.is_view``)
+_VIEWS: set[int] = set()  # ids of the ops seen to return an alias of an input (``_inplace.is_view``)
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
@@ -238,7 +238,7 @@ def _tensor_slots(func: Any) -> frozenset:
     return slots
 
 
-_FAST = object()  # marks a fast key (never equal to a ``_key`` part)
+_FAST = object()  # marks a fast key (``_key``s never hold it)
 _KW = object()  # separates a fast key's keyword arguments from its positional ones
 _TRUE, _FALSE = object(), object()  # bools keyed apart from ints (True == 1 promotes differently)
 _MISS = object()
@@ -246,11 +246,12 @@ _AS_IS = frozenset({int, str, type(None), torch.dtype, torch.device, torch.memor
 
 
 def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
-    """The warm-path cache key: the op, then per argument its array's interned (layout,
+    """The warm-path cache key: the op's id (OpOverload hashes in Python; an entry holds
+    its op, so the id stays unique while the key is cached), then per argument its array's interned (layout,
     shape, dtype) fragment, or its value (ints, strings, None, dtypes, devices), or just
     its type (floats, complex), or a bool marker; lists and tuples as tuples of those.
     None (take ``_dispatch``) for anything else: plain tensors, SymInts, symbolic shapes."""
-    parts = [func, _FAST]
+    parts = [id(func), _FAST]
     for a in args:
         t = type(a)
         if t is ShardedArray:
@@ -502,10 +503,9 @@ class _Entry:
         if symbolic:
             return self.rebuild(self._wrap_symbolic(args, kwargs, locals_))
         return self.rebuild([
-            local if layout is None else _wrap_output(local, layout, shape, dtype, stride, frag)
-            for local, layout, shape, dtype, stride, frag in zip(
-                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_strides,
-                self.out_fragments)
+            local if layout is None else _wrap_output(local, layout, shape, dtype, frag)
+            for local, layout, shape, dtype, frag in zip(
+                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments)
         ])
 
     def _wrap_symbolic(self, args: tuple, kwargs: dict, locals_: list) -> list:
@@ -541,11 +541,12 @@ class _Entry:
         layouts = self.cand.out_layouts
         if self.batched:
             m = mesh.ndim
-            sig = tuple(v.shape[:m] for v in values.values())
+            sig = tuple([v.shape[:m] for v in values.values()])
             settled = self.verified.get(sig)
             a, k = adapt(*self._substituted(args, kwargs, values, _same), m)
             if settled is True:
-                return _flat_outputs(fn(*a, **k))[0]
+                out = fn(*a, **k)
+                return list(out) if isinstance(out, (tuple, list)) else [out]
             try:
                 outs = _flat_outputs(fn(*a, **k))[0]
             except (RuntimeError, IndexError, ValueError):
@@ -565,13 +566,12 @@ class _Entry:
 
     def _per_device(self, args: tuple, kwargs: dict, values: dict) -> list:
         mesh = self.call.mesh
-        backend = backend_for(mesh)
         if mesh.backend != "local":
             a, k = self._substituted(args, kwargs, values, _same)
             if self.cand.device_args is not None:
-                a, k = self.cand.device_args(a, k, backend.rank_of(mesh))
-            outs, _ = _flat_outputs((self.cand.device_fn or self.func)(*a, **k))
-            return outs
+                a, k = self.cand.device_args(a, k, backend_for(mesh).rank_of(mesh))
+            out = (self.cand.device_fn or self.func)(*a, **k)
+            return list(out) if isinstance(out, (tuple, list)) else [out]
         from .backends.local import from_parts
 
         per_dev = []
