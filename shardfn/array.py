@@ -46,9 +46,8 @@ class ShardedArray(torch.Tensor):
         if layout.partial:
             check_partial_dtype(layout, dtype)
         like = local[0] if isinstance(local, tuple) else local
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride if stride is not None else _contiguous_strides(shape),
-            dtype=dtype, device=like.device, requires_grad=requires_grad,
+        r = torch.Tensor._make_wrapper_subclass(  # strides None: contiguous (computed in C++)
+            cls, shape, strides=stride, dtype=dtype, device=like.device, requires_grad=requires_grad,
         )
         r._local = local
         r._layout = layout
