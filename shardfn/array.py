@@ -341,7 +341,10 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any) -> ShardedArray:
     """``ShardedArray(local, layout, shape, dtype)`` (contiguous) for an op output whose
     layout, shape and dtype dispatch has checked once; ``frag`` is its fast-key fragment."""
-    r = _make_wrapper(ShardedArray, shape, dtype=dtype, device=(local[0] if type(local) is tuple else local).device)
+    # positional (cls, size, strides, storage_offset, memory_format, dtype, layout, device):
+    # parsed faster than keywords
+    r = _make_wrapper(ShardedArray, shape, None, None, None, dtype, torch.strided,
+                      (local[0] if type(local) is tuple else local).device)
     r._local = local
     r._layout = layout
     r._kf = frag

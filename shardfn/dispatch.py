@@ -51,12 +51,13 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
-        _VIEWS.add(id(func))
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
     return out
 
 
-_VIEWS: set[int] = set()  # ids of the ops seen to return an alias of an input (``_inplace.is_view``)
+# the ops seen to return an alias of an input (``_inplace.is_view``), by id (fast keys hold
+# ids); holding the op keeps its id from being reused
+_VIEWS: dict[int, Any] = {}
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
@@ -85,6 +86,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
     if fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default:
+        if _inplace.is_view(func):
+            _VIEWS[id(func)] = func
         _remember(fkey, entry)  # the next such call takes dispatch's fast path
     if _explicit._stack:
         _explicit.check(func, entry, leaves)
@@ -451,6 +454,7 @@ class _Entry:
     paths: tuple = attrs.field(init=False)  # where the sharded arguments sit (fixed by the key)
     any_move: bool = attrs.field(init=False)
     out_fragments: list = attrs.field(init=False)  # the outputs' fast-key fragments
+    single: tuple | None = attrs.field(init=False)  # a lone tensor output's (layout, shape, dtype, fragment)
     moves: list = attrs.field(init=False)
     verified: dict = attrs.field(init=False, factory=dict)
 
@@ -464,16 +468,9 @@ class _Entry:
             v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
             for (_, v), want in zip(self.call.arrays, self.cand.in_layouts)
         ]
-        paths = self.paths = tuple(p for p, _ in self.call.arrays)
+        paths = tuple(p for p, _ in self.call.arrays)
         self.positional = paths if all(isinstance(p, int) for p in paths) else None
-        self.any_move = any(self.moves)
-        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
-            if l is not None and l.partial:
-                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
-        self.out_fragments = [
-            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
-            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
-        ]
+        self._precompute_warm_path(paths)
         c = self.cand
         self.stacked = (
             self.call.mesh.backend == "local"
@@ -485,6 +482,21 @@ class _Entry:
         )
         # the cache must not keep the first call's arrays alive (nor count as holding them)
         self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
+
+    def _precompute_warm_path(self, paths: tuple) -> None:
+        """What ``run`` needs per call, fixed by the cache key: where the arrays sit, whether
+        any moves, the outputs' key fragments (and a lone output's wrap arguments)."""
+        self.paths, self.any_move = paths, any(self.moves)
+        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
+            if l is not None and l.partial:
+                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
+        self.out_fragments = [
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
+            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+        ]
+        single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
+        self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
+                       self.out_fragments[0]) if single else None
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False,
             stacked_args: Any = None) -> Any:
@@ -502,6 +514,8 @@ class _Entry:
             locals_ = self._per_device(args, kwargs, values)
         if symbolic:
             return self.rebuild(self._wrap_symbolic(args, kwargs, locals_))
+        if self.single is not None:  # one tensor output (most ops): no lists, no rebuild
+            return _wrap_output(locals_[0], *self.single)
         return self.rebuild([
             local if layout is None else _wrap_output(local, layout, shape, dtype, frag)
             for local, layout, shape, dtype, frag in zip(
@@ -650,6 +664,21 @@ def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
 class _Fallback:
     func: Any
     mesh: Any
+
+    def _precompute_warm_path(self, paths: tuple) -> None:
+        """What ``run`` needs per call, fixed by the cache key: where the arrays sit, whether
+        any moves, the outputs' key fragments (and a lone output's wrap arguments)."""
+        self.paths, self.any_move = paths, any(self.moves)
+        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
+            if l is not None and l.partial:
+                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
+        self.out_fragments = [
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
+            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+        ]
+        single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
+        self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
+                       self.out_fragments[0]) if single else None
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False,
             stacked_args: Any = None) -> Any:
