@@ -332,6 +332,12 @@ class _Fragment:
 
     __slots__ = ("__weakref__",)
 
+    def __copy__(self) -> _Fragment:
+        return self  # a copied array keeps hitting its original's entries
+
+    def __deepcopy__(self, memo: dict) -> _Fragment:
+        return self
+
 
 def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]

@@ -138,3 +138,16 @@ def test_fragment_table_reset_keeps_results_right(mesh, monkeypatch):
             x = sf.distribute(t, P("x"), mesh=mesh)
             torch.testing.assert_close((x * 3).sum(0).full_tensor(), (t * 3).sum(0))
     assert len(_dispatch._fragments) <= 4
+
+
+def test_copies_share_the_fragment(mesh, monkeypatch):
+    import copy
+
+    x = sf.distribute(torch.randn(4, 4), P("x"), mesh=mesh)
+    for _ in range(2):
+        x + x
+    y = copy.deepcopy(x)
+    assert y._kf is None or y._kf is x._kf
+    seen = _slow_calls(monkeypatch)
+    torch.testing.assert_close((y + y).full_tensor(), 2 * x.full_tensor())
+    assert seen == []
