@@ -613,3 +613,90 @@ def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     ok = torch.tensor([int(all(flags))], dtype=torch.int32, device=device)
     return bool(run_collective("all_reduce", st.groups[mesh.axis_names], funcol.all_reduce, ok, "min").item())
+
+
+# -- the Backend protocol ----------------------------------------------------------------------
+
+
+class DistBackend:
+    """One process per mesh device (see the module docstring); implements
+    :class:`shardfn.backends.Backend`. This process holds one device, its rank."""
+
+    def run_step(self, step: Step, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *,
+                 sym_shape: tuple | None = None) -> torch.Tensor:
+        return run_step(step, value, shape, dtype)  # symbolic shard sizes are specialised there
+
+    def rank_of(self, mesh: Mesh) -> int:
+        """This process's device index on ``mesh`` (its global rank)."""
+        return rank_of(mesh)
+
+    def devices(self, mesh: Mesh) -> tuple[int]:
+        return (rank_of(mesh),)
+
+    def shard_list(self, value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor]:
+        return shard_list(value, mesh)
+
+    def shard(self, value: torch.Tensor, mesh: Mesh, device: int) -> torch.Tensor:
+        return value
+
+    def one_replica(self, value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        return one_replica(value, mesh)
+
+    def replicated(self, full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        return replicated(full, mesh)
+
+    def from_shards(self, shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        return from_shards(shards, layout, shape)
+
+    def build(self, layout: Layout, shape: tuple[int, ...], make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        return from_shards([make(rank_of(layout.mesh))], layout, shape)
+
+    def relabel(self, value: torch.Tensor, src: Mesh, dst: Mesh) -> torch.Tensor:
+        return value  # device i is rank i on both meshes
+
+    def pack_local(self, shards: Sequence[Any], mesh: Mesh) -> Any:
+        return shards[0]
+
+    def unpack_local(self, local: Any, mesh: Mesh) -> list:
+        if not isinstance(local, torch.Tensor):
+            raise ShardingError(f"from_local on the dist backend takes this rank's tensor, got {type(local).__name__}")
+        return [local]
+
+    def global_shape(self, shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None, *,
+                     check_ranks: bool = True) -> tuple[int, ...]:
+        return global_shape(shards, layout, shape, check_ranks=check_ranks)
+
+    def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
+        if not exchange:
+            return global_shape(outs, layout, None)
+        from .._dist_lax import all_local_shapes
+        from . import local
+
+        metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], layout.mesh)]
+        return local.global_shape(metas, layout, None)
+
+    def check_same_meta(self, mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
+        check_same_meta(mesh, shape, dtype, what)
+
+    def all_true(self, flags: Sequence[bool], mesh: Mesh) -> bool:
+        return all_true(flags, mesh)
+
+    def zero_cotangent(self, like: torch.Tensor) -> torch.Tensor:
+        # built from the cotangent: a constant zero would let AOTAutograd's partitioner
+        # move the collectives it feeds into the forward graph of some ranks only
+        return torch.zeros_like(like)
+
+    def keeps_symbolic(self, value: torch.Tensor) -> bool:
+        return False  # plans run on concrete shard sizes
+
+    def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+        """This rank's part of the body, collectives through ``_dist_lax.py``."""
+        from .. import _dist_lax
+
+        return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
+
+    def axis_group(self, mesh: Mesh, axes: Sequence[str]) -> Group:
+        return axis_group(mesh, axes)
+
+    def default_device_type(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
