@@ -2,9 +2,9 @@
 
 Everything here (and the random numbers of :mod:`shardfn.random`) is built on one
 primitive, :func:`_from_boxes`: evaluate a function on the global index box of every
-shard this process holds. On the local backend replicas share one computed shard
-(stored as an expanded view, as the backend does for replicated values); on the dist
-backend a rank computes only its own box.
+shard this process holds, through the backend's ``build`` (on the local backend replicas
+share one computed shard, stored once; on the dist backend a rank computes only its own
+box).
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ class Backend(Protocol):
         whole value)."""
 
     # -- building backend values --------------------------------------------------------------
-    def replicated(self, full: torch.Tensor, mesh: Any) -> Any:
-        """The backend value in which every device holds ``full`` (on dist every rank
-        passes the same ``full``)."""
+    def replicated(self, whole: torch.Tensor, mesh: Any) -> Any:
+        """The backend value in which every device holds ``whole`` (on dist every rank
+        passes the same ``whole``)."""
 
     def from_shards(self, shards: Sequence[torch.Tensor], layout: Any, shape: tuple[int, ...]) -> Any:
         """The backend value of ``layout`` from the held devices' shards (in

@@ -510,10 +510,10 @@ def _exchange(step: Step, x: torch.Tensor, shape: tuple) -> torch.Tensor:
 # -- protocol used by ShardedArray -----------------------------------------------------------------
 
 
-def replicated(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """This rank's copy of a replicated value (every rank passes the same ``full``)."""
+def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's copy of a replicated value (every rank passes the same ``whole``)."""
     _state(mesh)
-    return full
+    return whole
 
 
 def one_replica(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -626,27 +626,21 @@ class DistBackend:
                  sym_shape: tuple | None = None) -> torch.Tensor:
         return run_step(step, value, shape, dtype)  # symbolic shard sizes are specialised there
 
-    def rank_of(self, mesh: Mesh) -> int:
-        """This process's device index on ``mesh`` (its global rank)."""
-        return rank_of(mesh)
+    # the module's functions where they are the method (no wrapper on the hot path)
+    rank_of = staticmethod(rank_of)  # not in the protocol: this process's device index
+    shard_list = staticmethod(shard_list)
+    one_replica = staticmethod(one_replica)
+    replicated = staticmethod(replicated)
+    from_shards = staticmethod(from_shards)
+    global_shape = staticmethod(global_shape)
+    all_true = staticmethod(all_true)
+    axis_group = staticmethod(axis_group)
 
     def devices(self, mesh: Mesh) -> tuple[int]:
         return (rank_of(mesh),)
 
-    def shard_list(self, value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor]:
-        return shard_list(value, mesh)
-
     def shard(self, value: torch.Tensor, mesh: Mesh, device: int) -> torch.Tensor:
         return value
-
-    def one_replica(self, value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        return one_replica(value, mesh)
-
-    def replicated(self, full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        return replicated(full, mesh)
-
-    def from_shards(self, shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
-        return from_shards(shards, layout, shape)
 
     def build(self, layout: Layout, shape: tuple[int, ...], make: Callable[[int], torch.Tensor]) -> torch.Tensor:
         return from_shards([make(rank_of(layout.mesh))], layout, shape)
@@ -662,10 +656,6 @@ class DistBackend:
             raise ShardingError(f"from_local on the dist backend takes this rank's tensor, got {type(local).__name__}")
         return [local]
 
-    def global_shape(self, shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None, *,
-                     check_ranks: bool = True) -> tuple[int, ...]:
-        return global_shape(shards, layout, shape, check_ranks=check_ranks)
-
     def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
         if not exchange:
             return global_shape(outs, layout, None)
@@ -677,9 +667,6 @@ class DistBackend:
 
     def check_same_meta(self, mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
         check_same_meta(mesh, shape, dtype, what)
-
-    def all_true(self, flags: Sequence[bool], mesh: Mesh) -> bool:
-        return all_true(flags, mesh)
 
     def zero_cotangent(self, like: torch.Tensor) -> torch.Tensor:
         # built from the cotangent: a constant zero would let AOTAutograd's partitioner
@@ -694,9 +681,6 @@ class DistBackend:
         from .. import _dist_lax
 
         return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
-
-    def axis_group(self, mesh: Mesh, axes: Sequence[str]) -> Group:
-        return axis_group(mesh, axes)
 
     def default_device_type(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -463,27 +463,18 @@ class LocalBackend:
     """Every device of the mesh simulated in this process (see the module docstring);
     implements :class:`shardfn.backends.Backend`. This process holds every device."""
 
-    def run_step(self, step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtype, *,
-                 sym_shape: tuple | None = None) -> Value:
-        return run_step(step, value, shape, dtype, sym_shape=sym_shape)
+    # the module's functions where they are the method (no wrapper on the hot path)
+    run_step = staticmethod(run_step)
+    shard_list = staticmethod(parts)
+    shard = staticmethod(device_view)
+    one_replica = staticmethod(one_replica)
+    replicated = staticmethod(replicated)
+    from_shards = staticmethod(from_shards)
+    global_shape = staticmethod(global_shape)
+    all_true = staticmethod(all_true)
 
     def devices(self, mesh: Mesh) -> range:
         return range(mesh.size)
-
-    def shard_list(self, value: Value, mesh: Mesh) -> tuple:
-        return parts(value, mesh)
-
-    def shard(self, value: Value, mesh: Mesh, device: int) -> torch.Tensor:
-        return device_view(value, mesh, device)
-
-    def one_replica(self, value: Value, mesh: Mesh) -> torch.Tensor:
-        return one_replica(value, mesh)
-
-    def replicated(self, full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        return replicated(full, mesh)
-
-    def from_shards(self, shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
-        return from_parts(shards, layout, shape)
 
     def build(self, layout: Layout, shape: tuple[int, ...], make) -> Value:
         """Even layouts: one ``make`` call per distinct shard (coordinate 0 on the axes
@@ -528,18 +519,11 @@ class LocalBackend:
             )
         return list(local)
 
-    def global_shape(self, shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None, *,
-                     check_ranks: bool = True) -> tuple[int, ...]:
-        return global_shape(shards, layout, shape, check_ranks=check_ranks)
-
     def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
         return global_shape(outs, layout, None)  # every shard is here: nothing to exchange
 
     def check_same_meta(self, mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
         pass  # one process passed the one value
-
-    def all_true(self, flags: Sequence[bool], mesh: Mesh) -> bool:
-        return all(flags)
 
     def zero_cotangent(self, like: torch.Tensor) -> None:
         return None  # one autograd graph over every device: no gradient is no work
