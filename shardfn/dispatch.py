@@ -85,7 +85,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
         raise
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
-    if fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default:
+    if (fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default
+            and _cache.get(fkey) is not entry):
         if _inplace.is_view(func):
             _VIEWS[id(func)] = func
         _remember(fkey, entry)  # the next such call takes dispatch's fast path
