@@ -2,7 +2,9 @@
 
 ``dispatch`` is called from ``ShardedArray.__torch_dispatch__``. The hot path is one cache
 lookup keyed on the op, the input layouts/shapes/dtypes and the static arguments (floats
-excluded, so a new scalar each step still hits). On a miss the rule table proposes
+excluded, so a new scalar each step still hits): a warm call builds ``_fast_key`` from
+each array's cached, identity-hashed key fragment; ``_dispatch`` (misses, special cases)
+uses the full ``_key`` and files the entry under both. On a miss the rule table proposes
 candidate strategies, each costed by the bytes its input redistributions move; the
 cheapest is compiled into an :class:`_Entry` that reshards inputs, runs the local op
 once for the whole mesh (stacked) or once per device, and wraps the outputs.
