@@ -78,13 +78,20 @@ def dense(v: Any) -> Any:
     return v
 
 
-def substitute(args: tuple, kwargs: dict, values: dict, positional: tuple | None, fn: Callable) -> tuple[tuple, dict]:
-    """args/kwargs with each sharded argument (by path) replaced by ``fn(its backend value)``."""
+def substitute(args: tuple, kwargs: dict, values: dict, positional: tuple | None,
+               fn: Callable | None = None) -> tuple[tuple, dict]:
+    """args/kwargs with each sharded argument (by path) replaced by ``fn(its backend
+    value)`` (the value itself when ``fn`` is None)."""
     if positional is not None:
         a = list(args)
-        for p in positional:
-            a[p] = fn(values[p])
+        if fn is None:
+            for p in positional:
+                a[p] = values[p]
+        else:
+            for p in positional:
+                a[p] = fn(values[p])
         return tuple(a), kwargs
+    fn = fn or same
     new = []
     for i, x in enumerate(args):
         if isinstance(x, (list, tuple)):

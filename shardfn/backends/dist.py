@@ -40,7 +40,7 @@ from ..errors import ShardingError
 from ..layout import Layout, describe, local_shapes, split_range
 from ..mesh import Mesh
 from ..plan import Step
-from ._device_call import DeviceCall, same, substitute
+from ._device_call import DeviceCall, substitute
 from .local import _reduce
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
@@ -638,7 +638,7 @@ class RankCall:
         self.direct = self.device_call.direct  # the op itself when nothing needs adapting
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
-        a, k = substitute(args, kwargs, values, self.positional, same)
+        a, k = substitute(args, kwargs, values, self.positional)
         if self.direct is not None:
             out = self.direct(*a, **k)
             return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -21,7 +21,7 @@ import torch
 from ..layout import Layout, is_even, local_shapes
 from ..mesh import Mesh
 from ..plan import Step, _exchange
-from ._device_call import DeviceCall, same, substitute
+from ._device_call import DeviceCall, substitute
 
 Value = Union[torch.Tensor, tuple]
 
@@ -502,7 +502,7 @@ class StackedCall:
             m = mesh.ndim
             sig = tuple(v.shape[:m] for v in values.values())
             settled = self.verified.get(sig)
-            a, k = substitute(args, kwargs, values, self.positional, same)
+            a, k = substitute(args, kwargs, values, self.positional)
             if settled is True:
                 out = self.direct(*a, **k) if self.direct is not None else self.fn(a, k, symbolic)
                 return list(out) if isinstance(out, (tuple, list)) else [out]
