@@ -19,9 +19,11 @@ from typing import Any
 import optree
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.overrides import TorchFunctionMode
 
 from . import _boundary as B
 from . import _recompute
+from ._functorch import base_array, is_wrapped
 from .array import ShardedArray, distribute, reshard
 from .errors import ShardingError
 from .layout import Layout
@@ -73,7 +75,9 @@ def _chunks_to(x: torch.Tensor, dim: int, order: list[int], inverse: bool = Fals
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(t)
+    from .backends.dist import pin_in_real_trace
+
+    return pin_in_real_trace(funcol.wait_tensor(t))
 
 
 # -- raw collectives (no autograd), in given-axes order ------------------------------------------------
@@ -269,7 +273,8 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
     mesh = inputs.mesh
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
     body = DistBody(mesh)
-    with mesh, _entered(body), _recompute.body_context(lambda: _reopened(body)):
+    closures = _Closures(mesh, [v for v, l in zip(leaves, inputs.layouts) if l is not None])
+    with mesh, _entered(body), _recompute.body_context(lambda: _reopened(body, closures)), closures:
         out = f(*inputs.rebuild(leaves), **kwargs)
     flat, treespec = optree.tree_flatten(out, none_is_leaf=True)
     out_tree = optree.tree_unflatten(treespec, list(range(len(flat))))
@@ -290,12 +295,130 @@ def _local_input(v: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _reopened(body: DistBody) -> Iterator[None]:
-    """The body's mesh and collectives again, for a checkpoint recomputation."""
+def _reopened(body: DistBody, closures: _Closures) -> Iterator[None]:
+    """The body's mesh, collectives and closures again, for a checkpoint recomputation."""
     from .lax import _entered
 
-    with body.mesh, _entered(body):
+    with body.mesh, _entered(body), closures:
         yield
+
+
+# -- closed-over values ----------------------------------------------------------------------------------------
+
+
+class _Replicated(torch.autograd.Function):
+    """A value the body uses without receiving it as a mapped argument (a closure, an
+    unmapped argument, a module's parameter): the same on every rank, so, as JAX's
+    implicit pbroadcast, its gradient is the sum of every rank's part (a psum over all
+    mesh axes; differentiable, so higher orders hold too)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.mesh = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        return _SumParts.apply(ct, ctx.mesh), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh) -> tuple:
+        return _Replicated.apply(x, mesh), in_dims[0]
+
+
+class _SumParts(torch.autograd.Function):
+    """Every rank's part of a closure's gradient -> their sum, on every rank. The sum
+    leaves the body as a plain (replicated) tensor, whose cotangent every rank holds
+    whole: the transpose is the identity."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        return _all_reduce(x, mesh, mesh.axis_names, "sum")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.mesh = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        return ct.view_as(ct), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return _SumParts.apply(t, ctx.mesh)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh) -> tuple:
+        return _SumParts.apply(x, mesh), in_dims[0]
+
+
+def _next_sequence_nr() -> int:
+    """The autograd sequence number the next node made on this thread gets (nodes made
+    earlier have smaller ones)."""
+    with torch.enable_grad():
+        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr() + 1
+
+
+class _Closures(TorchFunctionMode):
+    """Active while a dist body runs: every tensor an op receives that the body did not
+    make and was not given as a mapped argument is a closed-over value. One that
+    requires grad passes through :class:`_Replicated` (once per body call), a
+    ShardedArray becomes its full value (``gather``) first. Without this each rank's
+    gradient of a closure would hold only its own devices' part."""
+
+    def __init__(self, mesh: Mesh, inputs: list) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.inputs = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
+        self.start = _next_sequence_nr()
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if any(self._outside(t) for t in _tensor_args(args, kwargs)):
+            args, kwargs = optree.tree_map(self._replace, (args, kwargs), none_is_leaf=True)
+        return func(*args, **kwargs)
+
+    def _outside(self, t: torch.Tensor) -> bool:
+        if id(t) in self.inputs:
+            return False
+        if isinstance(t, ShardedArray) or (is_wrapped(t) and base_array(t) is not None):
+            return True
+        if not t.requires_grad:
+            return False
+        node = t.grad_fn
+        return node is None or node._sequence_nr() < self.start
+
+    def _replace(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not self._outside(t):
+            return t
+        hit = self.seen.get(id(t))
+        if hit is None:
+            from .array import gather
+
+            full = gather(t) if isinstance(t, ShardedArray) or base_array(t) is not None else t
+            rep = _Replicated.apply(full, self.mesh) if full.requires_grad else full
+            self.inputs.add(id(rep))
+            hit = self.seen[id(t)] = (t, rep)
+        return hit[1]
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments (top level and inside lists / tuples)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
 
 
 _traces: dict[tuple, list[frozenset[str]] | None] = {}

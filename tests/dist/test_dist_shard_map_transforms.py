@@ -64,16 +64,25 @@ def jvp_linearize_jacfwd(mesh: sf.Mesh) -> None:
     _close(torch.func.jacfwd(run, argnums=(0, 1, 2))(*args), torch.func.jacfwd(ref, argnums=(0, 1, 2))(*args), "jacfwd")
 
 
-# linearize traces with make_fx and constant-folds the trace; on dist the folded graph
-# issues collectives differently on different ranks (a hang), so it runs on local only.
-@scenario(backends=("local",))
+# linearize traces with make_fx on real tensors and constant-folds the trace; on dist each
+# collective is kept in the trace as one side-effecting node with its wait (else a folded
+# collective's copy is taken before it completes: wrong values, then a hang).
+@scenario
 def linearize(mesh: sf.Mesh) -> None:
     run, ref = _loss_pair(mesh)
     args = _data()
-    tangents = tuple(torch.ones_like(a) * 0.1 for a in args)
     out, lin = torch.func.linearize(run, *args)
     _close(out, ref(*args), "linearize value")
-    _close(lin(*tangents), torch.func.jvp(ref, args, tangents)[1], "linearize tangent")
+    for scale in (0.1, -2.0):  # the linear map is reused: every call issues the same collectives
+        tangents = tuple(torch.ones_like(a) * scale for a in args)
+        _close(lin(*tangents), torch.func.jvp(ref, args, tangents)[1], f"linearize tangent {scale}")
+    x, w1, w2 = args  # a sharded output, gathered by a reshard plan (the dist backend's collectives)
+    f = sf.shard_map(lambda x, w: torch.tanh(x @ w), mesh=mesh, in_specs=(P(mesh.axis_names), P()),
+                     out_specs=P(mesh.axis_names))
+    out, lin = torch.func.linearize(lambda x, w: sf.gather(f(x, w)), x, w1)
+    _close(out, torch.tanh(x @ w1), "linearize sharded value")
+    t = (torch.full_like(x, 0.3), torch.full_like(w1, -0.2))
+    _close(lin(*t), torch.func.jvp(lambda x, w: torch.tanh(x @ w), (x, w1), t)[1], "linearize sharded tangent")
 
 
 @scenario
