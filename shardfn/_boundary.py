@@ -293,11 +293,13 @@ class ExitParts(torch.autograd.Function):
         mesh = layout.mesh
         plain = layout.without_partial()
         parts = EnterParts.apply(_as_sharded(ct, plain), plain, False)
-        # On dist the zero cotangent of a later replica is built from the cotangent, so a
-        # traced backward keeps the collectives it feeds on the backward side (a constant
-        # zero would let AOTAutograd's partitioner move them into the forward graph of
-        # those ranks only, and the ranks' graphs would issue different collectives).
-        zero = (lambda t: None) if mesh.backend == "local" else torch.zeros_like
+        # On dist the zero cotangent of a later replica is built from the cotangent (a
+        # masked fill: exact zeros, NaN included, still connected to it), so every rank's
+        # backward graph has the same shape: a traced backward keeps the collectives it
+        # feeds on the backward side (a constant zero would let AOTAutograd's partitioner
+        # move them into the forward graph of those ranks only), and a second derivative
+        # runs the same collectives on every rank (a cut edge skips some on some ranks).
+        zero = (lambda t: None) if mesh.backend == "local" else _zero_keeping_graph
         cts = [
             zero(parts[i]) if first_only and first_replica(layout, d) != d else parts[i]
             for i, d in enumerate(my_devices(mesh))
@@ -320,6 +322,11 @@ class ExitParts(torch.autograd.Function):
         outs = tuple(o.unsqueeze(0).expand(n, *o.shape) if b is None else o.movedim(b, 0)
                      for o, b in zip(outs, in_dims[3:]))
         return ExitParts.apply(insert_dim(layout, 0), (n, *shape), first_only, *outs), 0
+
+
+def _zero_keeping_graph(t: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``t`` that autograd still sees as a function of ``t``."""
+    return t.masked_fill(torch.ones((), dtype=torch.bool, device=t.device), 0)
 
 
 class Opaque(torch.autograd.Function):

@@ -137,4 +137,31 @@ def checkpoint_in_body(mesh: sf.Mesh) -> None:
     _close((xs.grad, ws.grad), want, "checkpoint grads")
 
 
+@scenario
+def uneven_composes(mesh: sf.Mesh) -> None:
+    """7 rows over 4 devices: on local the body runs once per device (threads, one
+    re-runnable node under torch.func), on dist each rank runs its own uneven block."""
+    a = mesh.axis_names
+    f = sf.shard_map(lambda x, w: lax.psum(torch.tanh(x @ w).sum(0), a), mesh=mesh, in_specs=(P(a), P()),
+                     out_specs=P())
+    x, w, _ = _data(rows=7)
+
+    def run(x, w):
+        return torch.sin(sf.gather(f(x, w))).sum()
+
+    def ref(x, w):
+        return torch.sin(torch.tanh(x @ w).sum(0)).sum()
+
+    _close(run(x, w), ref(x, w), "value")
+    _close(torch.func.grad(run, argnums=(0, 1))(x, w), torch.func.grad(ref, argnums=(0, 1))(x, w), "grad")
+    t = (torch.full_like(x, 0.2), torch.full_like(w, -0.1))
+    _close(torch.func.jvp(run, (x, w), t), torch.func.jvp(ref, (x, w), t), "jvp")
+    _close(torch.func.jacfwd(run, argnums=1)(x, w), torch.func.jacfwd(ref, argnums=1)(x, w), "jacfwd")
+    g2 = lambda fn: torch.func.grad(lambda x, w: torch.func.grad(fn, argnums=1)(x, w).sum(), argnums=(0, 1))  # noqa: E731
+    _close(g2(run)(x, w), g2(ref)(x, w), "grad of grad")
+    wb = torch.stack([w, 2 * w])
+    _close(torch.func.vmap(torch.func.grad(run, argnums=1), (None, 0))(x, wb),
+           torch.func.vmap(torch.func.grad(ref, argnums=1), (None, 0))(x, wb), "vmap of grad")
+
+
 test_local, test_dist = collect(globals())
