@@ -5,9 +5,10 @@ Collectives are torch functional collectives on the per-axis process groups that
 whose backward is its transpose over the group (psum <-> psum, all_gather <->
 psum_scatter, all_to_all <-> all_to_all, ppermute <-> inverse ppermute); with the
 boundary conventions of ``_boundary`` this makes gradients those of the unsharded
-computation. No tensor subclass and no mode is active in the body, so each op costs what
-plain torch costs; ``check_vma`` is inferred once per signature by tracing the body on
-meta tensors with the local backend's vmap machinery.
+computation. No tensor subclass is active in the body; one TorchFunctionMode
+(:class:`_Closures`) finds the values the body closes over, whose gradients must be summed
+over ranks (one Python call per op, plain torch otherwise). ``check_vma`` is inferred once
+per signature by tracing the body on meta tensors with the local backend's vmap machinery.
 """
 
 from __future__ import annotations
