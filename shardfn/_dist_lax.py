@@ -274,7 +274,9 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
     mesh = inputs.mesh
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
     body = DistBody(mesh)
-    closures = _Closures(mesh, [v for v, l in zip(leaves, inputs.layouts) if l is not None])
+    # closures matter only to gradients (values are right without the mode)
+    closures = (_Closures(mesh, [v for v, l in zip(leaves, inputs.layouts) if l is not None])
+                if torch.is_grad_enabled() else contextlib.nullcontext())
     with mesh, _entered(body), _recompute.body_context(lambda: _reopened(body, closures)), closures:
         out = f(*inputs.rebuild(leaves), **kwargs)
     flat, treespec = optree.tree_flatten(out, none_is_leaf=True)
@@ -296,7 +298,7 @@ def _local_input(v: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _reopened(body: DistBody, closures: _Closures) -> Iterator[None]:
+def _reopened(body: DistBody, closures: Any) -> Iterator[None]:
     """The body's mesh, collectives and closures again, for a checkpoint recomputation."""
     from .lax import _entered
 
@@ -377,38 +379,52 @@ class _Closures(TorchFunctionMode):
     def __init__(self, mesh: Mesh, inputs: list) -> None:
         super().__init__()
         self.mesh = mesh
-        self.inputs = {id(t) for t in inputs if isinstance(t, torch.Tensor)}
         self.start = _next_sequence_nr()
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id -> None (made by the body or given mapped) or (the closure, its stand-in).
+        # Caching by id is safe: a closure outlives the body call (it existed before it),
+        # so no tensor made during the call can share its id.
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {
+            id(t): None for t in inputs if isinstance(t, torch.Tensor)
+        }
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if any(self._outside(t) for t in _tensor_args(args, kwargs)):
-            args, kwargs = optree.tree_map(self._replace, (args, kwargs), none_is_leaf=True)
-        return func(*args, **kwargs)
+        if any(self._standin(t) is not None for t in _tensor_args(args, kwargs)):
+            args = tuple(self._swap(a) for a in args)
+            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        seen = self.seen
+        for o in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+            if isinstance(o, torch.Tensor) and id(o) not in seen:
+                seen[id(o)] = None  # made by the body (its inputs were already swapped)
+        return out
 
-    def _outside(self, t: torch.Tensor) -> bool:
-        if id(t) in self.inputs:
-            return False
-        if isinstance(t, ShardedArray) or (is_wrapped(t) and base_array(t) is not None):
-            return True
-        if not t.requires_grad:
-            return False
-        node = t.grad_fn
-        return node is None or node._sequence_nr() < self.start
+    def _standin(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The tensor the body's ops use for closure ``t``, or None if ``t`` is no closure."""
+        key = id(t)
+        if key in self.seen:
+            hit = self.seen[key]
+            return None if hit is None else hit[1]
+        array = isinstance(t, ShardedArray) or (is_wrapped(t) and base_array(t) is not None)
+        if not array and not (t.requires_grad and (t.grad_fn is None or t.grad_fn._sequence_nr() < self.start)):
+            if t.requires_grad:  # made in the body (a closure that does not require grad is never cached)
+                self.seen[key] = None
+            return None
+        from .array import gather
 
-    def _replace(self, t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not self._outside(t):
-            return t
-        hit = self.seen.get(id(t))
-        if hit is None:
-            from .array import gather
+        full = gather(t) if array else t
+        rep = _Replicated.apply(full, self.mesh) if full.requires_grad else full
+        self.seen[id(rep)] = None
+        self.seen[key] = (t, rep)
+        return rep
 
-            full = gather(t) if isinstance(t, ShardedArray) or base_array(t) is not None else t
-            rep = _Replicated.apply(full, self.mesh) if full.requires_grad else full
-            self.inputs.add(id(rep))
-            hit = self.seen[id(t)] = (t, rep)
-        return hit[1]
+    def _swap(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            rep = self._standin(a)
+            return a if rep is None else rep
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            return type(a)(self._swap(b) for b in a)
+        return a
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:

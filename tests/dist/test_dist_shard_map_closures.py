@@ -67,6 +67,10 @@ def closure_torch_func(mesh: sf.Mesh) -> None:
     _close(g2(run)(x, w0, b0), g2(_ref)(x, w0, b0), "grad of grad")
     t = tuple(torch.full_like(v, 0.1) for v in (x, w0, b0))
     _close(torch.func.jvp(run, (x, w0, b0), t), torch.func.jvp(_ref, (x, w0, b0), t), "jvp")
+    hv = lambda f: torch.func.jvp(torch.func.grad(f, argnums=1), (x, w0, b0), t)[1]  # noqa: E731
+    _close(hv(run), hv(_ref), "jvp of grad")
+    out, lin = torch.func.linearize(run, x, w0, b0)
+    _close((out, lin(*t)), torch.func.jvp(_ref, (x, w0, b0), t), "linearize")
     wb = torch.stack([w0, 2 * w0])
     got = torch.func.vmap(torch.func.grad(lambda w: run(x, w, b0)))(wb)
     _close(got, torch.func.vmap(torch.func.grad(lambda w: _ref(x, w, b0)))(wb), "vmap of grad")
@@ -119,6 +123,22 @@ def sharded_array_closure(mesh: sf.Mesh) -> None:
         _close(out, torch.tanh(x @ w0).sum(), f"value {spec}")
         out.backward()
         _close(w.grad, torch.func.grad(lambda w: torch.tanh(x @ w).sum())(w0), f"grad {spec}")
+
+
+@scenario
+def closure_in_checkpoint(mesh: sf.Mesh) -> None:
+    """A checkpointed region closing over a parameter: recomputed in backward, where the
+    closure is seen again."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, w0, b0 = _data()
+    a = mesh.axis_names
+    w = w0.clone().requires_grad_()
+    region = lambda x: torch.tanh(x @ w + b0)  # noqa: E731
+    f = sf.shard_map(lambda x: lax.psum(checkpoint(region, x, use_reentrant=False).pow(2).sum(), a), mesh=mesh,
+                     in_specs=P(a), out_specs=P())
+    sf.gather(f(x)).backward()
+    _close(w.grad, torch.func.grad(lambda w: _ref(x, w, b0))(w0), "checkpointed closure grad")
 
 
 @scenario
