@@ -338,7 +338,8 @@ class Opaque(torch.autograd.Function):
 
     @staticmethod
     def forward(run: Any, *inputs: torch.Tensor) -> tuple:
-        return tuple(run(*inputs))
+        # detached: under forward AD the inputs arrive as duals; inside, only closures may be
+        return tuple(run(*[x.detach() for x in inputs]))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

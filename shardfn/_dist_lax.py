@@ -449,8 +449,11 @@ def _traced_vma(f: Callable, inputs: Any, leaves: list, kwargs: dict) -> list[fr
     )
     key = (f, inputs.mesh, sig, inputs.treespec, tuple(sorted(kwargs)))
     if key not in _traces:
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
         try:
-            _traces[key] = _trace(f, inputs, sig, leaves, kwargs)
+            with disable_proxy_modes_tracing():  # not part of a make_fx trace of the caller (linearize)
+                _traces[key] = _trace(f, inputs, sig, leaves, kwargs)
         except (RuntimeError, TypeError, ValueError, ShardingError, NotImplementedError):
             _traces[key] = None
     return _traces[key]

@@ -385,7 +385,8 @@ def _run_per_device_opaque(f: Callable, inputs: _Inputs, out_specs: Any, check_v
         leaves = list(inputs.leaves)
         for i, t in zip(where, tensors):
             leaves[i] = t
-        result["flat"], result["spec"] = _per_device_flat(f, inputs, leaves, out_specs, check_vma, kwargs)
+        result["flat"], result["spec"] = _per_device_flat(f, inputs, leaves, out_specs, check_vma, kwargs,
+                                                          traced_closures=True)
         return [o for o in result["flat"] if isinstance(o, torch.Tensor)]
 
     outs = iter(B.Opaque.apply(run, *[inputs.leaves[i] for i in where]))
@@ -394,7 +395,7 @@ def _run_per_device_opaque(f: Callable, inputs: _Inputs, out_specs: Any, check_v
 
 
 def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any, check_vma: bool,
-                     kwargs: dict) -> tuple[list, Any]:
+                     kwargs: dict, traced_closures: bool = False) -> tuple[list, Any]:
     from . import _per_device
 
     mesh = inputs.mesh
@@ -406,7 +407,7 @@ def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any,
         vma = frozenset(l.axis_dim)
         columns.append([_per_device.tag(p, vma) for p in _device_pieces(v, l)])
     per_device = [inputs.rebuild([col[d] for col in columns]) for d in range(mesh.size)]
-    outs = _per_device.run(mesh, f, per_device, kwargs)
+    outs = _per_device.run(mesh, f, per_device, kwargs, traced_closures)
     flats = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
     treespec = flats[0][1]
     if any(t != treespec for _, t in flats):

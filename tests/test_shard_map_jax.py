@@ -475,3 +475,30 @@ def test_uneven_double_backward_plain_autograd():
     (g,) = torch.autograd.grad(sf.gather(f(xr)).sum(), xr, create_graph=True)
     (g2,) = torch.autograd.grad(g.sum(), xr)
     _close(g2, -torch.sin(x), "double backward")
+
+
+def test_uneven_closure_under_torch_func_raises_not_wrong():
+    """An uneven body closing over a tensor that torch.func differentiates: the device
+    threads cannot see the transform, so a ShardingError says to pass it as an argument
+    (plain autograd, which the threads do see, is exact)."""
+    mesh = sf.Mesh((4,), ("i",))
+    x = torch.randn(7, 3, dtype=torch.float64)
+    w0 = torch.randn(3, 2, dtype=torch.float64)
+
+    def run(w):
+        f = sf.shard_map(lambda x: lax.psum(torch.tanh(x @ w).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+        return sf.gather(f(x))
+
+    def ref(w):
+        return torch.tanh(x @ w).sum()
+
+    w = w0.clone().requires_grad_()
+    run(w).backward()
+    _close(w.grad, torch.func.grad(ref)(w0), "plain autograd")
+    with pytest.raises(sf.ShardingError, match="pass it as an argument|Pass it as an argument"):
+        torch.func.grad(run)(w0)
+    with pytest.raises(sf.ShardingError, match="Pass it as an argument"):
+        torch.func.jvp(run, (w0,), (w0,))
+    passed = sf.shard_map(lambda x, w: lax.psum(torch.tanh(x @ w).sum(), "i"), mesh=mesh, in_specs=(P("i"), P()),
+                          out_specs=P())
+    _close(torch.func.grad(lambda w: sf.gather(passed(x, w)))(w0), torch.func.grad(ref)(w0), "passed as argument")
