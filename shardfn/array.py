@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
+from . import _contract
 from . import _functorch as _ft
 from . import layout as _lay
 from .backends import backend_for, execute
@@ -28,6 +29,9 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+_no_torch_function = torch._C._disabled_torch_function_impl
+
+
 class ShardedArray(torch.Tensor):
     """A global tensor laid out over a mesh. Its ``shape``/``dtype`` are global; the
     shards live in ``_local`` (the mesh backend's storage). Immutable: in-place ops raise
@@ -37,7 +41,15 @@ class ShardedArray(torch.Tensor):
 
     _local: Any
     _layout: Layout
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """torch's own behaviour, except batched matmul / einsum (``_contract``), which
+        torch would fold into one batch dim."""
+        if func in _contract.FUNCS:
+            out = _contract.batched_call(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return _no_torch_function(func, types, args, kwargs or {})
 
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
