@@ -127,6 +127,8 @@ def _einsum_equation(args: tuple) -> tuple[str, Any, Any] | None:
 def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     """``contract`` for a matmul / einsum call that keeps two or more batch dims, else
     NotImplemented (the caller runs torch's composite)."""
+    if func in _RMS_NORMS:
+        return _rms_norm_call(args, kwargs)
     if kwargs:
         return NotImplemented
     if func is torch.einsum:
@@ -139,5 +141,105 @@ def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     return NotImplemented if eq is None else contract(eq, a, b)
 
 
-FUNCS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.einsum})
+_RMS_NORMS = frozenset({torch.rms_norm, torch.nn.functional.rms_norm})
+FUNCS = _RMS_NORMS | frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.einsum})
 """The torch functions ``ShardedArray.__torch_function__`` looks at."""
+
+
+# -- RMSNorm as one op --------------------------------------------------------------------
+# torch.rms_norm is a composite: its input gradient arrives as two separate pending sums
+# (through x * rsqrt(...) and through x.pow(2)), and the autograd engine adds each to the
+# replicated residual gradient, reducing twice. As one op, its backward gives one pending
+# sum (reduced once, Megatron's count), and the weight gradient a pending sum too.
+
+
+def _opmath(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _aligned_weight(w: torch.Tensor, x: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """The weight broadcast against ``x`` and the number of leading (mesh) dims it has."""
+    m = w.dim() - k
+    if m:
+        w = w.reshape(*w.shape[:m], *([1] * (x.dim() - m - k)), *w.shape[m:])
+    return w, m
+
+
+def _rstd(x: torch.Tensor, k: int, eps: float | None) -> torch.Tensor:
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return torch.rsqrt(x.pow(2).mean(tuple(range(-k, 0)), keepdim=True) + eps)
+
+
+@torch.library.custom_op("shardfn::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """``torch.rms_norm(x, normalized_shape, weight, eps)`` as one op."""
+    k = len(normalized_shape)
+    xo = _opmath(x)
+    y = (xo * _rstd(xo, k, eps)).to(x.dtype)
+    return y * _aligned_weight(weight, x, k)[0]
+
+
+@rms_norm.register_fake
+def _(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    w, _ = _aligned_weight(weight, x, len(normalized_shape))
+    return torch.empty(torch.broadcast_shapes(x.shape, w.shape), dtype=torch.promote_types(x.dtype, weight.dtype),
+                       device=x.device)
+
+
+@torch.library.custom_op("shardfn::rms_norm_backward", mutates_args=())
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor,
+                      eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input gradient, weight gradient) of ``rms_norm``; linear in ``grad``."""
+    k = len(normalized_shape)
+    w, m = _aligned_weight(weight, x, k)
+    xo, go = _opmath(x), _opmath(grad)
+    r = _rstd(xo, k, eps)
+    gh = go * w
+    gx = r * gh - xo * r.pow(3) * (gh * xo).mean(tuple(range(-k, 0)), keepdim=True)
+    batch = tuple(range(m, go.dim() - k))
+    gw = (go * xo * r).sum(batch) if batch else go * xo * r
+    return gx.to(x.dtype), gw.to(weight.dtype)
+
+
+@rms_norm_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor,
+      eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    k = len(normalized_shape)
+    m = weight.dim() - k
+    lead = torch.broadcast_shapes(grad.shape, x.shape)
+    return (torch.empty(lead, dtype=x.dtype, device=x.device),
+            torch.empty((*lead[:m], *lead[len(lead) - k:]), dtype=weight.dtype, device=x.device))
+
+
+def _rms_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.shape, ctx.eps = inputs[1], inputs[3]
+    ctx.save_for_backward(inputs[0], inputs[2])
+
+
+def _rms_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    x, w = ctx.saved_tensors
+    gx, gw = rms_norm_backward(g, x, ctx.shape, w, ctx.eps)
+    return gx, None, gw, None
+
+
+rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+def _rms_norm_call(args: tuple, kwargs: dict | None) -> Any:
+    """``shardfn::rms_norm`` for ``rms_norm(input, normalized_shape, weight, eps)`` with a
+    weight, all on one dtype and without torch.func wrappers, else NotImplemented."""
+    names = ("input", "normalized_shape", "weight", "eps")
+    bound = dict(zip(names, args))
+    for key, v in (kwargs or {}).items():
+        if key not in names or key in bound:
+            return NotImplemented
+        bound[key] = v
+    x, shape, w, eps = (bound.get(n) for n in names)
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or x.dtype != w.dtype:
+        return NotImplemented
+    if torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._C._functorch.is_functorch_wrapped_tensor(w):
+        return NotImplemented
+    shape = [shape] if isinstance(shape, int) else list(shape)
+    if not shape or list(w.shape) != shape or list(x.shape[x.dim() - len(shape):]) != shape:
+        return NotImplemented
+    return rms_norm(x, shape, w, None if eps is None else float(eps))

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from .base import Candidate, OpCall, letters, same_args
-from .dims import Dims, broadcast_letters, compile_dims, einsum_dims, parse_einsum, with_addend
+from .dims import Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
 
 aten = torch.ops.aten
 
@@ -150,27 +150,3 @@ TABLE = {
     aten.ger: Einsum("m,n->mn", _outer),
 }
 
-
-@attrs.frozen
-class Contract:
-    """``shardfn::contract(equation, a, b)``: the equation is the rule, so every batch
-    letter keeps its sharding; runs once on stacked shards (the kernel broadcasts
-    leading dims)."""
-
-    def candidates(self, call: OpCall) -> list[Candidate]:
-        eq = call.arg(0, "equation")
-        if len(call.arrays) != 2 or [p for p, _ in call.arrays] != [1, 2]:
-            return []
-        ins, _ = parse_einsum(eq)
-        if [len(s) for s in ins] != [len(s) for s in call.shapes]:
-            return []
-        return compile_dims(call, einsum_dims(eq), stacked_args=same_args)
-
-
-def _contract_table() -> dict:
-    from .. import _contract  # registers torch.ops.shardfn.contract
-
-    return {torch.ops.shardfn.contract.default: Contract()}
-
-
-TABLE.update(_contract_table())
