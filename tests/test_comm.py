@@ -403,3 +403,39 @@ def test_batched_product_broadcast_batch_dims_left_to_torch() -> None:
     close(out, torch.matmul(a, b))
     e = torch.einsum("bhij,bhjk->bhik", sf.distribute(a, P("dp"), mesh=mesh), sf.distribute(b, P(), mesh=mesh))
     close(e, torch.einsum("bhij,bhjk->bhik", a, b))
+
+
+# -- RMSNorm as one op; Megatron counts per layer ---------------------------------------------------
+
+@pytest.mark.parametrize("spec", [P("dp"), P("dp", "tp"), P(None, "tp"), P()])
+def test_rms_norm_matches_torch(spec) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    torch.manual_seed(3)
+    x = torch.randn(4, 6, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    xs, ws = leaf(x, spec, mesh), leaf(w, P(), mesh)
+    out = F.rms_norm(xs, (8,), ws, eps=1e-5)
+    ref = F.rms_norm(x, (8,), w, eps=1e-5)
+    close(out, ref)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    (out * sf.distribute(g, P(), mesh=mesh)).sum().backward()
+    (ref * g).sum().backward()
+    close(xs.grad, x.grad)
+    close(ws.grad, w.grad)
+    out2 = torch.rms_norm(xs, [6, 8], sf.distribute(torch.ones(6, 8, dtype=torch.float64), P(), mesh=mesh))
+    close(out2, torch.rms_norm(x, [6, 8], torch.ones(6, 8, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_megatron_block_collectives_per_layer(kind) -> None:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_comm_models.py"
+    spec = importlib.util.spec_from_file_location("bench_comm_models", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fwd, bwd, _ = bench._count(kind)
+    layers = bench.LAYERS
+    assert dict(fwd.counts) == {"all_reduce": 2 * layers}, fwd
+    assert fwd.total + bwd.total <= 4 * layers and set(bwd.counts) <= {"all_reduce"}, bwd
