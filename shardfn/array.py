@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import optree
@@ -30,6 +31,8 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 _no_torch_function = torch._C._disabled_torch_function_impl
+_tf_call = threading.local()
+"""``args``: the (args, kwargs) of the ``__torch_function__`` call running on this thread."""
 
 
 class ShardedArray(torch.Tensor):
@@ -49,7 +52,14 @@ class ShardedArray(torch.Tensor):
             out = _contract.batched_call(func, args, kwargs)
             if out is not NotImplemented:
                 return out
-        return _no_torch_function(func, types, args, kwargs or {})
+        # the in-place policy counts references: this call's argument tuple holds one more
+        # to each argument than torch's C++ path would (``_inplace._observed`` discounts it)
+        prev = getattr(_tf_call, "args", None)
+        _tf_call.args = (args, kwargs)
+        try:
+            return _no_torch_function(func, types, args, kwargs or {})
+        finally:
+            _tf_call.args = prev
 
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
