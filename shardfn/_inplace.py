@@ -119,9 +119,8 @@ def _root(x: Any) -> Any:
 def _observed(x: Any, args: tuple, kwargs: dict, point: str) -> bool:
     """Whether something other than C++ and this call holds ``x`` (see the module doc)."""
     refs = sys.getrefcount(x) - _occurrences(x, args, kwargs) - len(x.__dict__.get("_views") or ())
-    tf = getattr(_tf_call, "args", None)  # ShardedArray.__torch_function__'s argument tuple
-    if tf is not None:
-        refs -= sum(1 for a in (*tf[0], *(tf[1] or {}).values()) if a is x)  # its own references only
+    if getattr(_tf_call, "args", None) == id(x):  # in the argument tuple of ShardedArray.__torch_function__
+        refs -= 1
     if _calibrating:
         _BASE[point] = min(_BASE.get(point, refs), refs)
         return False

@@ -32,7 +32,19 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 _no_torch_function = torch._C._disabled_torch_function_impl
 _tf_call = threading.local()
-"""``args``: the (args, kwargs) of the ``__torch_function__`` call running on this thread."""
+"""``args``: the id of the ``self`` of the Tensor-method ``__torch_function__`` call running on this thread."""
+
+
+_METHODS: dict = {}
+
+
+def _is_method(func: Any) -> bool:
+    """Whether ``func`` is a ``torch.Tensor`` method (its ``self`` is packed into a new
+    argument tuple for ``__torch_function__``; a function's tuple is the caller's)."""
+    hit = _METHODS.get(func)
+    if hit is None:
+        hit = _METHODS[func] = getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func
+    return hit
 
 
 class ShardedArray(torch.Tensor):
@@ -55,7 +67,7 @@ class ShardedArray(torch.Tensor):
         # the in-place policy counts references: this call's argument tuple holds one more
         # to each argument than torch's C++ path would (``_inplace._observed`` discounts it)
         prev = getattr(_tf_call, "args", None)
-        _tf_call.args = (args, kwargs)
+        _tf_call.args = id(args[0]) if args and _is_method(func) else None  # an id: no reference
         try:
             return _no_torch_function(func, types, args, kwargs or {})
         finally:
