@@ -35,16 +35,37 @@ _tf_call = threading.local()
 """``args``: the id of the ``self`` of the Tensor-method ``__torch_function__`` call running on this thread."""
 
 
-_METHODS: dict = {}
+def _writing_methods() -> frozenset:
+    """The in-place ``torch.Tensor`` methods (``x.add_``, ``x += y``, ``x[i] = v``)."""
+    out = set()
+    for name in dir(torch.Tensor):
+        if name == "__setitem__" or name.startswith("__i") or (name.endswith("_") and not name.startswith("__")):
+            f = getattr(torch.Tensor, name, None)
+            if callable(f):
+                out.add(f)
+    return frozenset(out)
 
 
-def _is_method(func: Any) -> bool:
-    """Whether ``func`` is a ``torch.Tensor`` method (its ``self`` is packed into a new
-    argument tuple for ``__torch_function__``; a function's tuple is the caller's)."""
-    hit = _METHODS.get(func)
-    if hit is None:
-        hit = _METHODS[func] = getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func
-    return hit
+_WRITING_METHODS = _writing_methods()
+_TF_SPECIAL = _WRITING_METHODS | _contract.FUNCS
+
+
+def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
+    """Batched matmul / einsum / rms_norm run as one op (``_contract``: torch's composite
+    would fold the batch dims into one); an in-place method's ``self`` is packed into a
+    new argument tuple here, one reference more than torch's C++ path makes, which the
+    in-place policy discounts (``_inplace._observed``; an id, which holds no reference)."""
+    if func in _contract.FUNCS:
+        out = _contract.batched_call(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        return _no_torch_function(func, types, args, kwargs or {})
+    prev = getattr(_tf_call, "args", None)
+    _tf_call.args = id(args[0]) if args else None
+    try:
+        return _no_torch_function(func, types, args, kwargs or {})
+    finally:
+        _tf_call.args = prev
 
 
 class ShardedArray(torch.Tensor):
@@ -60,18 +81,9 @@ class ShardedArray(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         """torch's own behaviour, except batched matmul / einsum (``_contract``), which
         torch would fold into one batch dim."""
-        if func in _contract.FUNCS:
-            out = _contract.batched_call(func, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        # the in-place policy counts references: this call's argument tuple holds one more
-        # to each argument than torch's C++ path would (``_inplace._observed`` discounts it)
-        prev = getattr(_tf_call, "args", None)
-        _tf_call.args = id(args[0]) if args and _is_method(func) else None  # an id: no reference
-        try:
-            return _no_torch_function(func, types, args, kwargs or {})
-        finally:
-            _tf_call.args = prev
+        if func in _TF_SPECIAL:
+            return _special_torch_function(func, types, args, kwargs)
+        return _no_torch_function(func, types, args, kwargs or {})
 
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
