@@ -124,11 +124,7 @@ class ShardedArray(torch.Tensor):
     def local_shards(self) -> list[torch.Tensor]:
         """Copies of the shards this process holds, one per device (row-major); no autograd.
         Costs one copy of each shard (writing to one cannot change the array)."""
-        if self.mesh.backend == "local":
-            from .backends.local import parts
-
-            return [p.clone() for p in parts(self._local, self.mesh)]
-        return [self._local.clone()]
+        return [p.clone() for p in backend_for(self.mesh).shard_list(self._local, self.mesh)]
 
     def to_local(self, grad_sharding: Sharding | None = None) -> Any:
         """The local shards, differentiable: a list (one per device) on the local backend,
@@ -139,7 +135,7 @@ class ShardedArray(torch.Tensor):
             else to_layout(grad_sharding, self.ndim, self.mesh, arg="grad_sharding")
         )
         out = _ToLocal.apply(self, grad_layout)
-        return list(out) if self.mesh.backend == "local" else out[0]
+        return backend_for(self.mesh).pack_local(out, self.mesh)
 
     def full_tensor(self) -> torch.Tensor:
         """The global value as a plain tensor, ready to use (differentiable)."""
@@ -193,8 +189,8 @@ class ShardedArray(torch.Tensor):
         # plans from their hints (see dispatch.py); only even, stacked layouts support them.
         outer_size = tuple(outer_size)
         outer_stride = None if outer_stride is None else tuple(outer_stride)
-        if is_parts or layout.mesh.backend != "local":
-            # uneven shards and the dist backend plan on concrete shapes: specialise
+        if not backend_for(layout.mesh).keeps_symbolic(local):
+            # e.g. uneven shards, the dist backend: plans on concrete shapes, so specialise
             outer_size = tuple(_ft.static_int(n) for n in outer_size)
             outer_stride = None if outer_stride is None else tuple(_ft.static_int(n) for n in outer_stride)
         elif _ft.is_symbolic(outer_size):
@@ -404,10 +400,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
-    if layout.mesh.backend == "dist":
-        from .backends import dist as _dist
-
-        _dist.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
+    backend_for(layout.mesh).check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     return _Distribute.apply(tensor, layout)
 
 
@@ -576,10 +569,12 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, shape, dtype = ctx.meta
         shapes = _lay.local_shapes(layout, shape)
-        devices = range(len(grads)) if layout.mesh.backend == "local" else [backend_for(layout.mesh).rank_of(layout.mesh)]
-        grads = [torch.zeros(shapes[d], dtype=dtype) if g is None else g for d, g in zip(devices, grads)]
-        local = grads if layout.mesh.backend == "local" else grads[0]
-        return _from_local(local, layout, layout.mesh, shape, None), None
+        backend = backend_for(layout.mesh)
+        grads = [
+            torch.zeros(shapes[d], dtype=dtype) if g is None else g
+            for d, g in zip(backend.devices(layout.mesh), grads)
+        ]
+        return _from_local(backend.pack_local(grads, layout.mesh), layout, layout.mesh, shape, None), None
 
 
 class _FromLocal(torch.autograd.Function):
@@ -641,26 +636,29 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
-    if run_check and layout.mesh.backend == "local":
+    if run_check:
         _check_replicas_agree(shards, layout)
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
 
 
 def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:
     """Shards on devices that differ only along replicated mesh axes hold one value: a
-    ShardingError names the devices that disagree (the local backend sees every shard)."""
+    ShardingError names the devices that disagree. Only replicas this process holds are
+    compared (every one on the local backend; on dist values are trusted, as in JAX/DTensor)."""
     mesh = layout.mesh
     split = set(layout.axis_dim) | set(layout.partial_ops)
     replicated = [i for i, a in enumerate(mesh.axis_names) if a not in split and mesh.shape[i] > 1]
     if not replicated:
         return
+    held = {dev: i for i, dev in enumerate(backend_for(mesh).devices(mesh))}
     bad = []
-    for dev, shard in enumerate(shards):
+    for dev, i in held.items():
         coords = list(mesh.coords(dev))
-        for i in replicated:
-            coords[i] = 0
+        for k in replicated:
+            coords[k] = 0
         first = mesh.device_at(coords)
-        if first != dev and not _same_values(shards[first], shard):
+        j = held.get(first)
+        if j is not None and first != dev and not _same_values(shards[j], shards[i]):
             bad.append((first, dev))
     if bad:
         axes = [mesh.axis_names[i] for i in replicated]
@@ -688,29 +686,7 @@ def _sharding_mesh(sharding: Any) -> Mesh | None:
 def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:
     if mesh is None:
         raise ShardingError("from_local needs a mesh: pass mesh=, a NamedSharding, or enter `with mesh:`")
-    if mesh.backend == "dist":
-        if not isinstance(local, torch.Tensor):
-            raise ShardingError(f"from_local on the dist backend takes this rank's tensor, got {type(local).__name__}")
-        return [local]
-    if isinstance(local, torch.Tensor) and not isinstance(local, ShardedArray):
-        if local.dim() >= 1 and local.shape[0] == mesh.size:
-            local = list(local.unbind(0))
-        else:
-            raise ShardingError(
-                f"from_local on the local backend takes a list of {mesh.size} tensors (one per "
-                f"device of {mesh!r}), got a single tensor of shape {tuple(local.shape)}"
-            )
-    if not isinstance(local, (list, tuple)):
-        raise ShardingError(
-            f"from_local on the local backend takes a list of {mesh.size} tensors (one per device "
-            f"of {mesh!r}), got {type(local).__name__}"
-        )
-    local = list(local)
-    if len(local) != mesh.size:
-        raise ShardingError(
-            f"from_local got {len(local)} local shards but {mesh!r} has {mesh.size} devices; "
-            f"pass one tensor per device, row-major"
-        )
+    local = backend_for(mesh).unpack_local(local, mesh)
     for i, t in enumerate(local):
         if not isinstance(t, torch.Tensor) or isinstance(t, ShardedArray):
             raise ShardingError(f"from_local: shard {i} is {type(t).__name__}, not a plain torch.Tensor")
