@@ -426,8 +426,7 @@ def test_rms_norm_matches_torch(spec) -> None:
     close(out2, torch.rms_norm(x, [6, 8], torch.ones(6, 8, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt"])
-def test_megatron_block_collectives_per_layer(kind) -> None:
+def _bench_comm_models():
     import importlib.util
     import pathlib
 
@@ -435,6 +434,32 @@ def test_megatron_block_collectives_per_layer(kind) -> None:
     spec = importlib.util.spec_from_file_location("bench_comm_models", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_megatron_block_matches_torch(kind) -> None:
+    bench = _bench_comm_models()
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    params = bench._params(kind)
+    plain = [{n: w.clone().requires_grad_() for n, (w, _) in p.items()} for p in params]
+    shard = [{n: leaf(w, s, mesh) for n, (w, s) in p.items()} for p in params]
+    torch.manual_seed(1)
+    x = torch.randn(bench.B, bench.S, bench.D)
+    xs = sf.distribute(x, P("dp"), mesh=mesh)
+    for p, q in zip(plain, shard):
+        x, xs = bench._layer(kind, x, p), bench._layer(kind, xs, q)
+    close(xs, x, 1e-4)
+    (x * x).mean().backward()
+    (xs * xs).mean().backward()
+    for p, q in zip(plain, shard):
+        for n in p:
+            close(q[n].grad, p[n].grad, 1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_megatron_block_collectives_per_layer(kind) -> None:
+    bench = _bench_comm_models()
     fwd, bwd, _ = bench._count(kind)
     layers = bench.LAYERS
     assert dict(fwd.counts) == {"all_reduce": 2 * layers}, fwd
