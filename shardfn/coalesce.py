@@ -26,9 +26,26 @@ _LINEAR = ("sum", "avg")
 def reshard_tree(tree: Any, shardings: Any) -> Any:
     """``tree`` with every leaf laid out as its sharding (``shardings``: a matching tree or
     a prefix of it); same-plan all_reduces of many leaves run as one per bucket."""
-    from .transforms import _match
+    with torch._C.DisableTorchFunctionSubclass():  # metadata reads below skip __torch_function__
+        return _reshard_tree(tree, shardings)
 
-    _, leaves, specs, treespec = _match(shardings, tree, "reshard shardings", "tree")
+
+def _leaves_and_specs(tree: Any, shardings: Any) -> tuple[list, list, Any]:
+    """(leaves, one sharding per leaf, treespec); ``transforms._match`` for the error."""
+    from .transforms import _is_spec, _match
+
+    try:
+        full = optree.tree_broadcast_prefix(shardings, tree, is_leaf=_is_spec, none_is_leaf=True)
+    except ValueError:
+        _match(shardings, tree, "reshard shardings", "tree")  # raises the ShardingError
+        raise
+    specs = optree.tree_leaves(full, is_leaf=_is_spec, none_is_leaf=True)
+    leaves, treespec = optree.tree_flatten(tree, none_is_leaf=True)
+    return leaves, specs, treespec
+
+
+def _reshard_tree(tree: Any, shardings: Any) -> Any:
+    leaves, specs, treespec = _leaves_and_specs(tree, shardings)
     out = list(leaves)
     groups: dict[tuple, list[tuple[int, Layout]]] = {}
     # many leaves share a spec, a layout and a dtype: normalise and classify each once
