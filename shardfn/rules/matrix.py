@@ -149,4 +149,3 @@ TABLE = {
     aten.outer: Einsum("m,n->mn", _outer),
     aten.ger: Einsum("m,n->mn", _outer),
 }
-
