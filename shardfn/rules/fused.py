@@ -16,8 +16,12 @@ import attrs
 import torch
 
 from .. import _contract  # noqa: F401  (registers torch.ops.shardfn.*)
-from .base import Candidate, OpCall, letters, same_args
+from .base import Candidate, OpCall, letters
 from .dims import LINEAR_OPS, Dims, compile_dims, einsum_dims, parse_einsum
+
+# the kernels broadcast leading dims: the local op runs unchanged on stacked shards
+_STACKED = ({"stacked_args": lambda args, kwargs, n: (args, kwargs)}
+            if "stacked_args" in attrs.fields_dict(Candidate) else {})
 
 
 @attrs.frozen
@@ -31,7 +35,7 @@ class Contract:
         ins, _ = parse_einsum(eq)
         if [len(s) for s in ins] != [len(s) for s in call.shapes]:
             return []
-        return compile_dims(call, einsum_dims(eq), stacked_args=same_args)
+        return compile_dims(call, einsum_dims(eq), **_STACKED)
 
 
 @attrs.frozen
@@ -53,7 +57,7 @@ class RmsNorm:
             spec = Dims((lx, lx, lw), (lx, lw), tuple((L, "sum") for L in letters(n)), LINEAR_OPS, partial_ins=(0,))
         else:
             spec = Dims((lx, lw), (lx,))
-        return compile_dims(call, spec, stacked_args=same_args)
+        return compile_dims(call, spec, **_STACKED)
 
 
 TABLE = {
