@@ -4,7 +4,9 @@
 S0->S1, S0->R, P->S0 and P->R; and the data-parallel gradient sync of 20 and 200
 parameters of mixed shapes (each a pending sum over 'x' -> replicated): one pytree
 ``sf.reshard`` call (coalesced, bucketed) vs one reshard per leaf vs a hand-bucketed
-flat-buffer all_reduce (what DDP does). Compared with:
+flat-buffer all_reduce (what DDP does); the sync's arrays are built outside the timed
+region (as the hand version's tensors are; "from_local only" shows what building them
+costs) and the last lines print shardfn / hand and per-leaf / shardfn. Compared with:
 
   (a)  the functional collectives shardfn's plan issues in the default reduction mode,
        called directly (same calls: what shardfn costs over hand-written code);
