@@ -37,6 +37,7 @@ class ShardedArray(torch.Tensor):
 
     _local: Any
     _layout: Layout
+    _kf: Any = None  # interned (layout, shape, dtype) for dispatch's fast key (dispatch.fragment_of)
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -45,9 +46,8 @@ class ShardedArray(torch.Tensor):
         if layout.partial:
             check_partial_dtype(layout, dtype)
         like = local[0] if isinstance(local, tuple) else local
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride if stride is not None else _contiguous_strides(shape),
-            dtype=dtype, device=like.device, requires_grad=requires_grad,
+        r = torch.Tensor._make_wrapper_subclass(  # strides None: contiguous (computed in C++)
+            cls, shape, strides=stride, dtype=dtype, device=like.device, requires_grad=requires_grad,
         )
         r._local = local
         r._layout = layout
@@ -122,7 +122,7 @@ class ShardedArray(torch.Tensor):
     # -- torch integration ---------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _dispatcher()(func, args, kwargs or {})
+        return _dispatch_fn(func, args, kwargs or _NO_KWARGS)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         if isinstance(self._local, tuple):
@@ -345,13 +345,34 @@ def _named(layout: Layout) -> NamedSharding:
     return NamedSharding(layout.mesh, layout_to_spec(layout))
 
 
-@functools.cache
-def _dispatcher() -> Callable:
-    """``dispatch.dispatch`` (imported on first use: dispatch imports this module); cached,
-    since an import statement costs microseconds on every op."""
+def _dispatch_first(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``dispatch.dispatch``, imported on first use (dispatch imports this module); it then
+    takes this function's place, so later ops call it directly."""
+    global _dispatch_fn
     from .dispatch import dispatch
 
-    return dispatch
+    _dispatch_fn = dispatch
+    return dispatch(func, args, kwargs)
+
+
+_dispatch_fn: Callable = _dispatch_first
+_NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any) -> ShardedArray:
+    """``ShardedArray(local, layout, shape, dtype)`` (contiguous) for an op output whose
+    layout, shape and dtype dispatch has checked once; ``frag`` is its fast-key fragment."""
+    # positional (cls, size, strides, storage_offset, memory_format, dtype, layout, device):
+    # parsed faster than keywords
+    r = _make_wrapper(ShardedArray, shape, None, None, None, dtype, torch.strided,
+                      (local[0] if type(local) is tuple else local).device)
+    r._local = local
+    r._layout = layout
+    r._kf = frag
+    return r
 
 
 def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:
