@@ -301,6 +301,26 @@ class ShardedArray(torch.Tensor):
         out = self.full_tensor().detach().numpy()
         return out if dtype is None else out.astype(dtype)
 
+    # .grad is an attribute: an array read through it is observable (so ``p.grad.zero_()``
+    # raises like any held array's in-place op), and ``p.grad = g`` stores a new wrapper
+    # over g's (immutable) shards, so the engine's in-place accumulation never changes g.
+    @property
+    def grad(self) -> Any:
+        g = _GRAD.__get__(self)
+        if type(g) is ShardedArray:
+            g._aliases_observable = True
+        return g
+
+    @grad.setter
+    def grad(self, value: Any) -> None:
+        if type(value) is ShardedArray and not value.requires_grad:
+            value = _alias(value)
+        _GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _GRAD.__delete__(self)
+
     @property
     def data(self) -> ShardedArray:
         return torch.Tensor.data.__get__(self)
@@ -312,6 +332,14 @@ class ShardedArray(torch.Tensor):
             f"x.data = {type(value).__name__}: would replace a ShardedArray's value in place, but "
             f"ShardedArrays are immutable; rebind the name to a new array (x = sf.distribute(t, x.sharding))"
         )
+
+
+_GRAD = torch._C.TensorBase.grad
+
+
+def _alias(x: ShardedArray) -> ShardedArray:
+    """A new wrapper over ``x``'s shards (no copy: shards are never written in place)."""
+    return ShardedArray(x._local, x._layout, tuple(x.shape), x.dtype, stride=x.stride())
 
 
 def check_partial_dtype(layout: Layout, dtype: torch.dtype) -> None:
