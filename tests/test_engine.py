@@ -64,6 +64,7 @@ BATCHED = [
     ("aten.mv", lambda x, v: torch.mv(x, v), [(torch.randn(4, 6), P("x")), (torch.randn(6), P())]),
     ("aten.dot", lambda x, v: torch.dot(x, v), [(torch.randn(8), P("x")), (torch.randn(8), P("x"))]),
     ("aten.masked_fill", lambda x, v: x.masked_fill(x > 0, v), [(torch.randn(4, 6), P("x")), (torch.tensor(3.0), P())]),
+    ("aten.fill", lambda x, v: torch.fill(x, v) * x, [(torch.randn(4, 6), P("x")), (torch.tensor(2.0), P())]),
     ("aten.add", lambda x, v: x + v, [(torch.randn(4, 6), P("x", "y")), (torch.randn(6), P("y"))]),
     ("aten.squeeze", lambda x: x.squeeze(1) + 1, [(torch.randn(4, 1, 6), P("x", None, "y"))]),
     ("aten._softmax", lambda x: torch.softmax(x, 0), [(torch.randn(4, 6), P(None, "y"))]),

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import _contract  # noqa: F401  (registers torch.ops.shardfn.*, whose kernels batch)
 from .._schema import _schema_info
 from ..errors import ShardingError
 from ..layout import local_shapes
@@ -63,7 +64,8 @@ _LEADING = _ALL_DIMS | _OUT_RANK | _packets(
     "unbind", "unbind_copy", "diagonal", "diagonal_copy", "unfold", "unfold_copy", "cat",
     "constant_pad_nd", "view_as_complex", "view_as_real", "zeros_like", "ones_like", "empty_like",
     "full_like", "view", "_unsafe_view", "reshape", "view_copy",
-) | {aten.squeeze.dims, aten.squeeze_copy.dims}
+) | {aten.squeeze.dims, aten.squeeze_copy.dims, torch.ops.shardfn.contract.default,
+     torch.ops.shardfn.rms_norm.default, torch.ops.shardfn.rms_norm_backward.default}
 
 
 class Info:
@@ -248,6 +250,11 @@ def _elementwise(info: Info, fn: Callable) -> "_Call | None":
 def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """masked_fill with a stacked (per-device) value tensor."""
     return torch.where(mask, value.to(x.dtype), x)
+
+
+def _fill_tensor(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """fill.Tensor with a stacked (per-device) value (torch's needs a 0-d one)."""
+    return value.to(x.dtype).expand(torch.broadcast_shapes(x.shape, value.shape)).contiguous()
 
 
 def _pad_after_mesh(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
@@ -519,6 +526,7 @@ _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.addbmm: _addend(_bsum),
     aten.addr: _addend(_outer),
     aten.masked_fill.Tensor: lambda info: _elementwise(info, _masked_fill),
+    aten.fill.Tensor: lambda info: _elementwise(info, _fill_tensor),
     aten.t: _t,
     aten.t_copy: _t,
     aten.permute: _permute,
