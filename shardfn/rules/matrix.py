@@ -15,6 +15,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from ..backends import local as _local_backend
 from .base import Candidate, OpCall, letters, same_args
 from .dims import Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
 
@@ -28,11 +29,9 @@ def _align(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if b.dim() > 2 and a.dim() >= b.dim() and all(n == 1 for n in b.shape[:-2]):
-        # b is the same on every device (and batch): one matmul with a's leading dims
-        # folded into rows, not a batched one over an expanded b
-        return torch.matmul(a, b.reshape(b.shape[-2:]))
-    return torch.matmul(a, b)
+    # leading (mesh) dims on which one operand is the same fold into the other's rows or
+    # columns: one GEMM, no copy of a replicated operand per device
+    return _local_backend.matmul(a, b)
 
 
 def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
