@@ -71,7 +71,8 @@ _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lett
 @attrs.frozen
 class _FoldMesh:
     """Run ``func`` with the (broadcast) mesh dims of every tensor merged into its dim 0
-    (contiguous: the CPU kernel misreads grouped-query heads from transposed strides)."""
+    (made contiguous only for grouped-query heads, which the CPU kernel misreads from
+    transposed strides; other layouts it reads as they are, as unsharded torch does)."""
 
     func: Any
     m: int
@@ -79,14 +80,18 @@ class _FoldMesh:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         m = self.m
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        lead = torch.broadcast_shapes(*(t.shape[:m] for t in tensors))
+        # the mesh dims of the inputs are 1 or the axis size: their broadcast is the max
+        lead = [max(t.shape[i] for t in tensors) for i in range(m)]
+        heads = [t.shape[m + 1] for t in tensors if t.dim() == m + 4]
+        grouped = any(h != heads[0] for h in heads[1:])
 
         def fold(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
-            return a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
+            a = a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
+            return a.contiguous() if grouped else a
 
-        outs = self.func(*[fold(a).contiguous() if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        outs = self.func(*[fold(a) for a in args], **kwargs)
         return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)
 
 
