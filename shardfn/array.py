@@ -21,6 +21,19 @@ from .spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_plac
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (cached for int sizes: every wrap asks)."""
+    try:
+        return _int_strides(tuple(shape))
+    except TypeError:  # symbolic sizes (torch.compile) do not hash
+        return _sym_strides(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _int_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return _sym_strides(shape)
+
+
+def _sym_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
@@ -439,7 +452,23 @@ def raw_distribute(t: torch.Tensor, layout: Layout) -> Any:
 # -- autograd functions -------------------------------------------------------------------
 
 
-class _Reshard(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """An autograd Function whose ``apply`` skips torch's per-call ``inspect.signature``
+    binding of default arguments (tens of microseconds; these forwards have no defaults
+    and are always called with every argument), except under torch.func transforms,
+    which take torch's own path."""
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
+
+
+_unwrap_dead = torch._functorch.utils.unwrap_dead_wrappers
+
+
+class _Reshard(_Function):
     @staticmethod
     def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
         return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype)
@@ -462,7 +491,7 @@ class _Reshard(torch.autograd.Function):
         return _Reshard.apply(x, dst if b is None else _ft.insert_dim(dst, b)), b
 
 
-class _Distribute(torch.autograd.Function):
+class _Distribute(_Function):
     @staticmethod
     def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
         # like jax.device_put, a copy: where the plan only sliced or expanded ``t``, the
@@ -490,7 +519,7 @@ class _Distribute(torch.autograd.Function):
         return _Distribute.apply(t, layout if b is None else _ft.insert_dim(layout, b)), b
 
 
-class _FullTensor(torch.autograd.Function):
+class _FullTensor(_Function):
     @staticmethod
     def forward(x: ShardedArray) -> torch.Tensor:
         # a gather allocates; a replicated array's replica is copied (the result is fresh)
