@@ -135,23 +135,25 @@ def run(cfg: dict[str, int], config: str | None, steps: int) -> tuple[list[float
     return losses, statistics.median(walls[1:]), statistics.median(cpus[1:])
 
 
-def measure(cfg: dict[str, int], steps: int) -> list[tuple[str, float, float, float, float]]:
+def measure(cfg: dict[str, int], steps: int) -> tuple[list[tuple[str, float, float, float, float]], dict]:
     """(config, unsharded wall, simulated wall, unsharded CPU, simulated CPU) seconds per
-    configuration, the unsharded step timed again next to each simulated one; losses
-    checked against unsharded."""
+    configuration, the unsharded step timed again next to each simulated one; and the
+    losses: the unsharded ones and, per configuration, the simulated ones (each checked
+    against unsharded within 1e-5 relative)."""
     want, _, _ = run(cfg, None, steps)
-    rows = []
+    rows, losses = [], {None: want}
     for config in CONFIGS:
         got, wall, cpu = run(cfg, config, steps)
         for s, (a, b) in enumerate(zip(got, want)):
             if abs(a - b) > 1e-5 * abs(b):
                 raise AssertionError(f"{config}: step {s} loss {a} differs from unsharded {b}")
+        losses[config] = got
         _, wall0, cpu0 = run(cfg, None, steps)
         rows.append((config, wall0, wall, cpu0, cpu))
-    return rows
+    return rows, losses
 
 
-def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]]) -> str:
+def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]], losses: dict) -> str:
     lines = [
         f"training step of a transformer block (dim {cfg['dim']}, seq {cfg['seq']}, batch {cfg['batch']}; "
         f"fwd + bwd + SGD), torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -163,6 +165,13 @@ def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float
                      f"{c0 * 1e3:14.1f}{c * 1e3:13.1f}{c / c0:7.2f}x")
     lines.append("losses equal unsharded within 1e-5 relative in every configuration (target ratio <= 1.5; "
                  "CPU time = process time, steadier on a busy machine)")
+    want = losses[None]
+    lines.append(f"losses over {len(want)} steps: unsharded first {want[0]:.6f}, last {want[-1]:.6f}")
+    for config, got in losses.items():
+        if config is not None:
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+            lines.append(f"  {config:16s} first {got[0]:.6f}, last {got[-1]:.6f}, "
+                         f"max relative difference {worst:.1e}")
     return "\n".join(lines)
 
 
@@ -176,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(ns.threads)
     quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
     cfg = QUICK if quick else FULL
-    print(report(cfg, measure(cfg, 2 if quick else ns.steps)))
+    print(report(cfg, *measure(cfg, 2 if quick else ns.steps)))
 
 
 if __name__ == "__main__":
