@@ -12,10 +12,14 @@ can happen), with ``torch.set_num_threads(1)`` and warm caches:
 - ``sf local`` / ``sf dist``: shardfn on ``Mesh((1,), ('x',))`` with ``backend='local'``
   and ``backend='dist'`` (the same 1-rank gloo world).
 
+Timing: the variants of one op take turns in batches of ``--repeat`` calls, ``--rounds``
+times; each figure is the minimum batch (process CPU time), so load from other processes
+on a shared machine affects all variants alike and mostly drops out.
+
 Overhead = time per op minus ``torch``'s time. Printed: absolute microseconds per op,
 then each overhead and its ratio to the bare wrapper's and to DTensor's.
 
-    python benchmarks/bench_dispatch.py [--repeat 2000] [--quick]
+    python benchmarks/bench_dispatch.py [--repeat 1000] [--rounds 30] [--quick]
 
 ``--quick`` (or ``SHARDFN_BENCH_QUICK=1``) runs few repeats, for a smoke test.
 """
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -69,18 +72,28 @@ class BareWrapper(torch.Tensor):
         return tree_map(lambda t: BareWrapper(t) if isinstance(t, torch.Tensor) else t, out)
 
 
-def median_time(fn: Callable[[], Any], repeat: int, rounds: int = 5) -> float:
-    """Median over ``rounds`` of the mean process CPU time of ``repeat`` calls (after a
-    warm-up); CPU time, not wall time, so other processes on a busy machine count less."""
-    for _ in range(max(repeat // 10, 5)):
+def _batch_time(fn: Callable[[], Any], n: int) -> float:
+    """Process CPU seconds per call over ``n`` back-to-back calls."""
+    t0 = time.process_time_ns()
+    for _ in range(n):
         fn()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.process_time()
-        for _ in range(repeat):
-            fn()
-        samples.append((time.process_time() - t0) / repeat)
-    return statistics.median(samples)
+    return (time.process_time_ns() - t0) / n * 1e-9
+
+
+def interleaved_min(fns: dict[str, Callable[[], Any]], repeat: int, rounds: int) -> dict[str, float]:
+    """Seconds per call of each function: the minimum over ``rounds`` of batches of
+    ``repeat`` calls, the functions taking turns batch by batch (in a rotating order), so
+    a busy spell on a shared machine hits every variant alike and the minimum keeps the
+    least disturbed batch. CPU time, not wall time: other processes count less."""
+    names = list(fns)
+    for name in names:  # warm-up: caches filled, code paths hot
+        _batch_time(fns[name], max(repeat // 10, 5))
+    best = {name: float("inf") for name in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            best[name] = min(best[name], _batch_time(fns[name], repeat))
+    return best
 
 
 def _plain_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,22 +136,24 @@ def _to_plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def measure(repeat: int) -> dict[str, dict[str, float]]:
-    """Seconds per op: ``{op: {variant: seconds}}`` (every result checked against torch)."""
+def measure(repeat: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Seconds per op: ``{op: {variant: seconds}}`` (every result checked against torch);
+    the variants of one op are timed interleaved (``interleaved_min``)."""
     variants = _variants()
     times: dict[str, dict[str, float]] = {}
     for op, fn in OPS.items():
         want = fn(*variants["torch"])
-        times[op] = {}
         for name, args in variants.items():
             torch.testing.assert_close(_to_plain(fn(*args)), want, rtol=1e-6, atol=1e-6, msg=f"{name} {op}")
-            times[op][name] = median_time(lambda: fn(*args), repeat)
+        calls = {name: (lambda fn=fn, args=args: fn(*args)) for name, args in variants.items()}
+        times[op] = interleaved_min(calls, repeat, rounds)
     return times
 
 
 def report(times: dict[str, dict[str, float]]) -> str:
     cols = ["torch", "bare", "DTensor", "sf local", "sf dist"]
-    lines = ["CPU time per op (us), 8x8 float32, 1-device mesh / 1-rank gloo world, 1 thread"]
+    lines = ["CPU time per op (us, min over interleaved batches), 8x8 float32, 1-device mesh / "
+             "1-rank gloo world, 1 thread"]
     lines.append(f"{'op':11s}" + "".join(f"{c:>10s}" for c in cols))
     for op, row in times.items():
         lines.append(f"{op:11s}" + "".join(f"{row[c] * 1e6:10.1f}" for c in cols))
@@ -166,7 +181,8 @@ def report(times: dict[str, dict[str, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=2000, help="calls per timing round")
+    parser.add_argument("--repeat", type=int, default=1000, help="calls per timed batch")
+    parser.add_argument("--rounds", type=int, default=30, help="timed batches per variant and op")
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run)")
     ns = parser.parse_args(argv)
     quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
@@ -174,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _init_world(tmp)
         try:
-            print(report(measure(20 if quick else ns.repeat)))
+            print(report(measure(20 if quick else ns.repeat, 3 if quick else ns.rounds)))
         finally:
             dist.destroy_process_group()
 

@@ -17,6 +17,7 @@ unsharded computation):
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,9 +63,7 @@ def grad_value(ct: Any, layout: Layout) -> Any:
 
 def my_devices(mesh: Mesh) -> list[int]:
     """Devices whose shards this process holds (all on local, this rank on dist)."""
-    if mesh.backend == "local":
-        return list(range(mesh.size))
-    return [backend_for(mesh).rank_of(mesh)]
+    return list(backend_for(mesh).devices(mesh))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -77,6 +76,14 @@ def first_replica(layout: Layout, dev: int) -> int:
     for a, n, c in zip(mesh.axis_names, mesh.shape, mesh.coords(dev)):
         d = d * n + (c if a in keep else 0)
     return d
+
+
+def first_replicas(outs: Sequence[Any], layout: Layout) -> list:
+    """Per held device, its entry of ``outs`` (one per held device) or, when this
+    process also holds the first replica of its shard, that replica's entry."""
+    held = my_devices(layout.mesh)
+    pos = {d: i for i, d in enumerate(held)}
+    return [outs[pos.get(first_replica(layout, d), i)] for i, d in enumerate(held)]
 
 
 def _float(t: torch.Tensor) -> bool:
@@ -273,10 +280,7 @@ class ExitParts(torch.autograd.Function):
     @staticmethod
     def forward(layout: Layout, shape: tuple[int, ...], first_only: bool, *outs: torch.Tensor) -> ShardedArray:
         mesh = layout.mesh
-        devices = my_devices(mesh)
-        if mesh.backend == "local":
-            outs = tuple(outs[first_replica(layout, d)] for d in devices)
-        value = backend_for(mesh).from_shards([o.detach() for o in outs], layout, shape)
+        value = backend_for(mesh).from_shards([o.detach() for o in first_replicas(outs, layout)], layout, shape)
         return ShardedArray(value, layout, shape, outs[0].dtype)
 
     @staticmethod
@@ -293,11 +297,9 @@ class ExitParts(torch.autograd.Function):
         mesh = layout.mesh
         plain = layout.without_partial()
         parts = EnterParts.apply(_as_sharded(ct, plain), plain, False)
-        # On dist the zero cotangent of a later replica is built from the cotangent, so a
-        # traced backward keeps the collectives it feeds on the backward side (a constant
-        # zero would let AOTAutograd's partitioner move them into the forward graph of
-        # those ranks only, and the ranks' graphs would issue different collectives).
-        zero = (lambda t: None) if mesh.backend == "local" else torch.zeros_like
+        # a later replica's cotangent: None, or zeros built from the cotangent where a
+        # traced backward must keep the collectives it feeds (Backend.zero_cotangent)
+        zero = backend_for(mesh).zero_cotangent
         cts = [
             zero(parts[i]) if first_only and first_replica(layout, d) != d else parts[i]
             for i, d in enumerate(my_devices(mesh))

@@ -283,6 +283,7 @@ def _rebind(x: Any, new: Any) -> None:
         with torch._C._ExcludeDispatchKeyGuard(_META_KEYS), torch._C._AutoDispatchBelowADInplaceOrView():
             aten.as_strided_.default(x, tuple(new.shape), tuple(new.stride()))
     x._local, x._layout = new._local, new._layout
+    x._kf = None  # dispatch's cached key fragment describes the old layout and shape
 
 
 def _result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .backends import backend_for
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
@@ -23,7 +24,7 @@ from .mesh import Mesh
 
 def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
     """The fine mesh of ``a`` and ``b`` and, per axis of either, its fine axes (major first)."""
-    if a.size != b.size or a.backend != b.backend:
+    if a.size != b.size or backend_for(a) is not backend_for(b):
         raise ShardingError(
             f"the value is on {a!r} but the target sharding is on a different mesh {b!r}, which is not "
             f"a view of it (views have the same devices and backend; see Mesh.flatten / Mesh.unflatten)"
@@ -99,10 +100,7 @@ def from_fine(layout: Layout, mesh: Mesh, owner: dict) -> Layout | None:
 
 def relabel(value: Any, src: Mesh, dst: Mesh) -> Any:
     """The backend value of a layout on ``src`` as the same shards on ``dst``."""
-    if src.backend != "local" or isinstance(value, tuple):
-        return value  # one tensor per rank, or per-device shards in row-major order
-    local = value.shape[src.ndim:]
-    return value.expand(*src.shape, *local).reshape(*dst.shape, *local)  # mesh dims may be broadcast (size 1)
+    return backend_for(src).relabel(value, src, dst)
 
 
 def reshard_across(x: Any, dst: Layout) -> Any:

@@ -50,6 +50,7 @@ class ShardedArray(torch.Tensor):
 
     _local: Any
     _layout: Layout
+    _kf: Any = None  # interned (layout, shape, dtype) for dispatch's fast key (dispatch.fragment_of)
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -58,9 +59,8 @@ class ShardedArray(torch.Tensor):
         if layout.partial:
             check_partial_dtype(layout, dtype)
         like = local[0] if isinstance(local, tuple) else local
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride if stride is not None else _contiguous_strides(shape),
-            dtype=dtype, device=like.device, requires_grad=requires_grad,
+        r = torch.Tensor._make_wrapper_subclass(  # strides None: contiguous (computed in C++)
+            cls, shape, strides=stride, dtype=dtype, device=like.device, requires_grad=requires_grad,
         )
         r._local = local
         r._layout = layout
@@ -91,11 +91,7 @@ class ShardedArray(torch.Tensor):
     def local_shards(self) -> list[torch.Tensor]:
         """Copies of the shards this process holds, one per device (row-major); no autograd.
         Costs one copy of each shard (writing to one cannot change the array)."""
-        if self.mesh.backend == "local":
-            from .backends.local import parts
-
-            return [p.clone() for p in parts(self._local, self.mesh)]
-        return [self._local.clone()]
+        return [p.clone() for p in backend_for(self.mesh).shard_list(self._local, self.mesh)]
 
     def to_local(self, grad_sharding: Sharding | None = None) -> Any:
         """The local shards, differentiable: a list (one per device) on the local backend,
@@ -106,7 +102,7 @@ class ShardedArray(torch.Tensor):
             else to_layout(grad_sharding, self.ndim, self.mesh, arg="grad_sharding")
         )
         out = _ToLocal.apply(self, grad_layout)
-        return list(out) if self.mesh.backend == "local" else out[0]
+        return backend_for(self.mesh).pack_local(out, self.mesh)
 
     def full_tensor(self) -> torch.Tensor:
         """The global value as a plain tensor, ready to use (differentiable)."""
@@ -139,7 +135,7 @@ class ShardedArray(torch.Tensor):
     # -- torch integration ---------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _dispatcher()(func, args, kwargs or {})
+        return _dispatch_fn(func, args, kwargs or _NO_KWARGS)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         if isinstance(self._local, tuple):
@@ -160,8 +156,8 @@ class ShardedArray(torch.Tensor):
         # plans from their hints (see dispatch.py); only even, stacked layouts support them.
         outer_size = tuple(outer_size)
         outer_stride = None if outer_stride is None else tuple(outer_stride)
-        if is_parts or layout.mesh.backend != "local":
-            # uneven shards and the dist backend plan on concrete shapes: specialise
+        if not backend_for(layout.mesh).keeps_symbolic(local):
+            # e.g. uneven shards, the dist backend: plans on concrete shapes, so specialise
             outer_size = tuple(_ft.static_int(n) for n in outer_size)
             outer_stride = None if outer_stride is None else tuple(_ft.static_int(n) for n in outer_stride)
         elif _ft.is_symbolic(outer_size):
@@ -334,13 +330,34 @@ def _named(layout: Layout) -> NamedSharding:
     return NamedSharding(layout.mesh, layout_to_spec(layout))
 
 
-@functools.cache
-def _dispatcher() -> Callable:
-    """``dispatch.dispatch`` (imported on first use: dispatch imports this module); cached,
-    since an import statement costs microseconds on every op."""
+def _dispatch_first(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``dispatch.dispatch``, imported on first use (dispatch imports this module); it then
+    takes this function's place, so later ops call it directly."""
+    global _dispatch_fn
     from .dispatch import dispatch
 
-    return dispatch
+    _dispatch_fn = dispatch
+    return dispatch(func, args, kwargs)
+
+
+_dispatch_fn: Callable = _dispatch_first
+_NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any) -> ShardedArray:
+    """``ShardedArray(local, layout, shape, dtype)`` (contiguous) for an op output whose
+    layout, shape and dtype dispatch has checked once; ``frag`` is its fast-key fragment."""
+    # positional (cls, size, strides, storage_offset, memory_format, dtype, layout, device):
+    # parsed faster than keywords
+    r = _make_wrapper(ShardedArray, shape, None, None, None, dtype, torch.strided,
+                      (local[0] if type(local) is tuple else local).device)
+    r._local = local
+    r._layout = layout
+    r._kf = frag
+    return r
 
 
 def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:
@@ -371,10 +388,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
-    if layout.mesh.backend == "dist":
-        from .backends import dist as _dist
-
-        _dist.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
+    backend_for(layout.mesh).check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     return _Distribute.apply(tensor, layout)
 
 
@@ -559,10 +573,12 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         layout, shape, dtype = ctx.meta
         shapes = _lay.local_shapes(layout, shape)
-        devices = range(len(grads)) if layout.mesh.backend == "local" else [backend_for(layout.mesh).rank_of(layout.mesh)]
-        grads = [torch.zeros(shapes[d], dtype=dtype) if g is None else g for d, g in zip(devices, grads)]
-        local = grads if layout.mesh.backend == "local" else grads[0]
-        return _from_local(local, layout, layout.mesh, shape, None), None
+        backend = backend_for(layout.mesh)
+        grads = [
+            torch.zeros(shapes[d], dtype=dtype) if g is None else g
+            for d, g in zip(backend.devices(layout.mesh), grads)
+        ]
+        return _from_local(backend.pack_local(grads, layout.mesh), layout, layout.mesh, shape, None), None
 
 
 class _FromLocal(torch.autograd.Function):
@@ -624,26 +640,29 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
-    if run_check and layout.mesh.backend == "local":
+    if run_check:
         _check_replicas_agree(shards, layout)
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
 
 
 def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:
     """Shards on devices that differ only along replicated mesh axes hold one value: a
-    ShardingError names the devices that disagree (the local backend sees every shard)."""
+    ShardingError names the devices that disagree. Only replicas this process holds are
+    compared (every one on the local backend; on dist values are trusted, as in JAX/DTensor)."""
     mesh = layout.mesh
     split = set(layout.axis_dim) | set(layout.partial_ops)
     replicated = [i for i, a in enumerate(mesh.axis_names) if a not in split and mesh.shape[i] > 1]
     if not replicated:
         return
+    held = {dev: i for i, dev in enumerate(backend_for(mesh).devices(mesh))}
     bad = []
-    for dev, shard in enumerate(shards):
+    for dev, i in held.items():
         coords = list(mesh.coords(dev))
-        for i in replicated:
-            coords[i] = 0
+        for k in replicated:
+            coords[k] = 0
         first = mesh.device_at(coords)
-        if first != dev and not _same_values(shards[first], shard):
+        j = held.get(first)
+        if j is not None and first != dev and not _same_values(shards[j], shards[i]):
             bad.append((first, dev))
     if bad:
         axes = [mesh.axis_names[i] for i in replicated]
@@ -671,29 +690,7 @@ def _sharding_mesh(sharding: Any) -> Mesh | None:
 def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:
     if mesh is None:
         raise ShardingError("from_local needs a mesh: pass mesh=, a NamedSharding, or enter `with mesh:`")
-    if mesh.backend == "dist":
-        if not isinstance(local, torch.Tensor):
-            raise ShardingError(f"from_local on the dist backend takes this rank's tensor, got {type(local).__name__}")
-        return [local]
-    if isinstance(local, torch.Tensor) and not isinstance(local, ShardedArray):
-        if local.dim() >= 1 and local.shape[0] == mesh.size:
-            local = list(local.unbind(0))
-        else:
-            raise ShardingError(
-                f"from_local on the local backend takes a list of {mesh.size} tensors (one per "
-                f"device of {mesh!r}), got a single tensor of shape {tuple(local.shape)}"
-            )
-    if not isinstance(local, (list, tuple)):
-        raise ShardingError(
-            f"from_local on the local backend takes a list of {mesh.size} tensors (one per device "
-            f"of {mesh!r}), got {type(local).__name__}"
-        )
-    local = list(local)
-    if len(local) != mesh.size:
-        raise ShardingError(
-            f"from_local got {len(local)} local shards but {mesh!r} has {mesh.size} devices; "
-            f"pass one tensor per device, row-major"
-        )
+    local = backend_for(mesh).unpack_local(local, mesh)
     for i, t in enumerate(local):
         if not isinstance(t, torch.Tensor) or isinstance(t, ShardedArray):
             raise ShardingError(f"from_local: shard {i} is {type(t).__name__}, not a plain torch.Tensor")

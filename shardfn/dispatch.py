@@ -2,7 +2,9 @@
 
 ``dispatch`` is called from ``ShardedArray.__torch_dispatch__``. The hot path is one cache
 lookup keyed on the op, the input layouts/shapes/dtypes and the static arguments (floats
-excluded, so a new scalar each step still hits). On a miss the rule table proposes
+excluded, so a new scalar each step still hits): a warm call builds ``_fast_key`` from
+each array's cached, identity-hashed key fragment; ``_dispatch`` (misses, special cases)
+uses the full ``_key`` and files the entry under both. On a miss the rule table proposes
 candidate strategies, each costed by the bytes its input redistributions move; the
 cheapest is compiled into an :class:`_Entry` that reshards inputs, runs the local op
 once for the whole mesh (stacked) or once per device, and wraps the outputs.
@@ -22,7 +24,7 @@ from . import _functorch as _ft
 from . import _explicit
 from . import _inplace
 from . import rules as _rules
-from .array import ShardedArray, _contiguous_strides, raw_full, raw_reshard, wrap
+from .array import ShardedArray, _contiguous_strides, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
 from .backends import backend_for
 from .backends import local as _local_backend
 from .errors import FallbackWarning, ShardingError
@@ -38,13 +40,29 @@ _warned: set[str] = set()
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    out = _dispatch(func, args, kwargs)
+    """Run ``func`` on ShardedArrays: a warm call is one fast key, one dict lookup, the
+    entry's run; anything else (a miss, explicit mode, plain tensors, symbolic sizes,
+    special and in-place ops) takes ``_dispatch``."""
+    fkey = _fast_key(func, args, kwargs)
+    if fkey is not None and not _explicit._stack:
+        entry = _cache.get(fkey)
+        if entry is not None:
+            out = entry.run(args, kwargs)
+            if fkey[0] in _VIEWS:
+                _inplace.note_views(func, args, kwargs, out)
+            return out
+    out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
     return out
 
 
-def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+# the ops seen to return an alias of an input (``_inplace.is_view``), by id (fast keys hold
+# ids); holding the op keeps its id from being reused
+_VIEWS: dict[int, Any] = {}
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
     special = _SPECIAL.get(func)
     if special is not None:
         out = special(func, args, kwargs)
@@ -69,6 +87,11 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         raise
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
+    if (fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default
+            and _cache.get(fkey) is not entry):
+        if _inplace.is_view(func):
+            _VIEWS[id(func)] = func
+        _remember(fkey, entry)  # the next such call takes dispatch's fast path
     if _explicit._stack:
         _explicit.check(func, entry, leaves)
     return entry.run(args, kwargs, leaves)
@@ -221,6 +244,104 @@ def _tensor_slots(func: Any) -> frozenset:
     return slots
 
 
+_FAST = object()  # marks a fast key (``_key``s never hold it)
+_KW = object()  # separates a fast key's keyword arguments from its positional ones
+_TRUE, _FALSE = object(), object()  # bools keyed apart from ints (True == 1 promotes differently)
+_MISS = object()
+_AS_IS = frozenset({int, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+
+
+def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """The warm-path cache key: the op's id (OpOverload hashes in Python; an entry holds
+    its op, so the id stays unique while the key is cached), then per argument its array's interned (layout,
+    shape, dtype) fragment, or its value (ints, strings, None, dtypes, devices), or just
+    its type (floats, complex), or a bool marker; lists and tuples as tuples of those.
+    None (take ``_dispatch``) for anything else: plain tensors, SymInts, symbolic shapes."""
+    parts = [id(func), _FAST]
+    for a in args:
+        t = type(a)
+        if t is ShardedArray:
+            k = a._kf
+            if k is None:
+                k = _fragment(a)
+                if k is None:
+                    return None
+            parts.append(k)
+        elif t is int or a is None:
+            parts.append(a)
+        else:
+            k = _fast_part(a, t)
+            if k is _MISS:
+                return None
+            parts.append(k)
+    if kwargs:
+        parts.append(_KW)
+        for name, a in kwargs.items():
+            k = _fast_part(a, type(a))
+            if k is _MISS:
+                return None
+            parts.append(name)
+            parts.append(k)
+    return tuple(parts)
+
+
+def _fast_part(a: Any, t: type) -> Any:
+    """One argument's part of a fast key (``_MISS`` if it has none)."""
+    if t is ShardedArray:
+        k = a._kf
+        return k if k is not None else (_fragment(a) or _MISS)
+    if t in _AS_IS:
+        return a
+    if t is float:
+        return float
+    if t is bool:
+        return _TRUE if a else _FALSE
+    if t is list or t is tuple:
+        out = tuple(_fast_part(b, type(b)) for b in a)
+        return _MISS if _MISS in out else out
+    if t is complex:
+        return complex
+    return _MISS
+
+
+_fragments: dict[tuple, Any] = {}
+_FRAGMENTS_MAX = 65536
+
+
+def _fragment(x: ShardedArray) -> Any:
+    """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
+    it); None while its shape is symbolic."""
+    try:
+        k = fragment_of(x._layout, tuple(x.shape), x.dtype)
+    except TypeError:  # SymInts do not hash
+        return None
+    x._kf = k
+    return k
+
+
+def fragment_of(layout: Layout, shape: tuple, dtype: torch.dtype) -> Any:
+    """A unique object per (layout, shape, dtype): fast keys hash it by identity. Never
+    reused for another triple (dropping the table only makes new objects)."""
+    k = _fragments.get((layout, shape, dtype))
+    if k is None:
+        if len(_fragments) >= _FRAGMENTS_MAX:
+            _fragments.clear()
+        k = _fragments[(layout, shape, dtype)] = _Fragment()
+    return k
+
+
+class _Fragment:
+    """An identity-hashed stand-in for one (layout, shape, dtype) in fast keys."""
+
+    __slots__ = ("__weakref__",)
+
+    def __copy__(self) -> _Fragment:
+        return self  # a copied array keeps hitting its original's entries
+
+    def __deepcopy__(self, memo: dict) -> _Fragment:
+        return self
+
+
 def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
@@ -339,6 +460,10 @@ class _Entry:
     # mesh-dim sizes of stacked inputs already seen to broadcast (-> outputs canonical?)
     out_strides: list = attrs.field(init=False)
     positional: tuple | None = attrs.field(init=False)
+    paths: tuple = attrs.field(init=False)  # where the sharded arguments sit (fixed by the key)
+    any_move: bool = attrs.field(init=False)
+    out_fragments: list = attrs.field(init=False)  # the outputs' fast-key fragments
+    single: tuple | None = attrs.field(init=False)  # a lone tensor output's (layout, shape, dtype, fragment)
     moves: list = attrs.field(init=False)
     verified: dict = attrs.field(init=False, factory=dict)
 
@@ -354,6 +479,7 @@ class _Entry:
         ]
         paths = tuple(p for p, _ in self.call.arrays)
         self.positional = paths if all(isinstance(p, int) for p in paths) else None
+        self._precompute_warm_path(paths)
         c = self.cand
         self.stacked = (
             self.call.mesh.backend == "local"
@@ -366,26 +492,57 @@ class _Entry:
         # the cache must not keep the first call's arrays alive (nor count as holding them)
         self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
 
-    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
-        arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
-        values = {p: raw_reshard(v, want) if move else v._local
-                  for (p, v), want, move in zip(arrays, self.cand.in_layouts, self.moves)}
+    def _precompute_warm_path(self, paths: tuple) -> None:
+        """What ``run`` needs per call, fixed by the cache key: where the arrays sit, whether
+        any moves, the outputs' key fragments (and a lone output's wrap arguments)."""
+        self.paths, self.any_move = paths, any(self.moves)
+        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
+            if l is not None and l.partial:
+                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
+        self.out_fragments = [
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
+            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+        ]
+        single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
+        self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
+                       self.out_fragments[0]) if single else None
+
+    def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False,
+            stacked_args: Any = None) -> Any:
+        """Reshard the inputs that need it, run the local op, wrap the outputs (the sharded
+        arguments sit where ``paths`` says: the cache key fixes it, ``leaves`` is unused)."""
+        if self.positional is not None and not self.any_move:
+            values = {p: args[p]._local for p in self.positional}
+        else:
+            values = {p: raw_reshard(v, want) if move else v._local
+                      for p, want, move in zip(self.paths, self.cand.in_layouts, self.moves)
+                      for v in (_at(args, kwargs, p),)}
         if self.stacked:
             locals_ = self._stacked(args, kwargs, values, stacked_args)
         else:
             locals_ = self._per_device(args, kwargs, values)
+        if symbolic:
+            return self.rebuild(self._wrap_symbolic(args, kwargs, locals_))
+        if self.single is not None:  # one tensor output (most ops): no lists, no rebuild
+            return _wrap_output(locals_[0], *self.single)
+        return self.rebuild([
+            local if layout is None else _wrap_output(local, layout, shape, dtype, frag)
+            for local, layout, shape, dtype, frag in zip(
+                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments)
+        ])
+
+    def _wrap_symbolic(self, args: tuple, kwargs: dict, locals_: list) -> list:
+        """Outputs of a symbolic call: global sizes read off the stacked local outputs."""
         results = []
-        for local, layout, shape, dtype, stride in zip(locals_, self.cand.out_layouts, self.out_shapes,
-                                                       self.out_dtypes, self.out_strides):
+        for local, layout, dtype in zip(locals_, self.cand.out_layouts, self.out_dtypes):
             if layout is None:
                 results.append(local)
                 continue
-            if symbolic:
-                shape, stride = _global_of_stacked(local, layout), None
-                if not _ft.is_symbolic(shape):
-                    shape = _check_static_output(self.func, args, kwargs, len(results), shape)
-            results.append(ShardedArray(local, layout, shape, dtype, stride=stride))
-        return self.rebuild(results)
+            shape = _global_of_stacked(local, layout)
+            if not _ft.is_symbolic(shape):
+                shape = _check_static_output(self.func, args, kwargs, len(results), shape)
+            results.append(ShardedArray(local, layout, shape, dtype))
+        return results
 
     def _substituted(self, args: tuple, kwargs: dict, values: dict, fn: Callable) -> tuple[tuple, dict]:
         """args/kwargs with each sharded argument replaced by ``fn(its backend value)``."""
@@ -407,11 +564,12 @@ class _Entry:
         layouts = self.cand.out_layouts
         if self.batched:
             m = mesh.ndim
-            sig = tuple(v.shape[:m] for v in values.values())
+            sig = tuple([v.shape[:m] for v in values.values()])
             settled = self.verified.get(sig)
             a, k = adapt(*self._substituted(args, kwargs, values, _same), m)
             if settled is True:
-                return _flat_outputs(fn(*a, **k))[0]
+                out = fn(*a, **k)
+                return list(out) if isinstance(out, (tuple, list)) else [out]
             try:
                 outs = _flat_outputs(fn(*a, **k))[0]
             except (RuntimeError, IndexError, ValueError):
@@ -431,13 +589,12 @@ class _Entry:
 
     def _per_device(self, args: tuple, kwargs: dict, values: dict) -> list:
         mesh = self.call.mesh
-        backend = backend_for(mesh)
         if mesh.backend != "local":
             a, k = self._substituted(args, kwargs, values, _same)
             if self.cand.device_args is not None:
-                a, k = self.cand.device_args(a, k, backend.rank_of(mesh))
-            outs, _ = _flat_outputs((self.cand.device_fn or self.func)(*a, **k))
-            return outs
+                a, k = self.cand.device_args(a, k, backend_for(mesh).rank_of(mesh))
+            out = (self.cand.device_fn or self.func)(*a, **k)
+            return list(out) if isinstance(out, (tuple, list)) else [out]
         from .backends.local import from_parts
 
         per_dev = []
@@ -451,6 +608,15 @@ class _Entry:
             col = [o[i] for o in per_dev]
             out.append(col[0] if layout is None else from_parts(col, layout, shape))
         return out
+
+
+def _at(args: tuple, kwargs: dict, path: Any) -> Any:
+    """The argument at ``path`` (a position, a (position, index) pair, or a keyword)."""
+    if isinstance(path, int):
+        return args[path]
+    if isinstance(path, tuple):
+        return args[path[0]][path[1]]
+    return kwargs[path]
 
 
 def _same(v: Any) -> Any:
@@ -508,7 +674,23 @@ class _Fallback:
     func: Any
     mesh: Any
 
-    def run(self, args: tuple, kwargs: dict, leaves: list, symbolic: bool = False, stacked_args: Any = None) -> Any:
+    def _precompute_warm_path(self, paths: tuple) -> None:
+        """What ``run`` needs per call, fixed by the cache key: where the arrays sit, whether
+        any moves, the outputs' key fragments (and a lone output's wrap arguments)."""
+        self.paths, self.any_move = paths, any(self.moves)
+        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
+            if l is not None and l.partial:
+                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
+        self.out_fragments = [
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
+            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+        ]
+        single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
+        self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
+                       self.out_fragments[0]) if single else None
+
+    def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False,
+            stacked_args: Any = None) -> Any:
         # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
         # trust a contiguous-looking argument; a replicated value is an expanded view)
         a, k = _replace(args, kwargs, lambda p, v: raw_full(v).contiguous() if isinstance(v, ShardedArray) else v)

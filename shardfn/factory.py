@@ -2,14 +2,13 @@
 
 Everything here (and the random numbers of :mod:`shardfn.random`) is built on one
 primitive, :func:`_from_boxes`: evaluate a function on the global index box of every
-shard this process holds. On the local backend replicas share one computed shard
-(stored as an expanded view, as the backend does for replicated values); on the dist
-backend a rank computes only its own box.
+shard this process holds, through the backend's ``build`` (on the local backend replicas
+share one computed shard, stored once; on the dist backend a rank computes only its own
+box).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from .array import ShardedArray, wrap
 from .backends import backend_for
 from .errors import ShardingError
-from .layout import Box, Layout, device_box, is_even, local_shapes
+from .layout import Box, Layout, device_box
 from .mesh import Mesh
 from .spec import Sharding, to_layout
 
@@ -55,13 +54,9 @@ def _mesh_device(mesh: Mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _rank(mesh: Mesh) -> int:
-    return backend_for(mesh).rank_of(mesh)
-
-
 def _local_devices(mesh: Mesh) -> list[int]:
     """The devices whose shards this process holds (all of them on the local backend)."""
-    return list(range(mesh.size)) if mesh.backend == "local" else [_rank(mesh)]
+    return list(backend_for(mesh).devices(mesh))
 
 
 def _local_boxes(layout: Layout, shape: tuple[int, ...]) -> list[Box]:
@@ -75,11 +70,7 @@ def _box_shape(box: Box) -> tuple[int, ...]:
 
 def _shard_of(value: object, mesh: Mesh, device: int) -> torch.Tensor:
     """Device ``device``'s shard of a backend value held by this process."""
-    if mesh.backend != "local":
-        return value  # type: ignore[return-value]
-    from .backends.local import device_view
-
-    return device_view(value, mesh, device)
+    return backend_for(mesh).shard(value, mesh, device)
 
 
 # -- the primitive -----------------------------------------------------------------------
@@ -96,40 +87,19 @@ def _from_boxes(layout: Layout, shape: tuple[int, ...], make: MakeShard, dtype: 
     """The backend value whose shard on each device is ``make(device, box)``.
 
     A pending sum keeps the value on the first device of each group (zeros elsewhere);
-    other pending reductions hold it on every device, as ``distribute`` does.
+    other pending reductions hold it on every device, as ``distribute`` does. Devices
+    with one box (and both zeroed or not) share one computed shard.
     """
-    mesh = layout.mesh
-    if mesh.backend != "local":
-        dev = _rank(mesh)
-        box = device_box(layout, shape, dev)
-        t = torch.zeros(_box_shape(box), dtype=dtype, device=device) if _zeroed(layout, dev) else make(dev, box)
-        return backend_for(mesh).from_shards([t], layout, shape)
-    if is_even(layout, shape) and not any(op == "sum" for _, op in layout.partial):
-        return _stacked(layout, shape, make)
-    from .backends.local import from_parts
-
     cache: dict[tuple, torch.Tensor] = {}
-    shards = []
-    for dev in range(mesh.size):
+
+    def shard(dev: int) -> torch.Tensor:
         box = device_box(layout, shape, dev)
         zero = _zeroed(layout, dev)
         if (box, zero) not in cache:
             cache[box, zero] = torch.zeros(_box_shape(box), dtype=dtype, device=device) if zero else make(dev, box)
-        shards.append(cache[box, zero])
-    return from_parts(shards, layout, shape)
+        return cache[box, zero]
 
-
-def _stacked(layout: Layout, shape: tuple[int, ...], make: MakeShard) -> torch.Tensor:
-    """An even local value: one shard per distinct box, size 1 on the axes it does not vary over."""
-    mesh = layout.mesh
-    used = set(layout.axis_dim)
-    sub = tuple(n if a in used else 1 for a, n in zip(mesh.axis_names, mesh.shape))
-    local = local_shapes(layout, shape)[0]
-    shards = []
-    for coords in itertools.product(*(range(n) for n in sub)):
-        dev = mesh.device_at(coords)
-        shards.append(make(dev, device_box(layout, shape, dev)))
-    return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
+    return backend_for(layout.mesh).build(layout, shape, shard)
 
 
 def _build(shape: tuple[int, ...], layout: Layout, make: Callable[[Box], torch.Tensor], dtype: torch.dtype,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .array import ShardedArray
+from .backends import backend_for
 from .errors import ShardingError
 from .mesh import Mesh
 from .spec import Partial, Placement, Replicate, Shard, layout_placements
@@ -28,9 +29,7 @@ def device_mesh(mesh: Mesh) -> Any:
 
     dm = _device_meshes.get(mesh)
     if dm is None:
-        from .backends import dist as backend
-
-        groups = [backend.axis_group(mesh, (a,)).pg for a in mesh.axis_names]
+        groups = [backend_for(mesh).axis_group(mesh, (a,)).pg for a in mesh.axis_names]
         ranks = torch.arange(mesh.size).view(mesh.shape)
         dm = DeviceMesh.from_group(
             groups if mesh.ndim > 1 else groups[0], mesh.device_type, mesh=ranks,
@@ -76,7 +75,7 @@ def to_dtensor(x: ShardedArray) -> Any:
     from torch.distributed.tensor import DTensor
 
     mesh = x.mesh
-    if mesh.backend != "dist":
+    if backend_for(mesh).axis_group(mesh, mesh.axis_names) is None:
         raise ShardingError(
             f"to_dtensor needs a mesh with backend='dist' (one process per device); {mesh!r} "
             f"simulates its devices in this process, which DTensor cannot represent"

@@ -122,7 +122,9 @@ class Mesh:
         if backend not in _BACKENDS:
             raise ShardingError(f"Mesh backend {backend!r} is unknown; use one of {_BACKENDS}")
         if device_type is None:
-            device_type = "cuda" if backend == "dist" and torch.cuda.is_available() else "cpu"
+            from .backends import backend_named
+
+            device_type = backend_named(backend).default_device_type()
         _check_device_type(device_type)
         self.__attrs_init__(shape, names, backend, device_type)
 

@@ -219,13 +219,7 @@ def _shard_map(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: Any, ch
     if _in_shard_map():
         raise ShardingError("shard_map inside a shard_map body is not supported; call collectives directly")
     inputs = _Inputs(in_specs, args, mesh)
-    if inputs.mesh.backend != "local":
-        from . import _dist_lax
-
-        return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
-    if inputs.even():
-        return _run_stacked(f, inputs, out_specs, check_vma, kwargs)
-    return _run_per_device(f, inputs, out_specs, check_vma, kwargs)
+    return backend_for(inputs.mesh).shard_map(f, inputs, out_specs, check_vma, kwargs)
 
 
 def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) -> None:
@@ -424,24 +418,13 @@ def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool
 
 
 def _global_shape(path: str, outs: list, layout: Layout, exchange: bool = False) -> tuple[int, ...]:
-    """The global shape the local outputs describe, from their actual sizes. On dist
-    each rank holds one output: with ``exchange`` the ranks swap their sizes (uneven
-    inputs), else the layout is taken to be even."""
-    mesh = layout.mesh
+    """The global shape the local outputs describe, from their actual sizes (see
+    ``Backend.output_shape``: with ``exchange`` processes that hold one device's output
+    swap their sizes, for uneven inputs; else the layout is taken to be even)."""
     if any(o.dim() != outs[0].dim() for o in outs):
         raise ShardingError(f"shard_map {path}: devices returned tensors of different ranks")
-    if mesh.backend == "local":
-        owners = [outs[B.first_replica(layout, d)] for d in B.my_devices(mesh)]
-    else:
-        owners = outs
     try:
-        if mesh.backend != "local" and exchange:
-            from ._dist_lax import all_local_shapes
-            from .backends import local
-
-            metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], mesh)]
-            return local.global_shape(metas, layout, None)
-        return backend_for(mesh).global_shape(owners, layout, None)
+        return backend_for(layout.mesh).output_shape(B.first_replicas(outs, layout), layout, exchange)
     except ShardingError as e:
         raise ShardingError(f"{path}: {e}") from None
 
@@ -535,7 +518,7 @@ def _local_outputs(outs: list, out_specs: Any, mesh: Mesh, first_only: bool, exc
     for p, i, s in zip(paths, idx, specs):
         column = [flat[i] for flat, _ in flats]
         if s is None or not isinstance(column[0], torch.Tensor):
-            results.append(column if mesh.backend == "local" and isinstance(column[0], torch.Tensor) else column[0])
+            results.append(backend_for(mesh).pack_local(column, mesh) if isinstance(column[0], torch.Tensor) else column[0])
             continue
         layout = _layout(s, column[0].dim(), mesh, f"local_map out_specs for {p}")
         results.append(B.ExitParts.apply(layout, _global_shape(p, column, layout, exchange), first_only, *column))

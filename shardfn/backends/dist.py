@@ -510,10 +510,10 @@ def _exchange(step: Step, x: torch.Tensor, shape: tuple) -> torch.Tensor:
 # -- protocol used by ShardedArray -----------------------------------------------------------------
 
 
-def replicated(full: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """This rank's copy of a replicated value (every rank passes the same ``full``)."""
+def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's copy of a replicated value (every rank passes the same ``whole``)."""
     _state(mesh)
-    return full
+    return whole
 
 
 def one_replica(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -613,3 +613,74 @@ def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     ok = torch.tensor([int(all(flags))], dtype=torch.int32, device=device)
     return bool(run_collective("all_reduce", st.groups[mesh.axis_names], funcol.all_reduce, ok, "min").item())
+
+
+# -- the Backend protocol ----------------------------------------------------------------------
+
+
+class DistBackend:
+    """One process per mesh device (see the module docstring); implements
+    :class:`shardfn.backends.Backend`. This process holds one device, its rank."""
+
+    def run_step(self, step: Step, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *,
+                 sym_shape: tuple | None = None) -> torch.Tensor:
+        return run_step(step, value, shape, dtype)  # symbolic shard sizes are specialised there
+
+    # the module's functions where they are the method (no wrapper on the hot path)
+    rank_of = staticmethod(rank_of)  # not in the protocol: this process's device index
+    shard_list = staticmethod(shard_list)
+    one_replica = staticmethod(one_replica)
+    replicated = staticmethod(replicated)
+    from_shards = staticmethod(from_shards)
+    global_shape = staticmethod(global_shape)
+    all_true = staticmethod(all_true)
+    axis_group = staticmethod(axis_group)
+
+    def devices(self, mesh: Mesh) -> tuple[int]:
+        return (rank_of(mesh),)
+
+    def shard(self, value: torch.Tensor, mesh: Mesh, device: int) -> torch.Tensor:
+        return value
+
+    def build(self, layout: Layout, shape: tuple[int, ...], make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        return from_shards([make(rank_of(layout.mesh))], layout, shape)
+
+    def relabel(self, value: torch.Tensor, src: Mesh, dst: Mesh) -> torch.Tensor:
+        return value  # device i is rank i on both meshes
+
+    def pack_local(self, shards: Sequence[Any], mesh: Mesh) -> Any:
+        return shards[0]
+
+    def unpack_local(self, local: Any, mesh: Mesh) -> list:
+        if not isinstance(local, torch.Tensor):
+            raise ShardingError(f"from_local on the dist backend takes this rank's tensor, got {type(local).__name__}")
+        return [local]
+
+    def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
+        if not exchange:
+            return global_shape(outs, layout, None)
+        from .._dist_lax import all_local_shapes
+        from . import local
+
+        metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], layout.mesh)]
+        return local.global_shape(metas, layout, None)
+
+    def check_same_meta(self, mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
+        check_same_meta(mesh, shape, dtype, what)
+
+    def zero_cotangent(self, like: torch.Tensor) -> torch.Tensor:
+        # built from the cotangent: a constant zero would let AOTAutograd's partitioner
+        # move the collectives it feeds into the forward graph of some ranks only
+        return torch.zeros_like(like)
+
+    def keeps_symbolic(self, value: torch.Tensor) -> bool:
+        return False  # plans run on concrete shard sizes
+
+    def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+        """This rank's part of the body, collectives through ``_dist_lax.py``."""
+        from .. import _dist_lax
+
+        return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
+
+    def default_device_type(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,6 +13,7 @@ shard; :func:`compact` cuts them back to size 1.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Sequence, Union
 
 import torch
@@ -539,3 +540,93 @@ def shard_list(value: Value, mesh: Mesh) -> tuple:
 
 def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
     return all(flags)
+
+
+# -- the Backend protocol -------------------------------------------------------------------
+
+
+class LocalBackend:
+    """Every device of the mesh simulated in this process (see the module docstring);
+    implements :class:`shardfn.backends.Backend`. This process holds every device."""
+
+    # the module's functions where they are the method (no wrapper on the hot path)
+    run_step = staticmethod(run_step)
+    shard_list = staticmethod(parts)
+    shard = staticmethod(device_view)
+    one_replica = staticmethod(one_replica)
+    replicated = staticmethod(replicated)
+    from_shards = staticmethod(from_shards)
+    global_shape = staticmethod(global_shape)
+    all_true = staticmethod(all_true)
+
+    def devices(self, mesh: Mesh) -> range:
+        return range(mesh.size)
+
+    def build(self, layout: Layout, shape: tuple[int, ...], make) -> Value:
+        """Even layouts: one ``make`` call per distinct shard (coordinate 0 on the axes
+        the layout does not vary over), stacked compact; uneven: one per device."""
+        mesh = layout.mesh
+        if not is_even(layout, shape):
+            return tuple(make(dev) for dev in range(mesh.size))
+        sub = tuple(n if v else 1 for n, v in zip(mesh.shape, varying(layout)))
+        shards = [make(mesh.device_at(c)) for c in itertools.product(*(range(n) for n in sub))]
+        local = local_shapes(layout, shape)[0]
+        return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
+
+    def relabel(self, value: Value, src: Mesh, dst: Mesh) -> Value:
+        if isinstance(value, tuple):
+            return value  # per-device shards in row-major order
+        local = value.shape[src.ndim:]
+        return value.expand(*src.shape, *local).reshape(*dst.shape, *local)  # mesh dims may be broadcast
+
+    def pack_local(self, shards: Sequence, mesh: Mesh) -> list:
+        return list(shards)
+
+    def unpack_local(self, local, mesh: Mesh) -> list:
+        from ..array import ShardedArray
+        from ..errors import ShardingError
+
+        if isinstance(local, torch.Tensor) and not isinstance(local, ShardedArray):
+            if local.dim() >= 1 and local.shape[0] == mesh.size:
+                return list(local.unbind(0))
+            raise ShardingError(
+                f"from_local on the local backend takes a list of {mesh.size} tensors (one per "
+                f"device of {mesh!r}), got a single tensor of shape {tuple(local.shape)}"
+            )
+        if not isinstance(local, (list, tuple)):
+            raise ShardingError(
+                f"from_local on the local backend takes a list of {mesh.size} tensors (one per device "
+                f"of {mesh!r}), got {type(local).__name__}"
+            )
+        if len(local) != mesh.size:
+            raise ShardingError(
+                f"from_local got {len(local)} local shards but {mesh!r} has {mesh.size} devices; "
+                f"pass one tensor per device, row-major"
+            )
+        return list(local)
+
+    def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
+        return global_shape(outs, layout, None)  # every shard is here: nothing to exchange
+
+    def check_same_meta(self, mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
+        pass  # one process passed the one value
+
+    def zero_cotangent(self, like: torch.Tensor) -> None:
+        return None  # one autograd graph over every device: no gradient is no work
+
+    def keeps_symbolic(self, value: Value) -> bool:
+        return not isinstance(value, tuple)  # stacked values keep symbolic sizes; per-device parts do not
+
+    def shard_map(self, f, inputs, out_specs, check_vma: bool, kwargs: dict):
+        """Even inputs: the body once under vmap over the mesh (``_stacked.py``); else
+        once per device in threads (``_per_device.py``)."""
+        from ..transforms import _run_per_device, _run_stacked
+
+        run = _run_stacked if inputs.even() else _run_per_device
+        return run(f, inputs, out_specs, check_vma, kwargs)
+
+    def axis_group(self, mesh: Mesh, axes: Sequence[str]) -> None:
+        return None  # devices are simulated in this process: no process groups
+
+    def default_device_type(self) -> str:
+        return "cpu"
