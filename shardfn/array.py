@@ -21,19 +21,6 @@ from .spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_plac
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (cached for int sizes: every wrap asks)."""
-    try:
-        return _int_strides(tuple(shape))
-    except TypeError:  # symbolic sizes (torch.compile) do not hash
-        return _sym_strides(shape)
-
-
-@functools.lru_cache(maxsize=4096)
-def _int_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return _sym_strides(shape)
-
-
-def _sym_strides(shape: Sequence[Any]) -> tuple[Any, ...]:
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
