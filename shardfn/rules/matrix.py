@@ -28,10 +28,11 @@ def _align(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
     return t if r == rank else t.reshape(*t.shape[:m], *([1] * (rank - r)), *t.shape[m:])
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _mm(a: torch.Tensor, b: torch.Tensor, contract: tuple[int, ...] = ()) -> torch.Tensor:
     # leading (mesh) dims on which one operand is the same fold into the other's rows or
-    # columns: one GEMM, no copy of a replicated operand per device
-    return _local_backend.matmul(a, b)
+    # columns, and mesh dims the result is pending a sum over into the contraction: one
+    # GEMM, no copy of a replicated operand per device
+    return _local_backend.matmul(a, b, contract)
 
 
 def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -70,18 +71,29 @@ class Einsum:
         out_shape = tuple(call.out_metas[0].shape)
         if self.addend:
             spec = with_addend(spec, broadcast_letters(spec.outs[0], call.shapes[0], out_shape))
-            stacked = _AddendStacked(self.product, len(out_shape))
+            stacked: Any = _AddendStacked(self.product, len(out_shape))
         else:
             stacked = _PlainStacked(self.product)
-        return compile_dims(call, spec, stacked_args=same_args, stacked_fn=stacked)
+        cands = compile_dims(call, spec, stacked_args=same_args, stacked_fn=stacked)
+        if self.product is not _mm:
+            return cands
+        names = call.mesh.axis_names
+        out = []
+        for c in cands:
+            # mesh dims the product is pending a sum over (a contraction split over them)
+            pending = tuple(names.index(a) for a, op in (c.out_layouts[0].partial if c.out_layouts[0] else ())
+                            if op == "sum")
+            out.append(attrs.evolve(c, stacked_fn=attrs.evolve(stacked, contract=pending)) if pending else c)
+        return out
 
 
 @attrs.frozen
 class _PlainStacked:
     product: Callable
+    contract: tuple[int, ...] = ()  # mesh dims the result is pending a sum over (_mm only)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.product(*args)
+        return self.product(*args, contract=self.contract) if self.contract else self.product(*args)
 
 
 @attrs.frozen
@@ -90,9 +102,10 @@ class _AddendStacked:
 
     product: Callable
     out_rank: int
+    contract: tuple[int, ...] = ()  # mesh dims the product is pending a sum over (_mm only)
 
     def __call__(self, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
-        out = self.product(a, b)
+        out = self.product(a, b, contract=self.contract) if self.contract else self.product(a, b)
         m = out.dim() - self.out_rank
         if alpha != 1:
             out = out * alpha
