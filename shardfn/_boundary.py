@@ -324,73 +324,107 @@ class ExitParts(torch.autograd.Function):
         return ExitParts.apply(insert_dim(layout, 0), (n, *shape), first_only, *outs), 0
 
 
-class Stash:
-    """A plain attribute holder passed through autograd (not a pytree, so not copied)."""
-
-
-_UNEVEN_LIMIT = (
-    "{what} of a shard_map with uneven shards under torch.func are not supported (the "
-    "body runs once per device there, as one first-order autograd node); make every "
-    "sharded dim divisible by its mesh axes (e.g. pad it), which runs the body once "
-    "under vmap and supports every transform"
-)
-
-
 class Opaque(torch.autograd.Function):
-    """``run(*inputs)`` as one node: forward records its own graph on detached inputs,
-    backward replays it with torch.autograd.grad (first order only)."""
+    """``run(*inputs)`` (tensors in, a list of tensors out) as one node whose derivatives
+    are Opaque nodes again: backward re-runs ``run`` and differentiates it (the vjp
+    program :class:`_Vjp`), jvp is the transpose of that vjp (:class:`_Jvp`) and vmap runs
+    ``run`` once per batch element. So every order of reverse and forward mode, and
+    vmap, compose; each derivative level costs a re-run of ``run``."""
 
     @staticmethod
-    def forward(run: Any, saved: Stash, *inputs: torch.Tensor) -> tuple:
-        xs = [x.detach().requires_grad_() if _float(x) else x.detach() for x in inputs]
-        with torch.enable_grad():
-            outs = run(*xs)
-        saved.xs, saved.outs = xs, outs
-        return tuple(o.detach() for o in outs)
+    def forward(run: Any, *inputs: torch.Tensor) -> tuple:
+        # detached: under forward AD the inputs arrive as duals; inside, only closures may be
+        return tuple(run(*[x.detach() for x in inputs]))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.saved = inputs[1]
-        ctx.save_for_backward(*inputs[2:])
+        ctx.run = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.save_for_forward(*inputs[1:])
         ctx.mark_non_differentiable(*[o for o in output if not _float(o)])
 
     @staticmethod
-    def jvp(ctx: Any, *tangents: Any) -> Any:
-        raise ShardingError(_UNEVEN_LIMIT.format(what="forward-mode derivatives (jvp, jacfwd, linearize)"))
-
-    @staticmethod
     def backward(ctx: Any, *cts: Any) -> Any:
-        xs, outs = ctx.saved.xs, ctx.saved.outs
-        pairs = [(o, unwrapped(c)) for o, c in zip(outs, cts) if c is not None and o.requires_grad]
-        wrt = [x for x in xs if x.requires_grad]
-        grads = list(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True)
-                     if pairs and wrt else [None] * len(wrt))
-        # The replayed graph starts at detached inputs: a second derivative through these
-        # gradients would silently be zero, so differentiating them again raises instead.
-        present = [i for i, g in enumerate(grads) if g is not None]
-        held = [t for t in (*ctx.saved_tensors, *cts) if isinstance(t, torch.Tensor)]
-        guarded = _FirstOrderOnly.apply(len(present), *[grads[i] for i in present], *held) if present else ()
-        for i, g in zip(present, guarded):
-            grads[i] = g
-        it = iter(grads)
-        return (None, None, *[next(it) if x.requires_grad else None for x in xs])
-
-
-class _FirstOrderOnly(torch.autograd.Function):
-    """Passes gradients through; tied to the inputs and cotangents of an Opaque node so that
-    any attempt to differentiate them again reaches this backward and raises."""
+        xs = ctx.saved_tensors
+        wrt = tuple(i for i, x in enumerate(xs) if _float(x) and ctx.needs_input_grad[1 + i])
+        present = tuple(i for i, c in enumerate(cts) if c is not None)
+        if not wrt or not present:
+            return (None,) * (1 + len(xs))
+        grads = Opaque.apply(_Vjp(ctx.run, wrt, present), *xs, *[cts[i] for i in present])
+        out: list = [None] * len(xs)
+        for i, g in zip(wrt, grads):
+            out[i] = g
+        return (None, *out)
 
     @staticmethod
-    def forward(n: int, *tensors: torch.Tensor) -> tuple:
-        return tuple(t.clone() for t in tensors[:n])
+    def jvp(ctx: Any, _: Any, *tangents: Any) -> Any:
+        xs = ctx.saved_tensors
+        along = tuple(i for i, t in enumerate(tangents) if t is not None and _float(xs[i]))
+        return Opaque.apply(_Jvp(ctx.run, along), *xs, *[tangents[i] for i in along])
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        pass
+    def vmap(info: Any, in_dims: tuple, run: Any, *inputs: torch.Tensor) -> tuple:
+        dims = in_dims[1:]
+        per = []
+        for b in range(info.batch_size):
+            sel = [x if d is None else x.select(d, b) for x, d in zip(inputs, dims)]
+            per.append(Opaque.apply(run, *sel))
+        return tuple(torch.stack(col) for col in zip(*per)), (0,) * len(per[0])
 
-    @staticmethod
-    def backward(ctx: Any, *cts: Any) -> Any:
-        raise ShardingError(_UNEVEN_LIMIT.format(what="second-order derivatives"))
+
+def _leaves_for(xs: tuple, which: tuple) -> list:
+    """``xs`` with the ones differentiated made differentiable leaves (an input that
+    already requires grad stays connected, so the program can be differentiated again)."""
+    out = list(xs)
+    for i in which:
+        if not out[i].requires_grad:
+            out[i] = out[i].detach().requires_grad_()
+    return out
+
+
+class _Vjp:
+    """The program (inputs, cotangents) -> gradients of the inputs in ``wrt``."""
+
+    def __init__(self, run: Any, wrt: tuple, present: tuple) -> None:
+        self.run, self.wrt, self.present = run, wrt, present
+
+    def __call__(self, *tensors: torch.Tensor) -> list:
+        n = len(tensors) - len(self.present)
+        with torch.enable_grad():
+            xs = _leaves_for(tensors[:n], self.wrt)
+            outs = self.run(*xs)
+            pairs = [(outs[i], c) for i, c in zip(self.present, tensors[n:]) if outs[i].requires_grad]
+            wrt = [xs[i] for i in self.wrt]
+            grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True,
+                                         create_graph=True) if pairs else [None] * len(wrt))
+        return [torch.zeros_like(x) if g is None else g for x, g in zip(wrt, grads)]
+
+
+class _Jvp:
+    """The program (inputs, tangents along ``along``) -> tangents of the outputs: the
+    transpose of the vjp (differentiating ``vjp(u)`` in the cotangent ``u``)."""
+
+    def __init__(self, run: Any, along: tuple) -> None:
+        self.run, self.along = run, along
+
+    def __call__(self, *tensors: torch.Tensor) -> list:
+        n = len(tensors) - len(self.along)
+        with torch.enable_grad():
+            xs = _leaves_for(tensors[:n], self.along)
+            outs = self.run(*xs)
+            diff = [i for i, o in enumerate(outs) if o.requires_grad]
+            us = [torch.zeros_like(outs[i]).requires_grad_() for i in diff]
+            wrt = [xs[i] for i in self.along]
+            grads = torch.autograd.grad([outs[i] for i in diff], wrt, us, allow_unused=True,
+                                        create_graph=True) if diff else [None] * len(wrt)
+            keep = [(g, t) for g, t in zip(grads, tensors[n:]) if g is not None]
+            jv = torch.autograd.grad([g for g, _ in keep], us, [t for _, t in keep], allow_unused=True,
+                                     create_graph=True) if keep and us else [None] * len(us)
+        res = [torch.zeros_like(o) for o in outs]
+        for i, t in zip(diff, jv):
+            if t is not None:
+                res[i] = t
+        return res
 
 
 # -- with_sharding_constraint ------------------------------------------------------------------------

@@ -5,9 +5,10 @@ Collectives are torch functional collectives on the per-axis process groups that
 whose backward is its transpose over the group (psum <-> psum, all_gather <->
 psum_scatter, all_to_all <-> all_to_all, ppermute <-> inverse ppermute); with the
 boundary conventions of ``_boundary`` this makes gradients those of the unsharded
-computation. No tensor subclass and no mode is active in the body, so each op costs what
-plain torch costs; ``check_vma`` is inferred once per signature by tracing the body on
-meta tensors with the local backend's vmap machinery.
+computation. No tensor subclass is active in the body; one TorchFunctionMode
+(:class:`_Closures`) finds the values the body closes over, whose gradients must be summed
+over ranks (one Python call per op, plain torch otherwise). ``check_vma`` is inferred once
+per signature by tracing the body on meta tensors with the local backend's vmap machinery.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from typing import Any
 import optree
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.overrides import TorchFunctionMode
 
 from . import _boundary as B
 from . import _recompute
+from ._functorch import base_array, is_wrapped
 from .array import ShardedArray, distribute, reshard
 from .errors import ShardingError
 from .layout import Layout
@@ -73,7 +76,9 @@ def _chunks_to(x: torch.Tensor, dim: int, order: list[int], inverse: bool = Fals
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(t)
+    from .backends.dist import pin_in_real_trace
+
+    return pin_in_real_trace(funcol.wait_tensor(t))
 
 
 # -- raw collectives (no autograd), in given-axes order ------------------------------------------------
@@ -269,7 +274,10 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
     mesh = inputs.mesh
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
     body = DistBody(mesh)
-    with mesh, _entered(body), _recompute.body_context(lambda: _reopened(body)):
+    # closures matter only to gradients (values are right without the mode)
+    closures = (_Closures(mesh, [v for v, l in zip(leaves, inputs.layouts) if l is not None])
+                if torch.is_grad_enabled() else contextlib.nullcontext())
+    with mesh, _entered(body), _recompute.body_context(lambda: _reopened(body, closures)), closures:
         out = f(*inputs.rebuild(leaves), **kwargs)
     flat, treespec = optree.tree_flatten(out, none_is_leaf=True)
     out_tree = optree.tree_unflatten(treespec, list(range(len(flat))))
@@ -290,12 +298,144 @@ def _local_input(v: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _reopened(body: DistBody) -> Iterator[None]:
-    """The body's mesh and collectives again, for a checkpoint recomputation."""
+def _reopened(body: DistBody, closures: Any) -> Iterator[None]:
+    """The body's mesh, collectives and closures again, for a checkpoint recomputation."""
     from .lax import _entered
 
-    with body.mesh, _entered(body):
+    with body.mesh, _entered(body), closures:
         yield
+
+
+# -- closed-over values ----------------------------------------------------------------------------------------
+
+
+class _Replicated(torch.autograd.Function):
+    """A value the body uses without receiving it as a mapped argument (a closure, an
+    unmapped argument, a module's parameter): the same on every rank, so, as JAX's
+    implicit pbroadcast, its gradient is the sum of every rank's part (a psum over all
+    mesh axes; differentiable, so higher orders hold too)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.mesh = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        return _SumParts.apply(ct, ctx.mesh), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh) -> tuple:
+        return _Replicated.apply(x, mesh), in_dims[0]
+
+
+class _SumParts(torch.autograd.Function):
+    """Every rank's part of a closure's gradient -> their sum, on every rank. The sum
+    leaves the body as a plain (replicated) tensor, whose cotangent every rank holds
+    whole: the transpose is the identity."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        return _all_reduce(x, mesh, mesh.axis_names, "sum")
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.mesh = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        return ct.view_as(ct), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return _SumParts.apply(t, ctx.mesh)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh) -> tuple:
+        return _SumParts.apply(x, mesh), in_dims[0]
+
+
+def _next_sequence_nr() -> int:
+    """The autograd sequence number the next node made on this thread gets (nodes made
+    earlier have smaller ones)."""
+    with torch.enable_grad():
+        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr() + 1
+
+
+class _Closures(TorchFunctionMode):
+    """Active while a dist body runs: every tensor an op receives that the body did not
+    make and was not given as a mapped argument is a closed-over value. One that
+    requires grad passes through :class:`_Replicated` (once per body call), a
+    ShardedArray becomes its full value (``gather``) first. Without this each rank's
+    gradient of a closure would hold only its own devices' part."""
+
+    def __init__(self, mesh: Mesh, inputs: list) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.start = _next_sequence_nr()
+        # id -> None (made by the body or given mapped) or (the closure, its stand-in).
+        # Caching by id is safe: a closure outlives the body call (it existed before it),
+        # so no tensor made during the call can share its id.
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {
+            id(t): None for t in inputs if isinstance(t, torch.Tensor)
+        }
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if any(self._standin(t) is not None for t in _tensor_args(args, kwargs)):
+            args = tuple(self._swap(a) for a in args)
+            kwargs = {k: self._swap(v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        seen = self.seen
+        for o in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+            if isinstance(o, torch.Tensor) and id(o) not in seen:
+                seen[id(o)] = None  # made by the body (its inputs were already swapped)
+        return out
+
+    def _standin(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The tensor the body's ops use for closure ``t``, or None if ``t`` is no closure."""
+        key = id(t)
+        if key in self.seen:
+            hit = self.seen[key]
+            return None if hit is None else hit[1]
+        array = isinstance(t, ShardedArray) or (is_wrapped(t) and base_array(t) is not None)
+        if not array and not (t.requires_grad and (t.grad_fn is None or t.grad_fn._sequence_nr() < self.start)):
+            if t.requires_grad:  # made in the body (a closure that does not require grad is never cached)
+                self.seen[key] = None
+            return None
+        from .array import gather
+
+        full = gather(t) if array else t
+        rep = _Replicated.apply(full, self.mesh) if full.requires_grad else full
+        self.seen[id(rep)] = None
+        self.seen[key] = (t, rep)
+        return rep
+
+    def _swap(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            rep = self._standin(a)
+            return a if rep is None else rep
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            return type(a)(self._swap(b) for b in a)
+        return a
+
+
+def _tensor_args(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
+    """The tensors among an op's arguments (top level and inside lists / tuples)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
 
 
 _traces: dict[tuple, list[frozenset[str]] | None] = {}
@@ -309,8 +449,11 @@ def _traced_vma(f: Callable, inputs: Any, leaves: list, kwargs: dict) -> list[fr
     )
     key = (f, inputs.mesh, sig, inputs.treespec, tuple(sorted(kwargs)))
     if key not in _traces:
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
         try:
-            _traces[key] = _trace(f, inputs, sig, leaves, kwargs)
+            with disable_proxy_modes_tracing():  # not part of a make_fx trace of the caller (linearize)
+                _traces[key] = _trace(f, inputs, sig, leaves, kwargs)
         except (RuntimeError, TypeError, ValueError, ShardingError, NotImplementedError):
             _traces[key] = None
     return _traces[key]

@@ -82,11 +82,12 @@ def is_view(func: Any) -> bool:
 def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """Record on each output of a view op what it aliases: for a private base, the link to
     replay (base, op, arguments, output index); for an observable one, a flag."""
+    refs = sys.getrefcount(args[0]) if args else 0  # first, before this frame names it
     base = args[0] if args else None
     if not isinstance(base, ShardedArray):
         return
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    if base.__dict__.get("_aliases_observable") or _observed(base, args, kwargs, "view"):
+    if base.__dict__.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view"):
         for o in outs:
             if isinstance(o, ShardedArray):
                 o._aliases_observable = True
@@ -116,9 +117,13 @@ def _root(x: Any) -> Any:
 # -- observability -------------------------------------------------------------------------------
 
 
-def _observed(x: Any, args: tuple, kwargs: dict, point: str) -> bool:
-    """Whether something other than C++ and this call holds ``x`` (see the module doc)."""
-    refs = sys.getrefcount(x) - _occurrences(x, args, kwargs) - len(x.__dict__.get("_views") or ())
+def _observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bool:
+    """Whether something other than C++ and this call holds ``x`` (see the module doc).
+    ``count`` is its reference count taken as the op reached Python, before shardfn's
+    own frames bound it to names: how many references those frames add depends on the
+    interpreter's state (it grows by two after a torch.compile failed on a dynamic dim,
+    whose frames change how CPython specialises calls), not on who holds ``x``."""
+    refs = count - _occurrences(x, args, kwargs) - len(x.__dict__.get("_views") or ())
     if _calibrating:
         _BASE[point] = min(_BASE.get(point, refs), refs)
         return False
@@ -190,11 +195,12 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list:
 def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run an in-place / ``out=`` op on ShardedArrays by the policy in the module doc."""
     targets = _written(func, args, kwargs)
+    counts = [sys.getrefcount(t) - 1 for t in targets]  # before any frame here names a target
     accumulating = func is aten.add_.Tensor and torch._C._current_graph_task_id() != -1
-    for t in targets:
+    for t, n in zip(targets, counts):
         if not isinstance(t, ShardedArray):
             raise immutable_error(func, "writes a plain tensor from ShardedArray inputs")
-        if not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, args, kwargs, "target")):
+        if not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
             raise immutable_error(func)
     return _functionalized(func, args, kwargs, targets)
 

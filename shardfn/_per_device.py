@@ -37,17 +37,41 @@ def tag(t: torch.Tensor, vma: frozenset[str]) -> torch.Tensor:
 
 
 class _VmaMode(TorchFunctionMode):
-    """Tags every op's tensor outputs with the union of its inputs' varying axes."""
+    """Tags every op's tensor outputs with the union of its inputs' varying axes. With
+    ``traced_closures`` (the run inside ``_boundary.Opaque`` under torch.func or forward
+    AD, whose arguments arrive as plain tensors) a tensor an enclosing transform tracks
+    can only be a closure, which the device threads cannot differentiate: it raises."""
+
+    def __init__(self, traced_closures: bool = False) -> None:
+        super().__init__()
+        self.traced_closures = traced_closures
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        leaves = [t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if self.traced_closures:
+            _check_untraced(leaves)
         out = func(*args, **kwargs)
-        vma = frozenset().union(*(vma_of(t) for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
+        vma = frozenset().union(*(vma_of(t) for t in leaves))
         if vma:
             for o in optree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
                     tag(o, vma_of(o) | vma)
         return out
+
+
+def _check_untraced(tensors: list) -> None:
+    from torch._C._functorch import is_functorch_wrapped_tensor
+    from torch.autograd import forward_ad
+
+    for t in tensors:
+        if is_functorch_wrapped_tensor(t) or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None):
+            raise ShardingError(
+                "a shard_map body with uneven shards uses a tensor that an enclosing torch.func transform "
+                "(or forward-AD dual) tracks without receiving it as an argument (a closure); the body runs "
+                "once per device in threads that cannot see the transform, so its derivative would be lost. "
+                "Pass it as an argument of the shard_mapped function (in_specs P() replicates it)"
+            )
 
 
 class _Rendezvous:
@@ -180,9 +204,9 @@ class DeviceBody:
         return tag(torch.tensor(rank, device=self.mesh.device_type), frozenset(axes))
 
 
-def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict) -> list[Any]:
+def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_closures: bool = False) -> list[Any]:
     """Call ``f(*per_device_args[d], **kwargs)`` for every device ``d`` concurrently and
-    return the outputs, one per device."""
+    return the outputs, one per device (``traced_closures``: see :class:`_VmaMode`)."""
     from .lax import _entered
 
     n = mesh.size
@@ -194,7 +218,7 @@ def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict) -> list[
     def work(dev: int) -> None:
         try:
             with torch.set_grad_enabled(grad), mesh, _entered(DeviceBody(mesh, dev, rv)):
-                with _VmaMode():
+                with _VmaMode(traced_closures):
                     results[dev] = f(*per_device_args[dev], **kwargs)
                 rv.exchange(dev, ("end",), None, lambda xs: [None] * n)
         except BaseException as e:  # noqa: BLE001  re-raised by the caller's thread

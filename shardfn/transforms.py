@@ -352,15 +352,26 @@ def _device_pieces(v: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 
 
 def _run_per_device(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-    if torch._C._are_functorch_transforms_active():
+    from torch.autograd.forward_ad import _current_level
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if get_proxy_mode() is not None:
+        raise ShardingError(
+            "shard_map with uneven shards cannot be traced by make_fx (torch.func.linearize, "
+            "torch.compile's tracing): its body runs once per device in threads the tracer does not "
+            "see; use torch.func.jvp instead of linearize, or make every sharded dim divisible by its "
+            "mesh axes"
+        )
+    if torch._C._are_functorch_transforms_active() or _current_level >= 0:
         return _run_per_device_opaque(f, inputs, out_specs, check_vma, kwargs)
     flat, treespec = _per_device_flat(f, inputs, inputs.leaves, out_specs, check_vma, kwargs)
     return optree.tree_unflatten(treespec, flat)
 
 
 def _run_per_device_opaque(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-    """The per-device run as one autograd Function: its threads cannot see torch.func's
-    thread-local transform state, so they work on plain tensors inside it."""
+    """The per-device run as one autograd Function (``_boundary.Opaque``): its threads
+    cannot see torch.func's thread-local transform state (nor forward-AD duals), so they
+    work on plain tensors inside it; its derivatives and batching rule re-run it."""
     where = [i for i, v in enumerate(inputs.leaves) if isinstance(v, torch.Tensor)]
     result: dict = {}
 
@@ -368,16 +379,17 @@ def _run_per_device_opaque(f: Callable, inputs: _Inputs, out_specs: Any, check_v
         leaves = list(inputs.leaves)
         for i, t in zip(where, tensors):
             leaves[i] = t
-        result["flat"], result["spec"] = _per_device_flat(f, inputs, leaves, out_specs, check_vma, kwargs)
+        result["flat"], result["spec"] = _per_device_flat(f, inputs, leaves, out_specs, check_vma, kwargs,
+                                                          traced_closures=True)
         return [o for o in result["flat"] if isinstance(o, torch.Tensor)]
 
-    outs = iter(B.Opaque.apply(run, B.Stash(), *[inputs.leaves[i] for i in where]))
+    outs = iter(B.Opaque.apply(run, *[inputs.leaves[i] for i in where]))
     flat = [next(outs) if isinstance(o, torch.Tensor) else o for o in result["flat"]]
     return optree.tree_unflatten(result["spec"], flat)
 
 
 def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any, check_vma: bool,
-                     kwargs: dict) -> tuple[list, Any]:
+                     kwargs: dict, traced_closures: bool = False) -> tuple[list, Any]:
     from . import _per_device
 
     mesh = inputs.mesh
@@ -389,7 +401,7 @@ def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any,
         vma = frozenset(l.axis_dim)
         columns.append([_per_device.tag(p, vma) for p in _device_pieces(v, l)])
     per_device = [inputs.rebuild([col[d] for col in columns]) for d in range(mesh.size)]
-    outs = _per_device.run(mesh, f, per_device, kwargs)
+    outs = _per_device.run(mesh, f, per_device, kwargs, traced_closures)
     flats = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
     treespec = flats[0][1]
     if any(t != treespec for _, t in flats):

@@ -416,41 +416,89 @@ def test_checkpoint_under_torch_func_grad_is_torchs_error():
 # -- uneven shards ----------------------------------------------------------------------------------
 
 
-def test_uneven_first_order_under_torch_func_and_clear_limits():
-    """Uneven shards run once per device: values and first-order torch.func gradients
-    match plain torch; forward mode raises a ShardingError saying so."""
+def _uneven_case():
+    """A body over uneven shards (7 rows / columns on 4 devices) with a psum, and its oracle."""
     mesh = sf.Mesh((4,), ("i",))
-    f = sf.shard_map(lambda x, w: lax.psum(x @ w, "i"), mesh=mesh, in_specs=(P(None, "i"), P("i")), out_specs=P())
-    x = torch.randn(3, 7, dtype=torch.float64)
-    w = torch.randn(7, 2, dtype=torch.float64)
+    f = sf.shard_map(lambda x, w: lax.psum(torch.tanh(x) @ w, "i"), mesh=mesh, in_specs=(P(None, "i"), P("i")),
+                     out_specs=P())
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 7, dtype=torch.float64, generator=g)
+    w = torch.randn(7, 2, dtype=torch.float64, generator=g)
 
     def loss(x, w):
         return torch.sin(sf.gather(f(x, w))).sum()
 
     def ref(x, w):
-        return torch.sin(x @ w).sum()
+        return torch.sin(torch.tanh(x) @ w).sum()
 
+    return loss, ref, x, w
+
+
+def test_uneven_composes_with_torch_func():
+    """Uneven shards run once per device (threads); under torch.func the run is one node
+    whose derivatives re-run it, so grad, jvp, jacfwd, vmap, vmap of grad, jvp of grad
+    and grad of grad all equal plain torch."""
+    loss, ref, x, w = _uneven_case()
     _close(loss(x, w), ref(x, w), "value")
-    for a, b in zip(torch.func.grad(loss, argnums=(0, 1))(x, w), torch.func.grad(ref, argnums=(0, 1))(x, w)):
-        _close(a, b, "grad")
-    with pytest.raises(sf.ShardingError, match="uneven shards"):
-        torch.func.jvp(loss, (x, w), (x, w))
+    _close_tree(torch.func.grad(loss, argnums=(0, 1))(x, w), torch.func.grad(ref, argnums=(0, 1))(x, w), "grad")
+    t = (torch.full_like(x, 0.5), torch.full_like(w, -0.3))
+    _close_tree(torch.func.jvp(loss, (x, w), t), torch.func.jvp(ref, (x, w), t), "jvp")
+    _close_tree(torch.func.jacfwd(loss, argnums=(0, 1))(x, w), torch.func.jacfwd(ref, argnums=(0, 1))(x, w), "jacfwd")
+    g2 = lambda fn: torch.func.grad(lambda x, w: torch.func.grad(fn, argnums=1)(x, w).sum(), argnums=(0, 1))  # noqa: E731
+    _close_tree(g2(loss)(x, w), g2(ref)(x, w), "grad of grad")
+    hv = lambda fn: torch.func.jvp(torch.func.grad(fn, argnums=1), (x, w), t)[1]  # noqa: E731
+    _close(hv(loss), hv(ref), "jvp of grad")
+    xb = torch.stack([x, 2 * x, -x])
+    _close(torch.func.vmap(loss, (0, None))(xb, w), torch.func.vmap(ref, (0, None))(xb, w), "vmap")
+    _close(torch.func.vmap(torch.func.grad(loss), (0, None))(xb, w),
+           torch.func.vmap(torch.func.grad(ref), (0, None))(xb, w), "vmap of grad")
+    with torch.autograd.forward_ad.dual_level():  # forward AD without torch.func
+        fa = torch.autograd.forward_ad
+        got = fa.unpack_dual(loss(fa.make_dual(x, t[0]), fa.make_dual(w, t[1]))).tangent
+    _close(got, torch.func.jvp(ref, (x, w), t)[1], "forward_ad duals")
 
 
-def test_uneven_second_order_under_torch_func_raises_not_zero():
-    """The per-device node is first-order only under torch.func: differentiating its
-    gradient again raises (a silent zero before); plain autograd double backward is exact."""
+def test_uneven_linearize_raises():
+    """linearize traces with make_fx, which cannot see the per-device threads: a clear
+    ShardingError (never constant tangents)."""
+    loss, _, x, w = _uneven_case()
+    with pytest.raises(sf.ShardingError, match="uneven shards cannot be traced by make_fx"):
+        torch.func.linearize(loss, x, w)
+
+
+def test_uneven_double_backward_plain_autograd():
+    """Plain autograd double backward through the per-device threads is exact."""
     mesh = sf.Mesh((4,), ("i",))
     f = sf.shard_map(lambda x: lax.psum(torch.sin(x).sum(0), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
     x = torch.randn(7, 3, dtype=torch.float64)
-
-    def loss(x):
-        return sf.gather(f(x)).sum()
-
-    _close(torch.func.grad(loss)(x), torch.cos(x), "grad")
-    with pytest.raises(sf.ShardingError, match="second-order derivatives .* uneven shards"):
-        torch.func.grad(lambda x: torch.func.grad(loss)(x).sum())(x)
     xr = x.clone().requires_grad_()
-    (g,) = torch.autograd.grad(loss(xr), xr, create_graph=True)
+    (g,) = torch.autograd.grad(sf.gather(f(xr)).sum(), xr, create_graph=True)
     (g2,) = torch.autograd.grad(g.sum(), xr)
     _close(g2, -torch.sin(x), "double backward")
+
+
+def test_uneven_closure_under_torch_func_raises_not_wrong():
+    """An uneven body closing over a tensor that torch.func differentiates: the device
+    threads cannot see the transform, so a ShardingError says to pass it as an argument
+    (plain autograd, which the threads do see, is exact)."""
+    mesh = sf.Mesh((4,), ("i",))
+    x = torch.randn(7, 3, dtype=torch.float64)
+    w0 = torch.randn(3, 2, dtype=torch.float64)
+
+    def run(w):
+        f = sf.shard_map(lambda x: lax.psum(torch.tanh(x @ w).sum(), "i"), mesh=mesh, in_specs=P("i"), out_specs=P())
+        return sf.gather(f(x))
+
+    def ref(w):
+        return torch.tanh(x @ w).sum()
+
+    w = w0.clone().requires_grad_()
+    run(w).backward()
+    _close(w.grad, torch.func.grad(ref)(w0), "plain autograd")
+    with pytest.raises(sf.ShardingError, match="pass it as an argument|Pass it as an argument"):
+        torch.func.grad(run)(w0)
+    with pytest.raises(sf.ShardingError, match="Pass it as an argument"):
+        torch.func.jvp(run, (w0,), (w0,))
+    passed = sf.shard_map(lambda x, w: lax.psum(torch.tanh(x @ w).sum(), "i"), mesh=mesh, in_specs=(P("i"), P()),
+                          out_specs=P())
+    _close(torch.func.grad(lambda w: sf.gather(passed(x, w)))(w0), torch.func.grad(ref)(w0), "passed as argument")

@@ -217,11 +217,43 @@ def rank_of(mesh: Mesh) -> int:
 # -- collectives: issue, wait, and turn failures into clear errors --------------------------------
 
 
+def _issued(op: Any, *args: Any) -> torch.Tensor:
+    """A functional collective and its wait as one graph node that FX treats as side-
+    effecting (neither dead-code eliminated nor constant folded)."""
+    return funcol.wait_tensor(op(*args))
+
+
+torch.fx.node.has_side_effect(_issued)
+
+
+def pin_in_real_trace(out: torch.Tensor) -> torch.Tensor:
+    """Under ``make_fx`` on real tensors (``torch.func.linearize`` traces so and then
+    constant-folds the graph), fuse the collective that made ``out`` with its wait into
+    one side-effecting node. Otherwise a collective on constants is folded apart from
+    its wait: the folded copy is taken before the collective completes (wrong, rank-
+    dependent values, then mismatched collectives: a hang)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None or is_fake(out):
+        return out
+    slot = get_proxy_slot(out, mode.tracer, None)
+    node = slot.proxy.node if slot is not None else None
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    while node is not None and node.target is wait and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    if node is not None and getattr(node.target, "namespace", None) == "_c10d_functional":
+        node.args = (node.target, *node.args)
+        node.target = _issued
+    return out
+
+
 def run_collective(what: str, group: Group, fn: Callable[..., Any], *args: Any) -> torch.Tensor:
     """``fn(*args, group.pg)`` (a functional collective), waited on; a failure or timeout
     becomes a :class:`CollectiveError` naming ``what``, the axes and the ranks."""
     try:
-        return funcol.wait_tensor(fn(*args, group.pg))
+        return pin_in_real_trace(funcol.wait_tensor(fn(*args, group.pg)))
     except RuntimeError as e:
         timeout = group.timeout if group.timeout is not None else "torch's default"
         raise CollectiveError(
@@ -669,9 +701,11 @@ class DistBackend:
         check_same_meta(mesh, shape, dtype, what)
 
     def zero_cotangent(self, like: torch.Tensor) -> torch.Tensor:
-        # built from the cotangent: a constant zero would let AOTAutograd's partitioner
-        # move the collectives it feeds into the forward graph of some ranks only
-        return torch.zeros_like(like)
+        # built from the cotangent and still on its graph (a masked fill: exact zeros,
+        # NaN included): a constant zero would let AOTAutograd's partitioner move the
+        # collectives it feeds into the forward graph of some ranks only, and a cut edge
+        # would make a second derivative skip collectives on some ranks (a gloo crash)
+        return like.masked_fill(torch.ones((), dtype=torch.bool, device=like.device), 0)
 
     def keeps_symbolic(self, value: torch.Tensor) -> bool:
         return False  # plans run on concrete shard sizes

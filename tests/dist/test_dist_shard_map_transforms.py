@@ -64,16 +64,25 @@ def jvp_linearize_jacfwd(mesh: sf.Mesh) -> None:
     _close(torch.func.jacfwd(run, argnums=(0, 1, 2))(*args), torch.func.jacfwd(ref, argnums=(0, 1, 2))(*args), "jacfwd")
 
 
-# linearize traces with make_fx and constant-folds the trace; on dist the folded graph
-# issues collectives differently on different ranks (a hang), so it runs on local only.
-@scenario(backends=("local",))
+# linearize traces with make_fx on real tensors and constant-folds the trace; on dist each
+# collective is kept in the trace as one side-effecting node with its wait (else a folded
+# collective's copy is taken before it completes: wrong values, then a hang).
+@scenario
 def linearize(mesh: sf.Mesh) -> None:
     run, ref = _loss_pair(mesh)
     args = _data()
-    tangents = tuple(torch.ones_like(a) * 0.1 for a in args)
     out, lin = torch.func.linearize(run, *args)
     _close(out, ref(*args), "linearize value")
-    _close(lin(*tangents), torch.func.jvp(ref, args, tangents)[1], "linearize tangent")
+    for scale in (0.1, -2.0):  # the linear map is reused: every call issues the same collectives
+        tangents = tuple(torch.ones_like(a) * scale for a in args)
+        _close(lin(*tangents), torch.func.jvp(ref, args, tangents)[1], f"linearize tangent {scale}")
+    x, w1, w2 = args  # a sharded output, gathered by a reshard plan (the dist backend's collectives)
+    f = sf.shard_map(lambda x, w: torch.tanh(x @ w), mesh=mesh, in_specs=(P(mesh.axis_names), P()),
+                     out_specs=P(mesh.axis_names))
+    out, lin = torch.func.linearize(lambda x, w: sf.gather(f(x, w)), x, w1)
+    _close(out, torch.tanh(x @ w1), "linearize sharded value")
+    t = (torch.full_like(x, 0.3), torch.full_like(w1, -0.2))
+    _close(lin(*t), torch.func.jvp(lambda x, w: torch.tanh(x @ w), (x, w1), t)[1], "linearize sharded tangent")
 
 
 @scenario
@@ -126,6 +135,33 @@ def checkpoint_in_body(mesh: sf.Mesh) -> None:
     assert len(calls) == ran + 1, "the checkpointed region was not recomputed once"
     want = torch.func.grad(lambda x, w: torch.sin(x @ w).pow(2).sum(), argnums=(0, 1))(x, w)
     _close((xs.grad, ws.grad), want, "checkpoint grads")
+
+
+@scenario
+def uneven_composes(mesh: sf.Mesh) -> None:
+    """7 rows over 4 devices: on local the body runs once per device (threads, one
+    re-runnable node under torch.func), on dist each rank runs its own uneven block."""
+    a = mesh.axis_names
+    f = sf.shard_map(lambda x, w: lax.psum(torch.tanh(x @ w).sum(0), a), mesh=mesh, in_specs=(P(a), P()),
+                     out_specs=P())
+    x, w, _ = _data(rows=7)
+
+    def run(x, w):
+        return torch.sin(sf.gather(f(x, w))).sum()
+
+    def ref(x, w):
+        return torch.sin(torch.tanh(x @ w).sum(0)).sum()
+
+    _close(run(x, w), ref(x, w), "value")
+    _close(torch.func.grad(run, argnums=(0, 1))(x, w), torch.func.grad(ref, argnums=(0, 1))(x, w), "grad")
+    t = (torch.full_like(x, 0.2), torch.full_like(w, -0.1))
+    _close(torch.func.jvp(run, (x, w), t), torch.func.jvp(ref, (x, w), t), "jvp")
+    _close(torch.func.jacfwd(run, argnums=1)(x, w), torch.func.jacfwd(ref, argnums=1)(x, w), "jacfwd")
+    g2 = lambda fn: torch.func.grad(lambda x, w: torch.func.grad(fn, argnums=1)(x, w).sum(), argnums=(0, 1))  # noqa: E731
+    _close(g2(run)(x, w), g2(ref)(x, w), "grad of grad")
+    wb = torch.stack([w, 2 * w])
+    _close(torch.func.vmap(torch.func.grad(run, argnums=1), (None, 0))(x, wb),
+           torch.func.vmap(torch.func.grad(ref, argnums=1), (None, 0))(x, wb), "vmap of grad")
 
 
 test_local, test_dist = collect(globals())
