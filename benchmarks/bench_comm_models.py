@@ -5,7 +5,10 @@ Small Llama-style (RMSNorm, GQA attention through sdpa, SwiGLU) and GPT-style (L
 MHA, GELU MLP) blocks written here with plain torch ops, weights sharded like Megatron
 (q/k/v, gate/up, fc1 column-parallel; o/down, fc2 row-parallel), on the local backend
 with a (dp=2, tp=2) mesh, activations batch-sharded over 'dp'. Counts come from
-sf.debug.CommCounter; the data-parallel gradient sync is counted apart. Run
+sf.debug.CommCounter; the data-parallel gradient sync is counted apart. RMSNorm runs as
+one op (``shardfn::rms_norm``), so its input gradient is one pending sum, reduced once
+(torch's composite gave two, each reduced). tests/test_comm.py asserts the forward's 2
+all_reduces per layer and at most 4 per layer forward+backward. Run
 ``python benchmarks/bench_comm_models.py``.
 """
 

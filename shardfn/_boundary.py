@@ -30,6 +30,8 @@ from .errors import ShardingError
 from .layout import Layout, local_shapes
 from .mesh import Mesh
 
+aten = torch.ops.aten
+
 
 def used_axes(layout: Layout) -> set[str]:
     """Mesh axes a layout shards a dim over or holds a pending reduction over."""
@@ -139,7 +141,9 @@ class EnterStacked(torch.autograd.Function):
                 t = t.narrow(k, 0, 1)
             elif mode == "sum":
                 t = t.sum(k, keepdim=True, dtype=t.dtype)
-        return t.view(t.shape)
+        # the body may write into its inputs: a copy-on-write clone (no copy until then)
+        # keeps that write from reaching the array's shards
+        return aten._lazy_clone.default(t)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

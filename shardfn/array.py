@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import threading
 from typing import Any, Callable, Sequence
 
 import optree
 import torch
 
+from . import _contract
 from . import _functorch as _ft
 from . import layout as _lay
 from .backends import backend_for, execute
@@ -28,6 +30,44 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+_no_torch_function = torch._C._disabled_torch_function_impl
+_tf_call = threading.local()
+"""``args``: the id of the ``self`` of the Tensor-method ``__torch_function__`` call running on this thread."""
+
+
+def _writing_methods() -> frozenset:
+    """The in-place ``torch.Tensor`` methods (``x.add_``, ``x += y``, ``x[i] = v``)."""
+    out = set()
+    for name in dir(torch.Tensor):
+        if name == "__setitem__" or name.startswith("__i") or (name.endswith("_") and not name.startswith("__")):
+            f = getattr(torch.Tensor, name, None)
+            if callable(f):
+                out.add(f)
+    return frozenset(out)
+
+
+_WRITING_METHODS = _writing_methods()
+_TF_SPECIAL = _WRITING_METHODS | _contract.FUNCS
+
+
+def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
+    """Batched matmul / einsum / rms_norm run as one op (``_contract``: torch's composite
+    would fold the batch dims into one); an in-place method's ``self`` is packed into a
+    new argument tuple here, one reference more than torch's C++ path makes, which the
+    in-place policy discounts (``_inplace._observed``; an id, which holds no reference)."""
+    if func in _contract.FUNCS:
+        out = _contract.batched_call(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        return _no_torch_function(func, types, args, kwargs or {})
+    prev = getattr(_tf_call, "args", None)
+    _tf_call.args = id(args[0]) if args else None
+    try:
+        return _no_torch_function(func, types, args, kwargs or {})
+    finally:
+        _tf_call.args = prev
+
+
 class ShardedArray(torch.Tensor):
     """A global tensor laid out over a mesh. Its ``shape``/``dtype`` are global; the
     shards live in ``_local`` (the mesh backend's storage). Immutable: in-place ops raise
@@ -38,7 +78,14 @@ class ShardedArray(torch.Tensor):
     _local: Any
     _layout: Layout
     _kf: Any = None  # interned (layout, shape, dtype) for dispatch's fast key (dispatch.fragment_of)
-    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """torch's own behaviour, except batched matmul / einsum (``_contract``), which
+        torch would fold into one batch dim."""
+        if func in _TF_SPECIAL:
+            return _special_torch_function(func, types, args, kwargs)
+        return _no_torch_function(func, types, args, kwargs or {})
 
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
@@ -254,6 +301,26 @@ class ShardedArray(torch.Tensor):
         out = self.full_tensor().detach().numpy()
         return out if dtype is None else out.astype(dtype)
 
+    # .grad is an attribute: an array read through it is observable (so ``p.grad.zero_()``
+    # raises like any held array's in-place op), and ``p.grad = g`` stores a new wrapper
+    # over g's (immutable) shards, so the engine's in-place accumulation never changes g.
+    @property
+    def grad(self) -> Any:
+        g = _GRAD.__get__(self)
+        if type(g) is ShardedArray:
+            g._aliases_observable = True
+        return g
+
+    @grad.setter
+    def grad(self, value: Any) -> None:
+        if type(value) is ShardedArray and not value.requires_grad:
+            value = _alias(value)
+        _GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _GRAD.__delete__(self)
+
     @property
     def data(self) -> ShardedArray:
         return torch.Tensor.data.__get__(self)
@@ -265,6 +332,14 @@ class ShardedArray(torch.Tensor):
             f"x.data = {type(value).__name__}: would replace a ShardedArray's value in place, but "
             f"ShardedArrays are immutable; rebind the name to a new array (x = sf.distribute(t, x.sharding))"
         )
+
+
+_GRAD = torch._C.TensorBase.grad
+
+
+def _alias(x: ShardedArray) -> ShardedArray:
+    """A new wrapper over ``x``'s shards (no copy: shards are never written in place)."""
+    return ShardedArray(x._local, x._layout, tuple(x.shape), x.dtype, stride=x.stride())
 
 
 def check_partial_dtype(layout: Layout, dtype: torch.dtype) -> None:

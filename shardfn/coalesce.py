@@ -12,7 +12,7 @@ from typing import Any
 import optree
 import torch
 
-from .array import ShardedArray, reshard, wrap
+from .array import ShardedArray, reshard
 from .layout import Layout, is_even
 from .plan import plan_layouts
 from .spec import to_layout
@@ -26,23 +26,61 @@ _LINEAR = ("sum", "avg")
 def reshard_tree(tree: Any, shardings: Any) -> Any:
     """``tree`` with every leaf laid out as its sharding (``shardings``: a matching tree or
     a prefix of it); same-plan all_reduces of many leaves run as one per bucket."""
-    from .transforms import _match
+    with torch._C.DisableTorchFunctionSubclass():  # metadata reads below skip __torch_function__
+        return _reshard_tree(tree, shardings)
 
-    _, leaves, specs, treespec = _match(shardings, tree, "reshard shardings", "tree")
+
+def _leaves_and_specs(tree: Any, shardings: Any) -> tuple[list, list, Any]:
+    """(leaves, one sharding per leaf, treespec); ``transforms._match`` for the error."""
+    from .transforms import _is_spec, _match
+
+    try:
+        full = optree.tree_broadcast_prefix(shardings, tree, is_leaf=_is_spec, none_is_leaf=True)
+    except ValueError:
+        _match(shardings, tree, "reshard shardings", "tree")  # raises the ShardingError
+        raise
+    specs = optree.tree_leaves(full, is_leaf=_is_spec, none_is_leaf=True)
+    leaves, treespec = optree.tree_flatten(tree, none_is_leaf=True)
+    return leaves, specs, treespec
+
+
+def _reshard_tree(tree: Any, shardings: Any) -> Any:
+    leaves, specs, treespec = _leaves_and_specs(tree, shardings)
     out = list(leaves)
     groups: dict[tuple, list[tuple[int, Layout]]] = {}
+    # many leaves share a spec, a layout and a dtype: normalise and classify each once
+    layouts: dict[tuple, Layout] = {}
+    keys: dict[tuple, list | bool] = {}
     for i, (v, s) in enumerate(zip(leaves, specs)):
         if s is None or not isinstance(v, torch.Tensor):
             continue
         if not isinstance(v, ShardedArray):
             out[i] = reshard(v, s)
             continue
-        dst = to_layout(s, v.ndim, v.mesh)
-        key = _group_key(v, dst)
-        if key is None:
+        src, ndim = v._layout, v.ndim
+        try:
+            dst = layouts.get((s, ndim, src.mesh))
+        except TypeError:  # an unhashable sharding spelling
+            dst = None
+        if dst is None:
+            dst = to_layout(s, ndim, src.mesh)
+            try:
+                layouts[(s, ndim, src.mesh)] = dst
+            except TypeError:
+                pass
+        whole = not any(src.dims)  # the group then depends on layouts and dtype only
+        kk = (src, dst, v.dtype)
+        members = keys.get(kk) if whole else None
+        if members is None:
+            key = _group_key(v, dst)
+            # (a key holds the mesh, whose hash is slow: hash it once per layout pair)
+            members = False if key is None else groups.setdefault(key, [])
+            if whole:
+                keys[kk] = members
+        if members is False:
             out[i] = reshard(v, s)
         else:
-            groups.setdefault(key, []).append((i, dst))
+            members.append((i, dst))
     for key, members in groups.items():
         for bucket in _buckets(members, leaves):
             _move_bucket(bucket, leaves, out, Layout(key[0], (key[4],), key[3]))
@@ -87,7 +125,12 @@ def _move_bucket(bucket: list, leaves: list, out: list, flat_dst: Layout) -> Non
         i, dst = bucket[0]
         out[i] = reshard(leaves[i], dst)
         return
-    moved = _Coalesced.apply(flat_dst, tuple(dst for _, dst in bucket), *[leaves[i] for i, _ in bucket])
+    xs = [leaves[i] for i, _ in bucket]
+    dsts = tuple(dst for _, dst in bucket)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        moved = _Coalesced.apply(flat_dst, dsts, *xs)
+    else:  # nothing to differentiate (a gradient sync): skip the autograd node
+        moved = _Coalesced.forward(flat_dst, dsts, *xs)
     for (i, _), v in zip(bucket, moved):
         out[i] = v
 
@@ -114,10 +157,14 @@ class _Coalesced(torch.autograd.Function):
         value = backend.from_shards(flat, flat_src, total)
         value = execute(plan_layouts(flat_src, flat_dst, total, xs[0].dtype), value)
         moved = [t.split(sizes) for t in backend.shard_list(value, mesh)]
-        return tuple(
-            wrap(backend.from_shards([m[k].view(shape) for m in moved], dst, tuple(x.shape)), dst, x.shape, x.dtype)
-            for k, (x, dst, shape) in enumerate(zip(xs, dsts, shapes))
-        )
+        out = []
+        for k, (x, dst, shape) in enumerate(zip(xs, dsts, shapes)):
+            parts = [m[k].view(shape) for m in moved]
+            value = backend.from_shards(parts, dst, tuple(x.shape))
+            # a leaf of whole dims: its shards have the global shape, so their strides too
+            stride = parts[0].stride() if not any(dst.dims) else None
+            out.append(ShardedArray(value, dst, x.shape, x.dtype, stride=stride))
+        return tuple(out)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

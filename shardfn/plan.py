@@ -9,11 +9,14 @@ busiest device sends (ring algorithm costs; see ``Step.bytes``), ``alpha`` a col
 latency. Defaults per backend (:data:`COST_MODELS`, override with
 :func:`set_cost_model`):
 
-- ``gloo`` (CPU meshes, also the local backend): alpha 100 us, beta 1 GB/s. Method: on 4
-  gloo processes over loopback, alpha is the median time of a 4-byte all_reduce and beta
-  the slope of all_reduce time against size between 1 MB and 16 MB (ring bytes). On this
-  2-core machine, busy when measured, a 4-byte all_reduce took 60-200 us and 16 MB about
-  25-60 ms, so the figures are round, conservative values.
+- ``gloo`` (CPU meshes, also the local backend): alpha 1 ms, beta 0.7 GB/s, measured with
+  ``benchmarks/measure_gloo_cost.py`` (4 gloo processes over loopback, all_reduce and
+  all_gather of 1 B .. 16 MB, minimum of 15 repeats per size, least-squares fit of
+  ``t = alpha + bytes_sent / beta`` with ring bytes as the planner counts them) on
+  2026-11-23 on this 2-core machine while ~6 other jobs ran: two runs gave alpha 1.05 /
+  1.08 ms and beta 0.73 / 0.29 GB/s; the defaults are the run with less interference,
+  rounded. A quiet machine gives lower alpha and higher beta: re-measure and call
+  :func:`set_cost_model` for another host.
 - ``nccl`` (CUDA meshes): alpha 10 us, beta 100 GB/s (NVLink-class, as given).
 
 For small values the latency term dominates, so the search prefers fewer collectives
@@ -61,7 +64,10 @@ class CostModel:
         return round(self.alpha * self.beta)
 
 
-COST_MODELS: dict[str, CostModel] = {"gloo": CostModel(100e-6, 1e9), "nccl": CostModel(10e-6, 100e9)}
+COST_MODELS: dict[str, CostModel] = {
+    "gloo": CostModel(1e-3, 0.7e9),  # measured, see the module docstring
+    "nccl": CostModel(10e-6, 100e9),  # documented guess (NVLink-class), not measured
+}
 
 
 def set_cost_model(backend: str, *, alpha: float | None = None, beta: float | None = None) -> None:

@@ -313,3 +313,154 @@ def test_cost_model_is_overridable() -> None:
     finally:
         plan_mod.COST_MODELS["gloo"] = old
         plan_mod.plan_layouts.cache_clear()
+
+
+# -- batched products keep every sharded batch dim --------------------------------------------------
+
+BATCHED = [
+    ("matmul", lambda q, k: torch.matmul(q, k.transpose(2, 3))),
+    ("operator", lambda q, k: q @ k.transpose(-1, -2)),
+    ("method", lambda q, k: q.matmul(k.transpose(2, 3))),
+    ("einsum", lambda q, k: torch.einsum("bhsd,bhtd->bhst", q, k)),
+    ("einsum_list", lambda q, k: torch.einsum("bhsd,bhtd->bhst", [q, k])),
+    ("einsum_out_order", lambda q, k: torch.einsum("bhsd,bhtd->hbts", q, k)),
+]
+
+
+@pytest.mark.parametrize("name,fn", BATCHED, ids=[n for n, _ in BATCHED])
+def test_batched_product_keeps_sharded_batch_dims(name, fn) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    torch.manual_seed(0)
+    q = torch.randn(4, 6, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(4, 6, 7, 8, dtype=torch.float64, requires_grad=True)
+    qs, ks = leaf(q, P("dp", "tp"), mesh), leaf(k, P("dp", "tp"), mesh)
+    with sf.debug.CommCounter() as cc:
+        out = fn(qs, ks)
+    assert cc.total == 0, cc
+    ref = fn(q, k)
+    want = P("tp", "dp") if name == "einsum_out_order" else P("dp", "tp")
+    assert out.spec == want
+    close(out, ref)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    gs = sf.distribute(g, want, mesh=mesh)
+    with sf.debug.CommCounter() as cc:
+        out.backward(gs)
+    assert cc.total == 0, cc
+    ref.backward(g)
+    for got, leaf_ in ((qs, q), (ks, k)):
+        assert got.grad.spec == P("dp", "tp")
+        close(got.grad, leaf_.grad)
+
+
+def test_batched_product_three_batch_dims_and_second_order() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    torch.manual_seed(1)
+    a = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 3, 4, 6, 2, dtype=torch.float64, requires_grad=True)
+    sa, sb = leaf(a, P("dp", None, "tp"), mesh), leaf(b, P("dp", None, "tp"), mesh)
+    with sf.debug.CommCounter() as cc:
+        out = torch.matmul(sa, sb)
+        (ga,) = torch.autograd.grad((out * out).sum(), sa, create_graph=True)
+        (gb,) = torch.autograd.grad(ga.sum(), sb)
+    assert cc.counts.get("all_gather", 0) == 0, cc
+    ref = torch.matmul(a, b)
+    (ra,) = torch.autograd.grad((ref * ref).sum(), a, create_graph=True)
+    (rb,) = torch.autograd.grad(ra.sum(), b)
+    close(out, ref)
+    close(ga, ra)
+    close(gb, rb)
+
+
+def test_batched_product_under_torch_func_and_compile() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    torch.manual_seed(2)
+    q = torch.randn(2, 4, 3, 8, dtype=torch.float64)
+    k = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    qs, ks = sf.distribute(q, P("dp", "tp"), mesh=mesh), sf.distribute(k, P("dp", "tp"), mesh=mesh)
+
+    def f(q, k):
+        return torch.matmul(q, k.transpose(2, 3)).sin().sum()
+
+    close(torch.func.grad(f)(qs, ks), torch.func.grad(f)(q, k))
+    vm = torch.func.vmap(lambda q, k: torch.einsum("hsd,htd->hst", q, k))
+    close(vm(qs, ks), vm(q, k))
+    from shardfn import _contract
+    c = _contract.contract
+    ref_v = torch.func.vmap(lambda q, k: c("hsd,htd->hst", q, k))(q, k)
+    torch.testing.assert_close(ref_v, vm(q, k))
+    torch.testing.assert_close(torch.func.vmap(lambda k: c("hsd,htd->hst", q[0], k))(k), vm(q[0].expand(2, -1, -1, -1), k))
+    compiled = torch.compile(lambda q, k: torch.matmul(q, k.transpose(2, 3)) * 2, backend="aot_eager", fullgraph=True)
+    out = compiled(qs, ks)
+    assert out.spec == P("dp", "tp")
+    close(out, torch.matmul(q, k.transpose(2, 3)) * 2)
+
+
+def test_batched_product_broadcast_batch_dims_left_to_torch() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    a = torch.randn(4, 2, 3, 5)
+    b = torch.randn(1, 2, 5, 6)
+    out = torch.matmul(sf.distribute(a, P("dp"), mesh=mesh), sf.distribute(b, P(), mesh=mesh))
+    close(out, torch.matmul(a, b))
+    e = torch.einsum("bhij,bhjk->bhik", sf.distribute(a, P("dp"), mesh=mesh), sf.distribute(b, P(), mesh=mesh))
+    close(e, torch.einsum("bhij,bhjk->bhik", a, b))
+
+
+# -- RMSNorm as one op; Megatron counts per layer ---------------------------------------------------
+
+@pytest.mark.parametrize("spec", [P("dp"), P("dp", "tp"), P(None, "tp"), P()])
+def test_rms_norm_matches_torch(spec) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    torch.manual_seed(3)
+    x = torch.randn(4, 6, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    xs, ws = leaf(x, spec, mesh), leaf(w, P(), mesh)
+    out = F.rms_norm(xs, (8,), ws, eps=1e-5)
+    ref = F.rms_norm(x, (8,), w, eps=1e-5)
+    close(out, ref)
+    g = torch.randn(ref.shape, dtype=torch.float64)
+    (out * sf.distribute(g, P(), mesh=mesh)).sum().backward()
+    (ref * g).sum().backward()
+    close(xs.grad, x.grad)
+    close(ws.grad, w.grad)
+    out2 = torch.rms_norm(xs, [6, 8], sf.distribute(torch.ones(6, 8, dtype=torch.float64), P(), mesh=mesh))
+    close(out2, torch.rms_norm(x, [6, 8], torch.ones(6, 8, dtype=torch.float64)))
+
+
+def _bench_comm_models():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_comm_models.py"
+    spec = importlib.util.spec_from_file_location("bench_comm_models", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_megatron_block_matches_torch(kind) -> None:
+    bench = _bench_comm_models()
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    params = bench._params(kind)
+    plain = [{n: w.clone().requires_grad_() for n, (w, _) in p.items()} for p in params]
+    shard = [{n: leaf(w, s, mesh) for n, (w, s) in p.items()} for p in params]
+    torch.manual_seed(1)
+    x = torch.randn(bench.B, bench.S, bench.D)
+    xs = sf.distribute(x, P("dp"), mesh=mesh)
+    for p, q in zip(plain, shard):
+        x, xs = bench._layer(kind, x, p), bench._layer(kind, xs, q)
+    close(xs, x, 1e-4)
+    (x * x).mean().backward()
+    (xs * xs).mean().backward()
+    for p, q in zip(plain, shard):
+        for n in p:
+            close(q[n].grad, p[n].grad, 1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt"])
+def test_megatron_block_collectives_per_layer(kind) -> None:
+    bench = _bench_comm_models()
+    fwd, bwd, _ = bench._count(kind)
+    layers = bench.LAYERS
+    assert dict(fwd.counts) == {"all_reduce": 2 * layers}, fwd
+    assert fwd.total + bwd.total <= 4 * layers and set(bwd.counts) <= {"all_reduce"}, bwd

@@ -12,7 +12,7 @@ from typing import Any
 from .base import Rule
 
 _TABLE: dict[Any, Rule] = {}
-_FAMILIES = ("pointwise", "matrix", "reductions", "views", "indexing", "nn", "random_ops")
+_FAMILIES = ("pointwise", "matrix", "reductions", "views", "indexing", "nn", "random_ops", "fused")
 _loaded = False
 
 

@@ -171,6 +171,12 @@ def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> to
     return torch.where(mask, value.to(x.dtype), x)
 
 
+def _fill_tensor(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """fill.Tensor with a stacked (per-device) 0-d value tensor (torch's needs a 0-d one)."""
+    value = value.reshape(*value.shape, *([1] * (x.dim() - value.dim())))
+    return value.to(x.dtype).expand(x.shape).contiguous()
+
+
 POINTWISE = Pointwise()
 LIKE = Like()
 
@@ -188,6 +194,7 @@ _UNTAGGED = (
 TABLE = {
     **{getattr(aten, n): POINTWISE for n in _UNTAGGED if hasattr(aten, n)},
     aten.masked_fill.Tensor: StackedAs(POINTWISE, _masked_fill),
+    aten.fill.Tensor: StackedAs(POINTWISE, _fill_tensor),
     # lazy conj/neg views would leak a flag into the shards: materialise them
     aten._conj: Materialised(POINTWISE, torch.conj_physical),
     aten._neg_view: Materialised(POINTWISE, torch.neg),

@@ -51,4 +51,19 @@ def coalesced_gradient_sync(mesh: sf.Mesh) -> None:
         torch.testing.assert_close(out[f"p{i}"].full_tensor(), t, rtol=1e-5, atol=1e-5)
 
 
+@scenario
+def batched_matmul_keeps_batch_dims(mesh: sf.Mesh) -> None:
+    a, b = mesh.axis_names[0], mesh.axis_names[-1]
+    spec = P(None, b) if a == b else P(a, b)
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 3, 8)
+    qs, ks = sf.distribute(q, spec, mesh=mesh), sf.distribute(k, spec, mesh=mesh)
+    with sf.debug.CommCounter() as cc:
+        out = torch.matmul(qs, ks.transpose(2, 3))
+        e = torch.einsum("bhsd,bhtd->bhst", qs, ks)
+    assert cc.total == 0 and out.spec == spec and e.spec == spec, (cc, out.spec, e.spec)
+    check_against_twin_and_torch(lambda q, k: torch.matmul(q, k.transpose(2, 3)),
+                                 mesh, [(q, spec), (k, spec)], grad=True, exact=False, what=str(spec))
+
+
 test_local, test_dist = collect(globals())

@@ -1,0 +1,245 @@
+"""Batched products that keep every batch dim: ``torch.matmul`` / ``@`` / ``torch.einsum``
+on ShardedArrays with two or more batch dims run as one op, ``shardfn::contract``.
+
+torch's composites fold the batch dims of a 4-d ``matmul`` (or an einsum's batch
+letters) into one dim before ``bmm``; a folded dim cannot hold (batch over 'dp', heads
+over 'tp'), so the heads would be gathered. ``ShardedArray.__torch_function__`` sends
+such calls here instead: ``contract(equation, a, b)`` is a ``torch.library`` custom op
+(einsum of two operands) whose sharding rule is the equation itself
+(``rules/matrix.py``), whose autograd formula is two more ``contract`` calls (so every
+order of derivative keeps the batch dims), with fake and vmap implementations, so
+autograd, torch.func and torch.compile see one op. The kernel accepts extra leading
+dims (broadcast like einsum's ``...``), which is how the local backend runs it once on
+stacked shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _parse(eq: str) -> tuple[str, str, str]:
+    """``"bhsd,bhtd->bhst"`` -> ("bhsd", "bhtd", "bhst")."""
+    lhs, out = eq.replace(" ", "").split("->")
+    a, b = lhs.split(",")
+    return a, b, out
+
+
+def _kernel(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """einsum of the two operands; dims in front of the equation's broadcast as ``...``."""
+    ea, eb, eo = _parse(equation)
+    if a.dim() > len(ea) or b.dim() > len(eb):
+        ea, eb, eo = "..." + ea, "..." + eb, "..." + eo
+    return torch.einsum(f"{ea},{eb}->{eo}", a, b)
+
+
+@torch.library.custom_op("shardfn::contract", mutates_args=())
+def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(equation, a, b)`` as one op (see the module docstring)."""
+    return _kernel(equation, a, b)
+
+
+@contract.register_fake
+def _(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _kernel(equation, a, b)
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.equation = inputs[0]
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _backward(ctx: Any, g: torch.Tensor) -> tuple:
+    """d/da = g contracted with b (conjugated), d/db likewise: both batched contractions."""
+    ea, eb, eo = _parse(ctx.equation)
+    a, b = ctx.saved_tensors
+    ga = gb = None
+    if ctx.needs_input_grad[1]:
+        ga = contract(f"{eo},{eb}->{ea}", g, b.conj() if b.is_complex() else b)
+    if ctx.needs_input_grad[2]:
+        gb = contract(f"{ea},{eo}->{eb}", a.conj() if a.is_complex() else a, g)
+    return None, ga, gb
+
+
+contract.register_autograd(_backward, setup_context=_setup)
+
+
+@contract.register_vmap
+def _(info: Any, in_dims: tuple, equation: str, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """A vmapped operand gets a fresh letter at its front; the output has it first."""
+    _, da, db = in_dims
+    ea, eb, eo = _parse(equation)
+    z = next(c for c in _LETTERS if c not in ea + eb + eo)
+    if da is not None:
+        a, ea = a.movedim(da, 0), z + ea
+    if db is not None:
+        b, eb = b.movedim(db, 0), z + eb
+    return contract(f"{ea},{eb}->{z}{eo}", a, b), 0
+
+
+# -- which calls go here ----------------------------------------------------------------
+
+
+def _matmul_equation(a: Any, b: Any) -> str | None:
+    """The equation of ``a @ b`` when both have the same two or more batch dims."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return None
+    n = a.dim() - 2
+    if n < 2 or b.dim() != a.dim() or a.shape[:-2] != b.shape[:-2]:
+        return None
+    batch = _LETTERS[:n]
+    m, k, o = _LETTERS[n:n + 3]
+    return f"{batch}{m}{k},{batch}{k}{o}->{batch}{m}{o}"
+
+
+def _einsum_equation(args: tuple) -> tuple[str, Any, Any] | None:
+    """(equation, a, b) for a two-operand einsum with two or more batch letters whose
+    gradient is again such a contraction (explicit output, no repeated or ``...`` letters,
+    every operand letter kept in the output or the other operand)."""
+    if not args or not isinstance(args[0], str):
+        return None
+    ops = args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if len(ops) != 2 or not all(isinstance(t, torch.Tensor) for t in ops):
+        return None
+    eq = args[0].replace(" ", "")
+    if "..." in eq or eq.count("->") != 1 or eq.count(",") != 1:
+        return None
+    ea, eb, eo = _parse(eq)
+    if not all(s.isalpha() or s == "" for s in (ea, eb, eo)):
+        return None
+    if any(len(set(s)) != len(s) for s in (ea, eb, eo)) or (ops[0].dim(), ops[1].dim()) != (len(ea), len(eb)):
+        return None
+    if not set(eo) <= set(ea) | set(eb) or not set(ea) <= set(eo) | set(eb) or not set(eb) <= set(eo) | set(ea):
+        return None
+    if len(set(ea) & set(eb) & set(eo)) < 2:
+        return None
+    if any(ops[0].shape[ea.index(c)] != ops[1].shape[eb.index(c)] for c in set(ea) & set(eb)):
+        return None  # broadcasting size-1 letters: leave it to torch
+    return eq, ops[0], ops[1]
+
+
+def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """``contract`` for a matmul / einsum call that keeps two or more batch dims, else
+    NotImplemented (the caller runs torch's composite)."""
+    if func in _RMS_NORMS:
+        return _rms_norm_call(args, kwargs)
+    if kwargs:
+        return NotImplemented
+    if func is torch.einsum:
+        found = _einsum_equation(args)
+        return NotImplemented if found is None else contract(*found)
+    if len(args) != 2:
+        return NotImplemented
+    a, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else args
+    eq = _matmul_equation(a, b)
+    return NotImplemented if eq is None else contract(eq, a, b)
+
+
+_RMS_NORMS = frozenset({torch.rms_norm, torch.nn.functional.rms_norm})
+FUNCS = _RMS_NORMS | frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.einsum})
+"""The torch functions ``ShardedArray.__torch_function__`` looks at."""
+
+
+# -- RMSNorm as one op --------------------------------------------------------------------
+# torch.rms_norm is a composite: its input gradient arrives as two separate pending sums
+# (through x * rsqrt(...) and through x.pow(2)), and the autograd engine adds each to the
+# replicated residual gradient, reducing twice. As one op, its backward gives one pending
+# sum (reduced once, Megatron's count), and the weight gradient a pending sum too.
+
+
+def _opmath(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _aligned_weight(w: torch.Tensor, x: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """The weight broadcast against ``x`` and the number of leading (mesh) dims it has."""
+    m = w.dim() - k
+    if m:
+        w = w.reshape(*w.shape[:m], *([1] * (x.dim() - m - k)), *w.shape[m:])
+    return w, m
+
+
+def _rstd(x: torch.Tensor, k: int, eps: float | None) -> torch.Tensor:
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return torch.rsqrt(x.pow(2).mean(tuple(range(-k, 0)), keepdim=True) + eps)
+
+
+@torch.library.custom_op("shardfn::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """``torch.rms_norm(x, normalized_shape, weight, eps)`` as one op."""
+    k = len(normalized_shape)
+    xo = _opmath(x)
+    y = (xo * _rstd(xo, k, eps)).to(x.dtype)
+    return y * _aligned_weight(weight, x, k)[0]
+
+
+@rms_norm.register_fake
+def _(x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    w, _ = _aligned_weight(weight, x, len(normalized_shape))
+    return torch.empty(torch.broadcast_shapes(x.shape, w.shape), dtype=torch.promote_types(x.dtype, weight.dtype),
+                       device=x.device)
+
+
+@torch.library.custom_op("shardfn::rms_norm_backward", mutates_args=())
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor,
+                      eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input gradient, weight gradient) of ``rms_norm``; linear in ``grad``."""
+    k = len(normalized_shape)
+    w, m = _aligned_weight(weight, x, k)
+    xo, go = _opmath(x), _opmath(grad)
+    r = _rstd(xo, k, eps)
+    gh = go * w
+    gx = r * gh - xo * r.pow(3) * (gh * xo).mean(tuple(range(-k, 0)), keepdim=True)
+    batch = tuple(range(m, go.dim() - k))
+    gw = (go * xo * r).sum(batch) if batch else go * xo * r
+    return gx.to(x.dtype), gw.to(weight.dtype)
+
+
+@rms_norm_backward.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor,
+      eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    k = len(normalized_shape)
+    m = weight.dim() - k
+    lead = torch.broadcast_shapes(grad.shape, x.shape)
+    return (torch.empty(lead, dtype=x.dtype, device=x.device),
+            torch.empty((*lead[:m], *lead[len(lead) - k:]), dtype=weight.dtype, device=x.device))
+
+
+def _rms_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.shape, ctx.eps = inputs[1], inputs[3]
+    ctx.save_for_backward(inputs[0], inputs[2])
+
+
+def _rms_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    x, w = ctx.saved_tensors
+    gx, gw = rms_norm_backward(g, x, ctx.shape, w, ctx.eps)
+    return gx, None, gw, None
+
+
+rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+def _rms_norm_call(args: tuple, kwargs: dict | None) -> Any:
+    """``shardfn::rms_norm`` for ``rms_norm(input, normalized_shape, weight, eps)`` with a
+    weight, all on one dtype and without torch.func wrappers, else NotImplemented."""
+    names = ("input", "normalized_shape", "weight", "eps")
+    bound = dict(zip(names, args))
+    for key, v in (kwargs or {}).items():
+        if key not in names or key in bound:
+            return NotImplemented
+        bound[key] = v
+    x, shape, w, eps = (bound.get(n) for n in names)
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or x.dtype != w.dtype:
+        return NotImplemented
+    if torch._C._functorch.is_functorch_wrapped_tensor(x) or torch._C._functorch.is_functorch_wrapped_tensor(w):
+        return NotImplemented
+    shape = [shape] if isinstance(shape, int) else list(shape)
+    if not shape or list(w.shape) != shape or list(x.shape[x.dim() - len(shape):]) != shape:
+        return NotImplemented
+    return rms_norm(x, shape, w, None if eps is None else float(eps))
