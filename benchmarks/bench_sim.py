@@ -11,7 +11,8 @@ backward (``torch.autograd.grad``) + an SGD update, timed on plain tensors and o
 
 Every configuration's losses (several steps) must equal the unsharded losses within 1e-5
 relative. Printed: unsharded ms, simulated ms, ratio (target <= 1.5), in wall time and in process
-CPU time (steadier on a shared machine).
+CPU time (steadier on a shared machine); the runs are interleaved step by step and each
+time is the fastest step after the first.
 
     python benchmarks/bench_sim.py [--steps 10] [--threads N] [--quick]
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -115,43 +115,55 @@ def _shard(cfg: dict[str, int], config: str) -> tuple[dict, Any]:
     return params, mesh
 
 
-def run(cfg: dict[str, int], config: str | None, steps: int) -> tuple[list[float], float, float]:
-    """Losses of ``steps`` steps and the median step wall and CPU times (seconds; the
-    first step, which fills the caches, is left out)."""
-    if config is None:
-        params, mesh = init_params(cfg), None
-    else:
-        params, mesh = _shard(cfg, config)
-    losses, walls, cpus = [], [], []
-    for s in range(steps + 1):
-        x, y = make_batch(cfg, s)
-        if mesh is not None:
-            x, y = sf.distribute(x, P("dp"), mesh=mesh), sf.distribute(y, P("dp"), mesh=mesh)
+class _Run:
+    """One configuration's training run (``config`` None: unsharded), stepped from outside
+    so that configurations can be interleaved step by step."""
+
+    def __init__(self, cfg: dict[str, int], config: str | None) -> None:
+        self.cfg = cfg
+        if config is None:
+            self.params, self.mesh = init_params(cfg), None
+        else:
+            self.params, self.mesh = _shard(cfg, config)
+        self.losses: list[float] = []
+        self.walls: list[float] = []
+        self.cpus: list[float] = []
+
+    def step(self, s: int) -> None:
+        """Step ``s`` (its own batch), timed in wall and process CPU time."""
+        x, y = make_batch(self.cfg, s)
+        if self.mesh is not None:
+            x, y = sf.distribute(x, P("dp"), mesh=self.mesh), sf.distribute(y, P("dp"), mesh=self.mesh)
         t0, c0 = time.perf_counter(), time.process_time()
-        params, loss = train_step(params, x, y, cfg["heads"])
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-        losses.append(float(loss.full_tensor() if isinstance(loss, sf.ShardedArray) else loss))
-    return losses, statistics.median(walls[1:]), statistics.median(cpus[1:])
+        self.params, loss = train_step(self.params, x, y, self.cfg["heads"])
+        self.walls.append(time.perf_counter() - t0)
+        self.cpus.append(time.process_time() - c0)
+        self.losses.append(float(loss.full_tensor() if isinstance(loss, sf.ShardedArray) else loss))
 
 
-def measure(cfg: dict[str, int], steps: int) -> list[tuple[str, float, float, float, float]]:
+def measure(cfg: dict[str, int], steps: int) -> tuple[list[tuple[str, float, float, float, float]], dict]:
     """(config, unsharded wall, simulated wall, unsharded CPU, simulated CPU) seconds per
-    configuration, the unsharded step timed again next to each simulated one; losses
-    checked against unsharded."""
-    want, _, _ = run(cfg, None, steps)
-    rows = []
+    configuration, and the losses of every run (each configuration's checked against
+    unsharded within 1e-5 relative). The runs advance one step at a time in turn
+    (unsharded, then each configuration), so a burst of load from other processes hits
+    them alike; a time is the fastest of the ``steps`` steps after the first (which fills
+    the caches): the step's cost when nothing else interferes."""
+    runs = {config: _Run(cfg, config) for config in (None, *CONFIGS)}
+    for s in range(steps + 1):
+        for run in runs.values():
+            run.step(s)
+    want = runs[None].losses
     for config in CONFIGS:
-        got, wall, cpu = run(cfg, config, steps)
-        for s, (a, b) in enumerate(zip(got, want)):
+        for s, (a, b) in enumerate(zip(runs[config].losses, want)):
             if abs(a - b) > 1e-5 * abs(b):
                 raise AssertionError(f"{config}: step {s} loss {a} differs from unsharded {b}")
-        _, wall0, cpu0 = run(cfg, None, steps)
-        rows.append((config, wall0, wall, cpu0, cpu))
-    return rows
+    base = runs[None]
+    rows = [(config, min(base.walls[1:]), min(runs[config].walls[1:]), min(base.cpus[1:]),
+             min(runs[config].cpus[1:])) for config in CONFIGS]
+    return rows, {config: run.losses for config, run in runs.items()}
 
 
-def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]]) -> str:
+def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]], losses: dict) -> str:
     lines = [
         f"training step of a transformer block (dim {cfg['dim']}, seq {cfg['seq']}, batch {cfg['batch']}; "
         f"fwd + bwd + SGD), torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -163,6 +175,13 @@ def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float
                      f"{c0 * 1e3:14.1f}{c * 1e3:13.1f}{c / c0:7.2f}x")
     lines.append("losses equal unsharded within 1e-5 relative in every configuration (target ratio <= 1.5; "
                  "CPU time = process time, steadier on a busy machine)")
+    want = losses[None]
+    lines.append(f"losses over {len(want)} steps: unsharded first {want[0]:.6f}, last {want[-1]:.6f}")
+    for config, got in losses.items():
+        if config is not None:
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+            lines.append(f"  {config:16s} first {got[0]:.6f}, last {got[-1]:.6f}, "
+                         f"max relative difference {worst:.1e}")
     return "\n".join(lines)
 
 
@@ -176,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(ns.threads)
     quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
     cfg = QUICK if quick else FULL
-    print(report(cfg, measure(cfg, 2 if quick else ns.steps)))
+    print(report(cfg, *measure(cfg, 2 if quick else ns.steps)))
 
 
 if __name__ == "__main__":

@@ -528,7 +528,23 @@ def raw_distribute(t: torch.Tensor, layout: Layout) -> Any:
 # -- autograd functions -------------------------------------------------------------------
 
 
-class _Reshard(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """An autograd Function whose ``apply`` skips torch's per-call ``inspect.signature``
+    binding of default arguments (tens of microseconds; these forwards have no defaults
+    and are always called with every argument), except under torch.func transforms,
+    which take torch's own path."""
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
+
+
+_unwrap_dead = torch._functorch.utils.unwrap_dead_wrappers
+
+
+class _Reshard(_Function):
     @staticmethod
     def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
         return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype)
@@ -551,7 +567,7 @@ class _Reshard(torch.autograd.Function):
         return _Reshard.apply(x, dst if b is None else _ft.insert_dim(dst, b)), b
 
 
-class _Distribute(torch.autograd.Function):
+class _Distribute(_Function):
     @staticmethod
     def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
         # like jax.device_put, a copy: where the plan only sliced or expanded ``t``, the
@@ -579,7 +595,7 @@ class _Distribute(torch.autograd.Function):
         return _Distribute.apply(t, layout if b is None else _ft.insert_dim(layout, b)), b
 
 
-class _FullTensor(torch.autograd.Function):
+class _FullTensor(_Function):
     @staticmethod
     def forward(x: ShardedArray) -> torch.Tensor:
         # a gather allocates; a replicated array's replica is copied (the result is fresh)

@@ -263,12 +263,20 @@ def _pad_after_mesh(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
     return t if r == rank else t.reshape(*t.shape[:m], *([1] * (rank - r)), *t.shape[m:])
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if b.dim() > 2 and a.dim() >= b.dim() and all(n == 1 for n in b.shape[:-2]):
-        # b is the same on every device (and batch): one matmul with a's leading dims
-        # folded into rows, not a batched one over an expanded b
-        return torch.matmul(a, b.reshape(b.shape[-2:]))
-    return torch.matmul(a, b)
+def _mm(a: torch.Tensor, b: torch.Tensor, contract: tuple[int, ...] = ()) -> torch.Tensor:
+    """mm/bmm of stacked operands: leading (mesh) dims on which one operand is the same
+    fold into the other's rows or columns, and mesh dims the result is pending a sum over
+    into the contraction (``local.matmul``): one GEMM, no copy of a replicated operand."""
+    from . import local
+
+    return local.matmul(a, b, contract)
+
+
+def _pending_sums(info: Info) -> tuple[int, ...]:
+    """The mesh dims the product's output is pending a sum over (its contraction is split there)."""
+    out = info.cand.out_layouts[0]
+    names = out.mesh.axis_names if out is not None else ()
+    return tuple(names.index(a) for a, op in (out.partial if out is not None else ()) if op == "sum")
 
 
 def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -294,6 +302,9 @@ def _bsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _product(product: Callable) -> Callable[[Info], "_Call"]:
     """A matrix product as a batched matmul-based function."""
     def build(info: Info) -> _Call:
+        pending = _pending_sums(info) if product is _mm else ()
+        if pending:
+            return _Call(info, lambda a, b: product(a, b, pending), (), ())
         return _Call(info, lambda a, b: product(a, b), (), ())
 
     return build
@@ -303,9 +314,10 @@ def _addend(product: Callable) -> Callable[[Info], "_Call"]:
     """``beta * self + alpha * product(a, b)`` with ``self`` broadcast against the product."""
     def build(info: Info) -> _Call:
         m, rank = info.m, len(info.out_shapes[0])
+        pending = _pending_sums(info) if product is _mm else ()
 
         def run(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
-            out = product(a, b)
+            out = product(a, b, pending) if pending else product(a, b)
             if alpha != 1:
                 out = out * alpha
             if beta == 0:
@@ -411,19 +423,25 @@ def _count_nonzero(info: Info) -> "_Call | None":
 
 def _attention(info: Info) -> "_Call | None":
     """Flash attention without a mask: every tensor starts with the batch dim, so the
-    mesh dims fold into it and the kernel runs once for the whole mesh (contiguous: the
-    CPU kernel misreads grouped-query heads from transposed strides)."""
+    mesh dims fold into it and the kernel runs once for the whole mesh (made contiguous
+    only for grouped-query heads, which the CPU kernel misreads from transposed strides;
+    other layouts it reads as they are, as unsharded torch does)."""
     if info.bound.get("attn_mask") is not None:
         return None
     op, m = info.func, info.m
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        lead = torch.broadcast_shapes(*(t.shape[:m] for t in args if isinstance(t, torch.Tensor)))
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        # the mesh dims of the inputs are 1 or the axis size: their broadcast is the max
+        lead = [max(t.shape[i] for t in tensors) for i in range(m)]
+        heads = [t.shape[m + 1] for t in tensors if t.dim() == m + 4]
+        grouped = any(h != heads[0] for h in heads[1:])
 
         def fold(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
-            return a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:]).contiguous()
+            a = a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
+            return a.contiguous() if grouped else a
 
         outs = op(*[fold(a) for a in args], **kwargs)
         return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)

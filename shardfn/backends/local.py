@@ -119,6 +119,131 @@ def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:
     return value[tuple(c if n > 1 else 0 for c, n in zip(mesh.coords(device), value.shape))]
 
 
+# -- products on stacked values -----------------------------------------------------------
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, contract: Sequence[int] = ()) -> torch.Tensor:
+    """``torch.matmul(a, b)`` of stacked operands (both at least 2-d, leading dims
+    broadcasting), without materialising a broadcast operand where that can be avoided.
+
+    A leading dim on which only ``a`` varies (``b`` is the same there: e.g. a weight
+    replicated over 'dp') is folded into ``a``'s rows, one on which only ``b`` varies (an
+    activation replicated over 'tp' times a column-split weight) into ``b``'s columns, and
+    the product runs as one mm / bmm over the dims both vary on. ``torch.matmul`` would
+    instead copy each broadcast operand once per replica and run many small GEMMs. The
+    result is a view of the folded product (not contiguous where a fold interleaves).
+
+    ``contract``: leading dims over which the result is pending a sum (the contraction is
+    split over those mesh axes), see :func:`_contract_mesh`."""
+    if contract:
+        out = _contract_mesh(a, b, contract)
+        if out is not None:
+            return out
+    ra, rb = a.dim(), b.dim()
+    if ra < 2 or rb < 2 or (ra < 3 and rb < 3):
+        return torch.matmul(a, b)
+    if ra < rb:
+        a = a.view((1,) * (rb - ra) + tuple(a.shape))
+    elif rb < ra:
+        b = b.view((1,) * (ra - rb) + tuple(b.shape))
+    plan = _fold_plan(a, b)
+    if plan is None:
+        return torch.matmul(a, b)
+    a_order, a_shape, b_order, b_shape, out_shape, out_order = plan
+    a3 = a.permute(a_order).reshape(a_shape)
+    b3 = b.permute(b_order).reshape(b_shape)
+    out = torch.bmm(a3, b3) if a_shape[0] != 1 else torch.mm(a3[0], b3[0]).unsqueeze(0)
+    return out.view(out_shape).permute(out_order)
+
+
+def _contract_mesh(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int]) -> torch.Tensor | None:
+    """A product pending a sum over the mesh dims ``dims`` (both operands vary there: the
+    contraction is split over those axes, as for a weight gradient under data
+    parallelism), computed as one GEMM with those dims folded into the contraction. Each
+    device's part is then the total / g (g devices along ``dims``), stored once and
+    expanded (stride 0) over them: the parts still sum to the total, and the all_reduce
+    that follows is a multiplication by g. Instead of g per-device products and their g
+    copies of the result. None (the per-device product runs) unless that is exact: a
+    floating dtype and a power-of-two g."""
+    if a.dim() != b.dim() or not a.is_floating_point() or not b.is_floating_point():
+        return None
+    dims = sorted(i for i in dims if a.shape[i] != 1)
+    if not dims or any(type(a.shape[i]) is not int or b.shape[i] != a.shape[i] for i in dims):
+        return None
+    g = _prod_sizes(a.shape, dims)
+    if g & (g - 1):
+        return None
+    r = a.dim()
+    keep = [i for i in range(r - 2) if i not in dims]
+    a2 = a.permute(*keep, r - 2, *dims, r - 1).reshape(
+        *[a.shape[i] for i in keep], a.shape[r - 2], g * a.shape[r - 1])
+    b2 = b.permute(*keep, *dims, r - 2, r - 1).reshape(
+        *[b.shape[i] for i in keep], g * b.shape[r - 2], b.shape[r - 1])
+    out = matmul(a2, b2) / g
+    for i in dims:
+        out = out.unsqueeze(i)
+    sizes = list(out.shape)
+    for i in dims:
+        sizes[i] = a.shape[i]
+    return out.expand(sizes)
+
+
+def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
+    """How :func:`matmul` folds the leading dims of ``a`` and ``b`` (of one rank), or
+    None when ``torch.matmul`` copies no more (no broadcast leading dim, symbolic sizes,
+    or folds that would copy more)."""
+    r = a.dim()
+    sa, sb = a.shape, b.shape
+    for n in (*sa, *sb):
+        if type(n) is not int:  # symbolic sizes (torch.compile): leave them to torch.matmul
+            return None
+    lead = r - 2
+    common = [i for i in range(lead) if sa[i] == sb[i]]
+    rows = [i for i in range(lead) if sa[i] != sb[i] and sb[i] == 1]
+    cols = [i for i in range(lead) if sa[i] != sb[i] and sa[i] == 1]
+    if not rows and not cols or len(common) + len(rows) + len(cols) != lead:
+        return None
+    m, k, n = sa[-2], sa[-1], sb[-1]
+    # the dims an operand is broadcast on (size 1 there) ride along with the common ones
+    a_order = [*common, *cols, *rows, r - 2, r - 1]
+    b_order = [*common, *rows, r - 2, *cols, r - 1]
+    fold_copies = (0 if _mergeable(a, common) and _mergeable(a, [*rows, r - 2]) else a.numel()) + (
+        0 if _mergeable(b, common) and _mergeable(b, [*cols, r - 1]) else b.numel())
+    # torch.matmul expands each broadcast operand to the full batch and reshapes (copies) it
+    matmul_copies = (a.numel() * _prod_sizes(sb, cols) if cols else 0) + (
+        b.numel() * _prod_sizes(sa, rows) if rows else 0)
+    if fold_copies > matmul_copies:
+        return None
+    c = _prod_sizes(sa, common)
+    ma, nb = _prod_sizes(sa, rows), _prod_sizes(sb, cols)
+    out_shape = (*[sa[i] for i in common], *[sa[i] for i in rows], m, *[sb[i] for i in cols], n)
+    # position of each output dim (leading dims in order, then m, n) within out_shape
+    where = {d: j for j, d in enumerate([*common, *rows, "m", *cols, "n"])}
+    out_order = [where[i] for i in range(lead)] + [where["m"], where["n"]]
+    return a_order, (c, ma * m, k), b_order, (c, k, nb * n), out_shape, out_order
+
+
+def _prod_sizes(shape: Sequence[int], dims: Sequence[int]) -> int:
+    p = 1
+    for i in dims:
+        p *= shape[i]
+    return p
+
+
+def _mergeable(t: torch.Tensor, dims: Sequence[int]) -> bool:
+    """Whether dims ``dims`` of ``t`` (major first) merge into one dim as a view."""
+    expected = None
+    for i in reversed(dims):
+        n = t.shape[i]
+        if n == 1:
+            continue
+        s = t.stride(i)
+        if expected is not None and s != expected:
+            return False
+        expected = s * n
+    return True
+
+
 # -- reductions -----------------------------------------------------------------------
 
 
@@ -309,14 +434,28 @@ def _along(x: torch.Tensor, ai: int, mesh: Mesh) -> torch.Tensor:
     return x.expand(*x.shape[:ai], mesh.shape[ai], *x.shape[ai + 1:])
 
 
+def _reduce_axis(x: torch.Tensor, ai: int, mesh: Mesh, op: str) -> torch.Tensor:
+    """Reduce over mesh dim ``ai`` (kept, size 1). Parts the same on every device of the
+    axis (size 1, or expanded: stride 0) are not added up one by one: a floating sum is
+    the part times the axis size (exact for a power of two), avg/max/min the part."""
+    g = mesh.shape[ai]
+    if g > 1 and (x.shape[ai] == 1 or x.stride(ai) == 0):
+        one = x.narrow(ai, 0, 1)
+        if op != "sum":
+            return one
+        if x.is_floating_point() or x.is_complex():
+            return one * g
+    return _reduce(_along(x, ai, mesh), ai, op)
+
+
 def _all_reduce(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     ai, _ = _ai(step, mesh)
-    return _reduce(_along(x, ai, mesh), ai, step.op)
+    return _reduce_axis(x, ai, mesh, step.op)
 
 
 def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     ai, m = _ai(step, mesh)
-    r = _split(_reduce(_along(x, ai, mesh), ai, step.op), m + step.dim, mesh.shape[ai])
+    r = _split(_reduce_axis(x, ai, mesh, step.op), m + step.dim, mesh.shape[ai])
     return r.squeeze(ai).movedim(m - 1 + step.dim, ai)
 
 

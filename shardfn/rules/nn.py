@@ -123,7 +123,10 @@ class Attention:
             mesh = call.mesh
             cands = [c for c in rule.candidates(call)
                      if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
-        return [attrs.evolve(c, dense=True, local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
+        # the CPU kernel misreads grouped-query heads from transposed strides (which gathers
+        # produce): those calls need dense inputs; other layouts it reads as they are
+        grouped = q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
+        return [attrs.evolve(c, dense=grouped, local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
 
 
 def _no_heads_somewhere(call: OpCall, c: Candidate) -> bool:
