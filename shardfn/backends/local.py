@@ -634,17 +634,19 @@ class StackedCall:
         self.mode = "batched"  # -> "full" -> "per_device" as calls show what the op supports
         self.verified: dict = {}
         self.direct = getattr(fn, "direct", None)  # the op itself when no argument needs adapting
+        self.m = mesh.ndim
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
-        mesh, layouts = self.mesh, self.layouts
         if self.mode == "batched":
-            m = mesh.ndim
-            sig = tuple(v.shape[:m] for v in values.values())
+            m = self.m
+            sig = tuple([v.shape[:m] for v in values.values()])
             settled = self.verified.get(sig)
             a, k = substitute(args, kwargs, values, self.positional)
             if settled is True:
                 out = self.direct(*a, **k) if self.direct is not None else self.fn(a, k, symbolic)
                 return list(out) if isinstance(out, (tuple, list)) else [out]
+        mesh, layouts = self.mesh, self.layouts
+        if self.mode == "batched":
             try:
                 outs = _flat(self.fn(a, k, symbolic))
             except (RuntimeError, IndexError, ValueError) as e:
