@@ -406,6 +406,9 @@ class _Closures(TorchFunctionMode):
             hit = self.seen[key]
             return None if hit is None else hit[1]
         array = isinstance(t, ShardedArray) or (is_wrapped(t) and base_array(t) is not None)
+        if array and _on_body_submesh(t if isinstance(t, ShardedArray) else base_array(t)):
+            self.seen[key] = None  # a partial-manual body's own value over its automatic axes
+            return None
         if not array and not (t.requires_grad and (t.grad_fn is None or t.grad_fn._sequence_nr() < self.start)):
             if t.requires_grad:  # made in the body (a closure that does not require grad is never cached)
                 self.seen[key] = None
@@ -425,6 +428,14 @@ class _Closures(TorchFunctionMode):
         if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
             return type(a)(self._swap(b) for b in a)
         return a
+
+
+def _on_body_submesh(array: ShardedArray) -> bool:
+    """Whether ``array`` lives on the submesh of a partial-manual body running here (the
+    body's arguments and results there are ShardedArrays over its automatic axes)."""
+    from ._manual import _subs
+
+    return any(array.mesh is sub or array.mesh == sub for sub in _subs())
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:

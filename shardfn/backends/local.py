@@ -156,6 +156,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, contract: Sequence[int] = ()) -> to
     return out.view(out_shape).permute(out_order)
 
 
+def _ordered() -> bool:
+    """Whether reductions must run in the dist backend's per-device order ("ordered"
+    mode, or torch's deterministic algorithms), so results match it bit for bit."""
+    from .dist import _mode
+
+    return _mode() == "ordered"
+
+
 def _contract_mesh(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int]) -> torch.Tensor | None:
     """A product pending a sum over the mesh dims ``dims`` (both operands vary there: the
     contraction is split over those axes, as for a weight gradient under data
@@ -165,7 +173,7 @@ def _contract_mesh(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int]) -> tor
     that follows is a multiplication by g. Instead of g per-device products and their g
     copies of the result. None (the per-device product runs) unless that is exact: a
     floating dtype and a power-of-two g."""
-    if a.dim() != b.dim() or not a.is_floating_point() or not b.is_floating_point():
+    if a.dim() != b.dim() or not a.is_floating_point() or not b.is_floating_point() or _ordered():
         return None
     dims = sorted(i for i in dims if a.shape[i] != 1)
     if not dims or any(type(a.shape[i]) is not int or b.shape[i] != a.shape[i] for i in dims):
