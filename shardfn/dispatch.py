@@ -652,6 +652,7 @@ _SPECIAL: dict[Any, Callable] = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.clone.default: _alias,
+    aten._lazy_clone.default: _alias,
     aten.lift_fresh.default: _alias,
     aten.is_same_size.default: _is_same_size,
     aten._has_same_storage_numel.default: _same_storage_numel,
