@@ -608,7 +608,7 @@ def check_same_meta(mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: 
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     rows = run_collective(
-        f"{what} metadata check", st.groups[mesh.axis_names], funcol.all_gather_tensor, mine, 0
+        f"{what} metadata check", st.groups[mesh.axis_names], funcol.all_gather_single, mine, 0
     ).view(mesh.size, -1).tolist()
     if error is not None:
         raise ShardingError(error)
