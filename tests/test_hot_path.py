@@ -59,13 +59,23 @@ def test_key_tells_scalars_apart(mesh, order):
                 torch.testing.assert_close(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing (main too): a lifted 0-d integer tensor gets mesh dims "
-                   "on the stacked path and promotes like a dimensioned tensor; the wrapper says int32, the "
-                   "shards are int64")
-def test_zero_dim_integer_tensor_promotes_like_torch(mesh):
-    t = torch.arange(8, dtype=torch.int32).reshape(2, 4)
-    x = sf.distribute(t, P("x"), mesh=mesh)
-    assert (x * torch.tensor(3)).full_tensor().dtype == (t * torch.tensor(3)).dtype
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", [P("x"), P(), P(None, "y")])
+def test_zero_dim_tensor_promotes_like_torch(mesh, dtype, spec):
+    """A 0-d tensor operand (plain or a ShardedArray) ranks below dimensioned ones in type
+    promotion, also when the local backend stores it with mesh dims."""
+    t = (torch.arange(8) * 3 + 1).reshape(2, 4).to(dtype)
+    x = sf.distribute(t, spec, mesh=mesh)
+    big = torch.tensor(70000) if not dtype.is_floating_point else torch.tensor(3.5, dtype=torch.float64)
+    for zero_d in (torch.tensor(3), big, sf.distribute(big, P(), mesh=mesh)):
+        plain = zero_d.full_tensor() if isinstance(zero_d, sf.ShardedArray) else zero_d
+        for fn in (torch.mul, torch.add, torch.lt, lambda a, b: torch.where(a > 2, a, b)):
+            want = fn(t, plain)
+            got = fn(x, zero_d)
+            assert got.dtype == want.dtype
+            for shard in got.local_shards():
+                assert shard.dtype == want.dtype
+            torch.testing.assert_close(got.full_tensor(), want)
 
 
 def test_key_tells_layouts_shapes_dtypes_and_kwargs_apart(mesh):

@@ -90,6 +90,9 @@ class Info:
                 return type(v)(static(x) for x in v)
             return v
 
+        self.dtypes = {p: v.dtype for p, v in call.arrays}
+        self.args, self.kwargs = call.args, call.kwargs
+        self.out_dtypes = [getattr(o, "dtype", None) for o in call.out_metas]
         names, defaults = _schema_info(func)
         self.bound = dict(defaults)
         self.bound.update(zip(names, (static(a) for a in call.args)))
@@ -235,6 +238,8 @@ def _elementwise(info: Info, fn: Callable) -> "_Call | None":
     if not outs:
         return None
     rank = max(outs)
+    if any(len(s) == 0 for s in info.shapes.values()) and rank > 0 and _promotes_apart(info):
+        return None  # a 0-d operand with mesh dims would take part in type promotion as dimensioned
     names = _schema_info(_target(info))[0]
     align = []
     for p, shape in info.shapes.items():
@@ -245,6 +250,28 @@ def _elementwise(info: Info, fn: Callable) -> "_Call | None":
             return None
         align.append(((p, names[p]) if isinstance(p, int) else (-1, p), pad))
     return _Call(info, fn, (), (), align)
+
+
+def _promotes_apart(info: Info) -> bool:
+    """Whether the op, run on operands that carry mesh dims, gives other dtypes than on
+    the logical ones: torch promotes a 0-d tensor below dimensioned ones (``int32 *
+    tensor(3)`` is int32), which a stacked 0-d value (shape ``(1,) * m``) is not."""
+    from ..array import ShardedArray
+
+    def stacked(v: Any) -> Any:
+        if isinstance(v, ShardedArray):
+            return torch.empty((1,) * info.m + tuple(v.shape), dtype=v.dtype, device="meta")
+        if isinstance(v, (list, tuple)):
+            return type(v)(stacked(x) for x in v)
+        return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+    try:
+        with torch.no_grad():
+            out = info.func(*(stacked(a) for a in info.args), **{k: stacked(v) for k, v in info.kwargs.items()})
+    except Exception:  # noqa: BLE001 - no batched form then; the per-device path decides
+        return True
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return [getattr(o, "dtype", None) for o in outs] != info.out_dtypes
 
 
 def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
