@@ -9,14 +9,13 @@ busiest device sends (ring algorithm costs; see ``Step.bytes``), ``alpha`` a col
 latency. Defaults per backend (:data:`COST_MODELS`, override with
 :func:`set_cost_model`):
 
-- ``gloo`` (CPU meshes, also the local backend): alpha 1 ms, beta 0.7 GB/s, measured with
+- ``gloo`` (CPU meshes, also the local backend): alpha 1.2 ms, beta 1.2 GB/s, measured with
   ``benchmarks/measure_gloo_cost.py`` (4 gloo processes over loopback, all_reduce and
   all_gather of 1 B .. 16 MB, minimum of 15 repeats per size, least-squares fit of
   ``t = alpha + bytes_sent / beta`` with ring bytes as the planner counts them) on
-  2026-11-23 on this 2-core machine while ~6 other jobs ran: two runs gave alpha 1.05 /
-  1.08 ms and beta 0.73 / 0.29 GB/s; the defaults are the run with less interference,
-  rounded. A quiet machine gives lower alpha and higher beta: re-measure and call
-  :func:`set_cost_model` for another host.
+  2026-11-23 on this quiet 2-core machine: alpha 1.19 ms, beta 1.22 GB/s (runs under
+  heavy load had given alpha ~1.05 ms, beta 0.3-0.7 GB/s). Another host: re-measure and
+  call :func:`set_cost_model`.
 - ``nccl`` (CUDA meshes): alpha 10 us, beta 100 GB/s (NVLink-class, as given).
 
 For small values the latency term dominates, so the search prefers fewer collectives
@@ -65,7 +64,7 @@ class CostModel:
 
 
 COST_MODELS: dict[str, CostModel] = {
-    "gloo": CostModel(1e-3, 0.7e9),  # measured, see the module docstring
+    "gloo": CostModel(1.2e-3, 1.2e9),  # measured, see the module docstring
     "nccl": CostModel(10e-6, 100e9),  # documented guess (NVLink-class), not measured
 }
 
