@@ -290,20 +290,13 @@ def _pad_after_mesh(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
     return t if r == rank else t.reshape(*t.shape[:m], *([1] * (rank - r)), *t.shape[m:])
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, contract: tuple[int, ...] = ()) -> torch.Tensor:
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """mm/bmm of stacked operands: leading (mesh) dims on which one operand is the same
-    fold into the other's rows or columns, and mesh dims the result is pending a sum over
-    into the contraction (``local.matmul``): one GEMM, no copy of a replicated operand."""
+    fold into the other's rows or columns (``local.matmul``): one GEMM, no copy of a
+    replicated operand."""
     from . import local
 
-    return local.matmul(a, b, contract)
-
-
-def _pending_sums(info: Info) -> tuple[int, ...]:
-    """The mesh dims the product's output is pending a sum over (its contraction is split there)."""
-    out = info.cand.out_layouts[0]
-    names = out.mesh.axis_names if out is not None else ()
-    return tuple(names.index(a) for a, op in (out.partial if out is not None else ()) if op == "sum")
+    return local.matmul(a, b)
 
 
 def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -329,10 +322,7 @@ def _bsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _product(product: Callable) -> Callable[[Info], "_Call"]:
     """A matrix product as a batched matmul-based function."""
     def build(info: Info) -> _Call:
-        pending = _pending_sums(info) if product is _mm else ()
-        if pending:
-            return _Call(info, lambda a, b: product(a, b, pending), (), ())
-        return _Call(info, lambda a, b: product(a, b), (), ())
+        return _Call(info, product, (), ())
 
     return build
 
@@ -341,10 +331,9 @@ def _addend(product: Callable) -> Callable[[Info], "_Call"]:
     """``beta * self + alpha * product(a, b)`` with ``self`` broadcast against the product."""
     def build(info: Info) -> _Call:
         m, rank = info.m, len(info.out_shapes[0])
-        pending = _pending_sums(info) if product is _mm else ()
 
         def run(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
-            out = product(a, b, pending) if pending else product(a, b)
+            out = product(a, b)
             if alpha != 1:
                 out = out * alpha
             if beta == 0:

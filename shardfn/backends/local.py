@@ -122,7 +122,7 @@ def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:
 # -- products on stacked values -----------------------------------------------------------
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, contract: Sequence[int] = ()) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(a, b)`` of stacked operands (both at least 2-d, leading dims
     broadcasting), without materialising a broadcast operand where that can be avoided.
 
@@ -131,14 +131,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, contract: Sequence[int] = ()) -> to
     activation replicated over 'tp' times a column-split weight) into ``b``'s columns, and
     the product runs as one mm / bmm over the dims both vary on. ``torch.matmul`` would
     instead copy each broadcast operand once per replica and run many small GEMMs. The
-    result is a view of the folded product (not contiguous where a fold interleaves).
-
-    ``contract``: leading dims over which the result is pending a sum (the contraction is
-    split over those mesh axes), see :func:`_contract_mesh`."""
-    if contract:
-        out = _contract_mesh(a, b, contract)
-        if out is not None:
-            return out
+    result is a view of the folded product (not contiguous where a fold interleaves)."""
     ra, rb = a.dim(), b.dim()
     if ra < 2 or rb < 2 or (ra < 3 and rb < 3):
         return torch.matmul(a, b)
@@ -154,46 +147,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, contract: Sequence[int] = ()) -> to
     b3 = b.permute(b_order).reshape(b_shape)
     out = torch.bmm(a3, b3) if a_shape[0] != 1 else torch.mm(a3[0], b3[0]).unsqueeze(0)
     return out.view(out_shape).permute(out_order)
-
-
-def _ordered() -> bool:
-    """Whether reductions must run in the dist backend's per-device order ("ordered"
-    mode, or torch's deterministic algorithms), so results match it bit for bit."""
-    from .dist import _mode
-
-    return _mode() == "ordered"
-
-
-def _contract_mesh(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int]) -> torch.Tensor | None:
-    """A product pending a sum over the mesh dims ``dims`` (both operands vary there: the
-    contraction is split over those axes, as for a weight gradient under data
-    parallelism), computed as one GEMM with those dims folded into the contraction. Each
-    device's part is then the total / g (g devices along ``dims``), stored once and
-    expanded (stride 0) over them: the parts still sum to the total, and the all_reduce
-    that follows is a multiplication by g. Instead of g per-device products and their g
-    copies of the result. None (the per-device product runs) unless that is exact: a
-    floating dtype and a power-of-two g."""
-    if a.dim() != b.dim() or not a.is_floating_point() or not b.is_floating_point() or _ordered():
-        return None
-    dims = sorted(i for i in dims if a.shape[i] != 1)
-    if not dims or any(type(a.shape[i]) is not int or b.shape[i] != a.shape[i] for i in dims):
-        return None
-    g = _prod_sizes(a.shape, dims)
-    if g & (g - 1):
-        return None
-    r = a.dim()
-    keep = [i for i in range(r - 2) if i not in dims]
-    a2 = a.permute(*keep, r - 2, *dims, r - 1).reshape(
-        *[a.shape[i] for i in keep], a.shape[r - 2], g * a.shape[r - 1])
-    b2 = b.permute(*keep, *dims, r - 2, r - 1).reshape(
-        *[b.shape[i] for i in keep], g * b.shape[r - 2], b.shape[r - 1])
-    out = matmul(a2, b2) / g
-    for i in dims:
-        out = out.unsqueeze(i)
-    sizes = list(out.shape)
-    for i in dims:
-        sizes[i] = a.shape[i]
-    return out.expand(sizes)
 
 
 def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
