@@ -26,7 +26,6 @@ import torch._C._functorch as _ft
 from .array import ShardedArray, raw_reshard, wrap
 from .backends import backend_for
 from .backends.local import full, settle
-from .errors import ShardingError
 from .layout import Layout, local_shapes
 from .mesh import Mesh
 

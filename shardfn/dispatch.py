@@ -23,7 +23,7 @@ from . import _functorch as _ft
 from . import _explicit
 from . import _inplace
 from . import rules as _rules
-from .array import ShardedArray, _contiguous_strides, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
+from .array import ShardedArray, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
 from .backends import backend_for
 from .errors import FallbackWarning, ShardingError
 from .layout import Layout, describe
@@ -430,9 +430,8 @@ class _Entry:
     out_dtypes: list = attrs.field(init=False)
     rebuild: Callable = attrs.field(init=False)
     stacked: bool = attrs.field(init=False)  # the local call keeps symbolic sizes symbolic
-    # hot-path precomputations: output strides, where the sharded args sit, which
-    # inputs need resharding, the backend's local call
-    out_strides: list = attrs.field(init=False)
+    # hot-path precomputations: where the sharded args sit, which inputs need
+    # resharding, the backend's local call
     positional: tuple | None = attrs.field(init=False)
     paths: tuple = attrs.field(init=False)  # where the sharded arguments sit (fixed by the key)
     any_move: bool = attrs.field(init=False)
@@ -445,7 +444,6 @@ class _Entry:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
         self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
-        self.out_strides = [None if s is None else _contiguous_strides(s) for s in self.out_shapes]
         # the key holds the input layouts and shapes, so which inputs need resharding is fixed
         self.moves = [
             v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
@@ -562,21 +560,6 @@ def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
 class _Fallback:
     func: Any
     mesh: Any
-
-    def _precompute_warm_path(self, paths: tuple) -> None:
-        """What ``run`` needs per call, fixed by the cache key: where the arrays sit, whether
-        any moves, the outputs' key fragments (and a lone output's wrap arguments)."""
-        self.paths, self.any_move = paths, any(self.moves)
-        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
-            if l is not None and l.partial:
-                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
-        self.out_fragments = [
-            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
-            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
-        ]
-        single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
-        self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
-                       self.out_fragments[0]) if single else None
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
         # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
