@@ -76,6 +76,13 @@ def set_cost_model(backend: str, *, alpha: float | None = None, beta: float | No
     old = COST_MODELS[backend]
     COST_MODELS[backend] = CostModel(old.alpha if alpha is None else alpha, old.beta if beta is None else beta)
     plan_layouts.cache_clear()
+    for clear in PLAN_CACHES:
+        clear()
+
+
+PLAN_CACHES: list = []
+"""``clear`` functions of caches that hold decisions made from plans (``coalesce.py``'s
+tree plans); :func:`set_cost_model` empties them with ``plan_layouts``'s."""
 
 
 def cost_model(mesh: Mesh) -> CostModel:

@@ -270,6 +270,103 @@ def test_pytree_reshard_coalesces_tp_sharded_gradients() -> None:
         close(o, t)
 
 
+def _pending(full: list[torch.Tensor], mesh: sf.Mesh, op: str = "sum", axis: str = "dp") -> list:
+    """Each tensor as a value pending a reduction over ``axis`` (every part a share of it)."""
+    n = mesh.axis_size(axis)
+    out = []
+    for t in full:
+        parts = [t / n if op in ("sum",) else t.clone() for _ in range(n)]
+        rep = sf.distribute(torch.stack(parts), P(axis), mesh=mesh)
+        out.append(rep.sum(0) if op == "sum" else sf.reshard(sf.distribute(t, P(), mesh=mesh), P(partial={axis: op})))
+    return out
+
+
+def test_pytree_reshard_plan_cache_hits_and_never_goes_stale() -> None:
+    from shardfn import coalesce
+
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    torch.manual_seed(0)
+    full = [torch.randn(s) for s in _GRAD_SHAPES]
+    coalesce._plans.clear()
+
+    def sync(tree_full, **kw) -> None:
+        tree = dict(zip("abcdef", _pending(tree_full, mesh, **kw)))
+        with sf.debug.CommCounter() as cc:
+            out = sf.reshard(tree, P())
+        assert cc.counts == {"all_reduce": 1}, cc
+        for k, t in zip("abcdef", tree_full):
+            assert out[k].spec == P() and out[k].dtype == t.dtype
+            close(out[k], t)
+
+    sync(full)
+    sync(full)  # a fresh tree of the same kind: one cached plan
+    assert len(coalesce._plans) == 1
+    reshaped = [full[0].reshape(3, 4)] + full[1:]  # same numel, another shape
+    sync(reshaped)
+    doubles = [full[0].double()] + full[1:]
+    tree = dict(zip("abcdef", _pending(doubles, mesh)))
+    with sf.debug.CommCounter() as cc:
+        out = sf.reshard(tree, P())
+    assert cc.counts == {"all_reduce": 2}  # float64 and float32 buffers
+    for k, t in zip("abcdef", doubles):
+        assert out[k].dtype == t.dtype
+        close(out[k], t)
+    sync(full, axis="tp")  # another layout: pending over tp
+    sync(full, op="avg")
+    assert len(coalesce._plans) == 5
+    # another target for one leaf: a and b reduce to tp-split shards, the rest together
+    tree = dict(zip("abcdef", _pending(full, mesh)))
+    out = sf.reshard(tree, {"a": P("tp"), "b": P("tp"), "c": P(), "d": P(), "e": P(), "f": P()})
+    assert out["a"].spec == P("tp") and out["c"].spec == P()
+    for k, t in zip("abcdef", full):
+        close(out[k], t)
+    # a new cost model may regroup leaves: set_cost_model empties the cache
+    from shardfn import plan as plan_mod
+
+    old = plan_mod.COST_MODELS["gloo"]
+    try:
+        plan_mod.set_cost_model("gloo", alpha=old.alpha)
+        assert not coalesce._plans
+    finally:
+        plan_mod.COST_MODELS["gloo"] = old
+
+
+def test_pytree_reshard_mixed_tree_values_and_grads_match_torch() -> None:
+    """Mixed dtypes, uneven shapes, Partial(avg/max), a leaf that needs no move, a plain
+    tensor and non-array leaves; twice (cache miss, then hit); gradients against torch."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    for _ in range(2):
+        torch.manual_seed(0)
+        xs = [torch.randn(s, dtype=d, requires_grad=True)
+              for s, d in [((5, 3), torch.float32), ((7,), torch.float64), ((3, 1, 2), torch.float32),
+                           ((), torch.float64), ((4, 2), torch.float32), ((5,), torch.float32)]]
+        leaves = [leaf(x, P(), mesh) for x in xs]
+        sums = [(sf.distribute(torch.ones(2, *x.shape, dtype=x.dtype) / 2, P("dp"), mesh=mesh) * v).sum(0)
+                for x, v in zip(xs, leaves[:4])]
+        assert all(v.spec.partial == {"dp": "sum"} for v in sums)
+        avg = sf.reshard(leaves[4], P(partial={"tp": "avg"}))
+        mx = sf.reshard(leaves[5], P(partial={"dp": "max"}))
+        plain = torch.randn(6, 2)
+        tree = {"s": sums[:2], "t": (sums[2], 3, "name", None), "u": {"d": sums[3], "avg": avg, "max": mx},
+                "keep": leaves[0], "plain": plain}
+        specs = {"s": P(), "t": P(), "u": P(), "keep": P(), "plain": sf.NamedSharding(mesh, P("tp"))}
+        with sf.debug.CommCounter() as cc:
+            out = sf.reshard(tree, specs)
+        # f32 sums, the f64 sums, avg over tp, and max over dp: one all_reduce each
+        assert cc.counts == {"all_reduce": 4}, cc
+        assert out["t"][1:] == (3, "name", None) and out["keep"] is leaves[0]
+        close(out["plain"], plain)
+        assert out["plain"].spec == P("tp")
+        got = [*out["s"], out["t"][0], out["u"]["d"], out["u"]["avg"], out["u"]["max"]]
+        for g, x in zip(got, xs):
+            assert g.spec == P() and g.dtype == x.dtype
+            close(g, x.detach())
+        ws = [torch.randn(x.shape, dtype=x.dtype) for x in xs]
+        sum((g.full_tensor() * w).sum() for g, w in zip(got, ws)).backward()
+        for x, lf, w in zip(xs, leaves, ws):  # each output equals its leaf: the gradient is w
+            close(lf.grad, w)
+
+
 # -- latency-aware planner --------------------------------------------------------------------------
 
 def test_partial_max_to_shard_is_one_reduce_scatter() -> None:
@@ -313,6 +410,8 @@ def test_cost_model_is_overridable() -> None:
     finally:
         plan_mod.COST_MODELS["gloo"] = old
         plan_mod.plan_layouts.cache_clear()
+        for clear in plan_mod.PLAN_CACHES:
+            clear()
 
 
 # -- batched products keep every sharded batch dim --------------------------------------------------
