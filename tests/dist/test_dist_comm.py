@@ -52,6 +52,40 @@ def coalesced_gradient_sync(mesh: sf.Mesh) -> None:
 
 
 @scenario
+def coalesced_mixed_tree_matches_twin_and_torch(mesh: sf.Mesh) -> None:
+    """A mixed tree (dtypes, uneven shapes, Partial sum/avg/max, a leaf that needs no move,
+    sharded dims, non-array leaves) resharded twice (the tree plan cached the second time):
+    equal to the local twin bit for bit and to torch, values and gradients."""
+    a, b = mesh.axis_names[0], mesh.axis_names[-1]
+
+    def fn(*xs):
+        if not isinstance(xs[0], sf.ShardedArray):  # plain torch: every reshard keeps the value
+            return [o * o for o in [*xs[:6], *xs[6:]] * 2]
+        sums = [sf.reshard(x, P(*([None] * x.ndim), partial=a)) for x in xs[:4]]
+        avg = sf.reshard(xs[4], P(None, None, partial={b: "avg"}))
+        mx = sf.reshard(xs[5], P(None, partial={a: "max"}))
+        tree = {"s": sums[:2], "t": (sums[2], 3, None), "u": {"d": sums[3], "avg": avg, "max": mx}, "keep": xs[0]}
+        specs = {"s": P(), "t": P(), "u": P(), "keep": P()}
+        if a != b:  # a tp-split gradient pending over dp: all_reduce only, with the others
+            tree["split"] = [sf.reshard(x, P(b, partial=a)) for x in xs[6:]]
+            specs["split"] = P(b)
+        outs = []
+        for _ in range(2):
+            out = sf.reshard(tree, specs)
+            assert out["t"][1:] == (3, None) and out["keep"] is xs[0]
+            outs += [*out["s"], out["t"][0], out["u"]["d"], out["u"]["avg"], out["u"]["max"], *out.get("split", [])]
+        return [o * o for o in outs]
+
+    torch.manual_seed(0)
+    shapes = [((5, 3), torch.float32), ((7,), torch.float64), ((3, 1, 2), torch.float32), ((), torch.float64),
+              ((4, 2), torch.float32), ((5,), torch.float32)]
+    inputs = [(torch.randn(s, dtype=d), P()) for s, d in shapes]
+    if a != b:
+        inputs += [(torch.randn(8, 3), P(b)), (torch.randn(7, 2), P(b))]  # even and uneven rows
+    check_against_twin_and_torch(fn, mesh, inputs, grad=True, what="coalesced tree")
+
+
+@scenario
 def batched_matmul_keeps_batch_dims(mesh: sf.Mesh) -> None:
     a, b = mesh.axis_names[0], mesh.axis_names[-1]
     spec = P(None, b) if a == b else P(a, b)
