@@ -4,9 +4,11 @@
 S0->S1, S0->R, P->S0 and P->R; and the data-parallel gradient sync of 20 and 200
 parameters of mixed shapes (each a pending sum over 'x' -> replicated): one pytree
 ``sf.reshard`` call (coalesced, bucketed) vs one reshard per leaf vs a hand-bucketed
-flat-buffer all_reduce (what DDP does); the sync's arrays are built outside the timed
-region (as the hand version's tensors are; "from_local only" shows what building them
-costs) and the last lines print shardfn / hand and per-leaf / shardfn. Compared with:
+flat-buffer all_reduce (what DDP does). The arrays of the sync and P-> rows are built
+outside the timed region, as the other variants' tensors are ("from_local only" shows
+what building them costs: on dist from_local copies the local and, with its default
+run_check, checks shapes across ranks with one small all_gather); the last lines print
+shardfn / hand and per-leaf / shardfn. Compared with:
 
   (a)  the functional collectives shardfn's plan issues in the default reduction mode,
        called directly (same calls: what shardfn costs over hand-written code);
@@ -60,6 +62,13 @@ def _cases(mesh, pg, dm) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
     def x_p():  # a fresh array each call: a pending sum is reduced once per array and target
         return sf.ShardedArray.from_local(part, P(partial="x"), mesh=mesh)
 
+    # the P-> rows build their array outside the timed region (setup, run), as the
+    # functional collectives' input exists beforehand: from_local copies the 16 MB local
+    # (arrays are immutable) and checks shapes across ranks (one small all_gather); the
+    # "from_local only" row shows that cost
+    def to(spec):
+        return lambda x: sf.reshard(x, spec)._local
+
     dt_s0 = DTensor.from_local(shard, dm, [Shard(0)], run_check=False)
     dt_p = DTensor.from_local(part, dm, [Partial()], run_check=False)
 
@@ -83,10 +92,10 @@ def _cases(mesh, pg, dm) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
         return _wait(funcol.all_gather_single(mine, 0, pg)).view(SHAPE)
 
     def mode(name, fn):
-        def run():
+        def run(x):
             with backend.reductions(name):
-                return fn()
-        return run
+                return fn(x)
+        return x_p, run
 
     return {
         **_sync_cases(mesh, pg),
@@ -101,18 +110,20 @@ def _cases(mesh, pg, dm) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
             "(b) DTensor": dtensor(dt_s0, Replicate()),
         },
         "P->S0": {
-            "shardfn": lambda: sf.reshard(x_p(), P("x"))._local,
+            "shardfn": (x_p, to(P("x"))),
             "(a) same funcol": ordered_scatter,
             "(a') reduce_scatter": lambda: _wait(funcol.reduce_scatter_single(part, "sum", 0, pg)),
-            "shardfn native": mode("native", lambda: sf.reshard(x_p(), P("x"))._local),
+            "shardfn native": mode("native", to(P("x"))),
             "(b) DTensor": dtensor(dt_p, Shard(0)),
+            "from_local only": lambda: x_p()._local,
         },
         "P->R": {
-            "shardfn": lambda: sf.reshard(x_p(), P())._local,
+            "shardfn": (x_p, to(P())),
             "(a) same funcol": lambda: _wait(funcol.all_reduce(part, "sum", pg)),
-            "shardfn ordered": mode("ordered", lambda: sf.reshard(x_p(), P())._local),
+            "shardfn ordered": mode("ordered", to(P())),
             "(a') ordered funcol": ordered_all_reduce,
             "(b) DTensor": dtensor(dt_p, Replicate()),
+            "from_local only": lambda: x_p()._local,
         },
     }
 
