@@ -650,7 +650,11 @@ class _FromLocal(torch.autograd.Function):
         local = backend.from_shards([s.detach() for s in shards], layout, shape)
         if _shares_memory(local, shards):  # kept as given (uneven, dist): copied
             local = backend.from_shards([s.detach().clone() for s in shards], layout, shape)
-        return ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
+        from .dispatch import _fragment
+
+        out = ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
+        _fragment(out)  # its interned key fragment now, as an op's output has it (was: on first use)
+        return out
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
