@@ -20,7 +20,9 @@ shardfn / hand and per-leaf / shardfn. Compared with:
 
 Every variant's result is waited on inside the timed region. Times are the median and
 the minimum over rounds of the slowest rank's time (on a shared machine the minimum is
-the steadier figure). Run ``python benchmarks/bench_dist.py`` (spawns 4
+the steadier figure), and "cpu", the busiest rank's median main-thread CPU time per
+call (what a variant costs each rank, without the waiting; 4 ranks on a 2-core machine
+turn each rank's CPU into more wall time). Run ``python benchmarks/bench_dist.py`` (spawns 4
 processes) or under ``torchrun --nproc-per-node 4 benchmarks/bench_dist.py``.
 """
 
@@ -186,27 +188,33 @@ def _call(fn) -> Any:
     return fn()
 
 
-def _time(fns: dict[str, Callable], rounds: int, warmup: int) -> dict[str, tuple[float, float]]:
-    """(median, min) over rounds of the slowest rank's time, variants interleaved per round;
-    a (setup, run) variant times run only."""
+def _time(fns: dict[str, Callable], rounds: int, warmup: int) -> dict[str, tuple[float, float, float]]:
+    """(median, min) over rounds of the slowest rank's time, and the median over rounds of
+    the busiest rank's main-thread CPU time (steadier than wall time when 4 ranks share
+    fewer cores: it leaves out waiting, but counts what each rank's Python and copies
+    cost); variants interleaved per round; a (setup, run) variant times run only."""
     for fn in fns.values():
         for _ in range(warmup):
             _call(fn)
     samples = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:  # rotate: no position bias
             fn = fns[k]
             arg = fn[0]() if isinstance(fn, tuple) else None
             dist.barrier()
-            t = time.perf_counter()
+            c, t = time.thread_time(), time.perf_counter()
             fn[1](arg) if isinstance(fn, tuple) else fn()
             samples[k].append(time.perf_counter() - t)
+            cpu[k].append(time.thread_time() - c)
     out = {}
     for k, ts in samples.items():
         worst = torch.tensor(ts, dtype=torch.float64)
         dist.all_reduce(worst, dist.ReduceOp.MAX)
-        out[k] = (statistics.median(worst.tolist()), min(worst.tolist()))
+        busy = torch.tensor([statistics.median(cpu[k])], dtype=torch.float64)
+        dist.all_reduce(busy, dist.ReduceOp.MAX)
+        out[k] = (statistics.median(worst.tolist()), min(worst.tolist()), busy.item())
     return out
 
 
@@ -250,17 +258,18 @@ def main(rounds: int, warmup: int) -> None:
 def _report(rows: list, rounds: int) -> None:
     print(f"reshard of float32{SHAPE} on Mesh(x={WORLD}), {WORLD} gloo processes, {rounds} rounds "
           f"(slowest rank per round)")
-    print(f"{'case':8} {'variant':20} {'median ms':>10} {'min ms':>8} {'shardfn/this (median, min)':>28}")
+    print(f"{'case':8} {'variant':20} {'median ms':>10} {'min ms':>8} {'cpu ms':>7} "
+          f"{'shardfn/this (median, min, cpu)':>33}")
     for name, times in rows:
-        med, low = times["shardfn"]
-        for k, (m, lo) in times.items():
-            ratio = "" if k == "shardfn" else f"{med / m:15.2f} {low / lo:12.2f}"
-            print(f"{name:8} {k:20} {m * 1e3:10.2f} {lo * 1e3:8.2f} {ratio}")
+        med, low, busy = times["shardfn"]
+        for k, (m, lo, c) in times.items():
+            ratio = "" if k == "shardfn" else f"{med / m:15.2f} {low / lo:8.2f} {busy / c:8.2f}"
+            print(f"{name:8} {k:20} {m * 1e3:10.2f} {lo * 1e3:8.2f} {c * 1e3:7.2f} {ratio}")
     for name, times in rows:
         if "per-leaf reshard" in times:
-            med = times["shardfn"][0]
-            print(f"{name}: shardfn / hand-bucketed all_reduce = {med / times['(a) flat all_reduce'][0]:.2f}, "
-                  f"per-leaf reshard / shardfn = {times['per-leaf reshard'][0] / med:.1f} (medians)")
+            (med, _, busy), hand = times["shardfn"], times["(a) flat all_reduce"]
+            print(f"{name}: shardfn / hand-bucketed all_reduce = {med / hand[0]:.2f} (medians), "
+                  f"{busy / hand[2]:.2f} (cpu); per-leaf reshard / shardfn = {times['per-leaf reshard'][0] / med:.1f}")
     print("targets: shardfn/(a) <= 1.15, shardfn/(b) <= 1.0 (ratios use the default-mode shardfn row); "
           "sync: shardfn/(a) <= 1.2 and several times faster than per-leaf reshard")
 
