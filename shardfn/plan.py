@@ -234,43 +234,73 @@ def _drop_trivial(layout: Layout) -> Layout:
 # -- the search ---------------------------------------------------------------------------
 
 
-_BYTES_ONLY = CostModel(0.0, 1.0)
-
-
 def _bounded_search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, model: CostModel) -> tuple:
-    """The latency-aware plan, unless it moves more bytes than replicating everything (by
-    the same model) and slicing, which is free, would: then the bytes-only plan."""
-    steps = _search(src, dst, shape, itemsize, model)
-    rep = Layout(src.mesh, ((),) * len(shape))
-    if model.latency_bytes == 0 or not steps or dst == rep:
-        return steps
-    bound = sum(s.bytes for s in (_search(src, rep, shape, itemsize, model) if src != rep else ()))
-    if sum(s.bytes for s in steps) <= bound:
-        return steps
-    return _search(src, dst, shape, itemsize, _BYTES_ONLY)
-
-
-def _search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, model: CostModel) -> tuple[Step, ...]:
-    """Dijkstra over layouts by ``model``'s seconds; ties prefer fewer bytes, standard
-    collectives, then fewer steps."""
-    counter = itertools.count()
-    best: dict[Layout, tuple] = {src: (0, 0, 0, 0)}
-    heap = [((0, 0, 0, 0), next(counter), src, ())]
+    """The cheapest plan by ``model`` among those moving no more bytes than the best
+    per-axis plan (see :func:`_per_axis_bytes`): a collective saved never costs more bytes
+    than moving each mesh axis on its own would."""
+    front = _front(src, dst, shape, itemsize)
     lat = model.latency_bytes
+    ranked = sorted(front, key=lambda p: (lat * p[0] + p[1][0], p[1]))
+    if ranked[0] is front[0]:  # also the plan moving fewest bytes: within any bound
+        return front[0][2]
+    bound = _per_axis_bytes(src, dst, shape, itemsize)
+    # the per-axis plan is in the front's search space, so some point is within the bound
+    return next(path for c, key, path in ranked if key[0] <= bound)
+
+
+def _front(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, tuple, tuple]]:
+    """The (collectives, bytes) Pareto front of plans: (collectives, (bytes, exchanges,
+    steps), steps) with bytes rising as collectives fall; for each count the plan moving
+    fewest bytes with at most that many collectives (ties: standard collectives, then
+    fewer steps). A label-setting search over (layout, collectives)."""
+    counter = itertools.count()
+    settled: dict[Layout, int] = {}  # fewest collectives of a label popped so far
+    heap = [((0, 0, 0), 0, next(counter), src, ())]
+    front: list[tuple[int, tuple, tuple]] = []
     while heap:
-        cost, _, state, path = heapq.heappop(heap)
+        key, c, _, state, path = heapq.heappop(heap)
+        if c >= settled.get(state, math.inf):
+            continue  # an earlier label had fewer (or as few) bytes and collectives
+        settled[state] = c
         if state == dst:
-            return path
-        if best.get(state, cost) < cost:
+            front.append((c, key, path))
+            if c == 0:
+                break
             continue
         for step in _edges(state, dst, shape, itemsize):
-            exch = 1 if step.pieces is not None else 0
-            comm = 1 if step.kind in COMM_KINDS else 0
-            new = (cost[0] + lat * comm + step.bytes, cost[1] + step.bytes, cost[2] + exch, cost[3] + 1)
-            if new < best.get(step.dst, (math.inf,)):
-                best[step.dst] = new
-                heapq.heappush(heap, (new, next(counter), step.dst, path + (step,)))
-    raise ShardingError(f"no redistribution from {src.spec_str()} to {dst.spec_str()}")  # unreachable
+            c2 = c + (1 if step.kind in COMM_KINDS else 0)
+            if c2 >= settled.get(step.dst, math.inf):
+                continue
+            new = (key[0] + step.bytes, key[1] + (step.pieces is not None), key[2] + 1)
+            heapq.heappush(heap, (new, c2, next(counter), step.dst, path + (step,)))
+    if not front:
+        raise ShardingError(f"no redistribution from {src.spec_str()} to {dst.spec_str()}")  # unreachable
+    return front
+
+
+def _per_axis_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> float:
+    """Fewest bytes of a plan with at most one collective per mesh axis and none over
+    several axes at once: the plans DTensor's planners make (one transformation per mesh
+    dim), costed like ours. ``inf`` if there is none."""
+    start = (src, frozenset())
+    best = {start: 0}
+    heap = [(0, 0, next(counter := itertools.count()), start)]
+    while heap:
+        nbytes, steps, _, (state, used) = heapq.heappop(heap)
+        if state == dst:
+            return nbytes
+        if best.get((state, used), math.inf) < nbytes:
+            continue
+        for step in _edges(state, dst, shape, itemsize):
+            comm = step.kind in COMM_KINDS
+            if comm and (not isinstance(step.axis, str) or step.axis in used):
+                continue
+            nxt = (step.dst, used | {step.axis} if comm else used)
+            n = nbytes + step.bytes
+            if n < best.get(nxt, math.inf):
+                best[nxt] = n
+                heapq.heappush(heap, (n, steps + 1, next(counter), nxt))
+    return math.inf
 
 
 def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):

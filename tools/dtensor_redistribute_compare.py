@@ -32,6 +32,9 @@ SHAPES = [(8, 8), (7, 5), (3, 2), (1, 9), (64, 48), (255, 130)]
 SRC = ("R", "S0", "S1", "Psum", "Pmax")
 DST = ("R", "S0", "S1")
 SMALL = 64 * 1024
+ROOT = Path(__file__).parents[1]
+if str(ROOT) not in sys.path:  # this checkout's shardfn, not an installed one
+    sys.path.insert(0, str(ROOT))
 
 
 def cases() -> list[tuple]:
@@ -86,7 +89,7 @@ def dtensor_cost(case: tuple) -> tuple[int, int]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import _dtensor_ref as ref
 
     mshape, names, shape, src, dst = case
@@ -156,9 +159,10 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="also run every plan and compare values")
     args = parser.parse_args()
     r = compare(cases(), args.check)
-    print(f"{r['cases']} cases; bytes shardfn / DTensor = {r['bytes'] / max(r['dtensor_bytes'], 1):.3f}")
-    print(f"more bytes than DTensor: {len(r['more_bytes'])}; more collectives on < 64 KiB: "
-          f"{len(r['more_collectives_small'])}")
+    print(f"cases: {r['cases']}; bytes shardfn / DTensor: {r['bytes'] / max(r['dtensor_bytes'], 1):.4f} "
+          f"({r['bytes']} / {r['dtensor_bytes']} B); cases with more bytes than DTensor: {len(r['more_bytes'])}; "
+          f"cases with more collectives on < 64 KiB: {len(r['more_collectives_small'])}"
+          + ("; every result exact" if args.check else ""))
     for name in ("more_bytes", "more_collectives_small"):
         for case, ours, theirs in r[name][:40]:
             print(f"  {name}: {case}: shardfn (bytes, collectives) {ours}, DTensor {theirs}")
