@@ -1,7 +1,7 @@
 """Redistribution plans: the cheapest sequence of collectives from one layout to another.
 
-``plan_redistribute`` is a pure, cached function of (src, dst, shape, dtype). It runs a
-shortest-path search over layouts whose edges are per-axis collectives (all_gather,
+``plan_redistribute`` is a pure, cached function of (src, dst, shape, dtype). It searches
+(collectives, bytes)-optimal paths over layouts whose edges are per-axis collectives (all_gather,
 all_to_all, slice, all_reduce, reduce_scatter, reduce_local) plus one direct exchange to
 the destination (a permute or an all_to_all over several axes). A plan costs
 ``alpha * (collectives in sequence) + bytes / beta`` seconds: ``bytes`` is what the
@@ -20,7 +20,11 @@ latency. Defaults per backend (:data:`COST_MODELS`, override with
 
 For small values the latency term dominates, so the search prefers fewer collectives
 (e.g. one padded all_gather over an all_to_all plus an all_gather); for large ones bytes
-do.
+do. One bound holds whatever the model: a plan never moves more bytes than the best
+per-axis plan (at most one collective per mesh axis, as DTensor's planners do), so
+e.g. uneven shards over two axes are gathered axis by axis when one exchange over both
+would send more (gloo has no all_gather of unequal sizes, and an all_to_all sends a
+device's whole shard to every peer).
 """
 
 from __future__ import annotations
