@@ -241,73 +241,94 @@ def _drop_trivial(layout: Layout) -> Layout:
 def _bounded_search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, model: CostModel) -> tuple:
     """The cheapest plan by ``model`` among those moving no more bytes than the best
     per-axis plan (see :func:`_per_axis_bytes`): a collective saved never costs more bytes
-    than moving each mesh axis on its own would."""
-    front = _front(src, dst, shape, itemsize)
+    than moving each mesh axis on its own would.
+
+    A label-setting search over (layout, collectives, bytes) in order of cost, then bytes,
+    exchanges (standard collectives first) and steps. A label is dropped when one popped
+    earlier at its layout had no more collectives and no more bytes, or when it moves more
+    bytes than the bound (known once a plan exceeding it was found). The first plan found
+    within the bound is the cheapest. The direct exchange out of a layout is routed only
+    when the search reaches it (queued at a lower bound of its cost: one more collective)."""
     lat = model.latency_bytes
-    ranked = sorted(front, key=lambda p: (lat * p[0] + p[1][0], p[1]))
-    if ranked[0] is front[0]:  # also the plan moving fewest bytes: within any bound
-        return front[0][2]
-    bound = _per_axis_bytes(src, dst, shape, itemsize)
-    # the per-axis plan is in the front's search space, so some point is within the bound
-    return next(path for c, key, path in ranked if key[0] <= bound)
-
-
-def _front(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, tuple, tuple]]:
-    """The (collectives, bytes) Pareto front of plans: (collectives, (bytes, exchanges,
-    steps), steps) with bytes rising as collectives fall; for each count the plan moving
-    fewest bytes with at most that many collectives (ties: standard collectives, then
-    fewer steps). A label-setting search over (layout, collectives)."""
+    axis_edges = _edge_cache(dst, shape, itemsize)
     counter = itertools.count()
-    settled: dict[Layout, int] = {}  # fewest collectives of a label popped so far
-    heap = [((0, 0, 0), 0, next(counter), src, ())]
-    front: list[tuple[int, tuple, tuple]] = []
+    settled: dict[Layout, list[tuple[int, int]]] = {}  # (collectives, bytes) popped per layout
+    heap = [((0, 0, 0, 0), 0, next(counter), src, (), None)]
+    bound = math.inf
+
+    def push(key: tuple, c: int, state: Layout, path: tuple, step: Step) -> None:
+        c2 = c + (1 if step.kind in COMM_KINDS else 0)
+        n2 = key[1] + step.bytes
+        if n2 <= bound and not _dominated(settled.get(step.dst, ()), c2, n2):
+            new = (lat * c2 + n2, n2, key[2] + (step.pieces is not None), key[3] + 1)
+            heapq.heappush(heap, (new, c2, next(counter), step.dst, path + (step,), None))
+
     while heap:
-        key, c, _, state, path = heapq.heappop(heap)
-        if c >= settled.get(state, math.inf):
-            continue  # an earlier label had fewer (or as few) bytes and collectives
-        settled[state] = c
-        if state == dst:
-            front.append((c, key, path))
-            if c == 0:
-                break
+        key, c, _, state, path, origin = heapq.heappop(heap)
+        nbytes = key[1]
+        if origin is not None:  # route the exchange out of ``state`` now that its lower bound is reached
+            push(origin, c - 1, state, path, _exchange(state, dst, shape, itemsize))
             continue
-        for step in _edges(state, dst, shape, itemsize):
-            c2 = c + (1 if step.kind in COMM_KINDS else 0)
-            if c2 >= settled.get(step.dst, math.inf):
-                continue
-            new = (key[0] + step.bytes, key[1] + (step.pieces is not None), key[2] + 1)
-            heapq.heappush(heap, (new, c2, next(counter), step.dst, path + (step,)))
-    if not front:
-        raise ShardingError(f"no redistribution from {src.spec_str()} to {dst.spec_str()}")  # unreachable
-    return front
+        if nbytes > bound or _dominated(settled.get(state, ()), c, nbytes):
+            continue
+        if state == dst:
+            if lat == 0 or bound < math.inf:
+                return path  # bytes only, the first plan moves fewest bytes; or within the bound
+            bound = _per_axis_bytes(src, dst, shape, itemsize, nbytes)
+            if nbytes <= bound:
+                return path
+            continue
+        settled.setdefault(state, []).append((c, nbytes))
+        for step in axis_edges(state):
+            push(key, c, state, path, step)
+        if state.partial == dst.partial:
+            low = (key[0] + lat, nbytes, key[2] + 1, key[3] + 1)
+            heapq.heappush(heap, (low, c + 1, next(counter), state, path, key))
+    raise ShardingError(f"no redistribution from {src.spec_str()} to {dst.spec_str()}")  # unreachable
 
 
-def _per_axis_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> float:
-    """Fewest bytes of a plan with at most one collective per mesh axis and none over
-    several axes at once: the plans DTensor's planners make (one transformation per mesh
-    dim), costed like ours. ``inf`` if there is none."""
+def _dominated(labels: list[tuple[int, int]], collectives: int, nbytes: int) -> bool:
+    """Whether a label with no more collectives and no more bytes is among ``labels``."""
+    return any(c <= collectives and b <= nbytes for c, b in labels)
+
+
+def _edge_cache(dst: Layout, shape: tuple[int, ...], itemsize: int):
+    """The per-axis steps (``_edges`` without the exchange) towards ``dst``, memoised per
+    layout: a search may expand a layout once per label."""
+    return functools.cache(lambda s: tuple(_edges(s, dst, shape, itemsize, exchange=False)))
+
+
+def _per_axis_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, limit: int) -> int:
+    """Fewest bytes of a plan of per-axis steps (no exchange) with at most one collective
+    per mesh axis: the plans DTensor's planners make (one transformation per mesh dim),
+    costed like ours; ``limit`` if there is none moving fewer than ``limit`` bytes."""
+    edges = _edge_cache(dst, shape, itemsize)
     start = (src, frozenset())
     best = {start: 0}
     heap = [(0, 0, next(counter := itertools.count()), start)]
     while heap:
         nbytes, steps, _, (state, used) = heapq.heappop(heap)
+        if nbytes >= limit:
+            break
         if state == dst:
             return nbytes
         if best.get((state, used), math.inf) < nbytes:
             continue
-        for step in _edges(state, dst, shape, itemsize):
+        for step in edges(state):
             comm = step.kind in COMM_KINDS
-            if comm and (not isinstance(step.axis, str) or step.axis in used):
+            if comm and step.axis in used:
                 continue
             nxt = (step.dst, used | {step.axis} if comm else used)
             n = nbytes + step.bytes
             if n < best.get(nxt, math.inf):
                 best[nxt] = n
                 heapq.heappush(heap, (n, steps + 1, next(counter), nxt))
-    return math.inf
+    return limit
 
 
-def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
+def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int, exchange: bool = True):
+    """Steps out of ``s`` towards ``goal``: per-axis collectives and slices, and (with
+    ``exchange``) the direct exchange to ``goal``."""
     mesh = s.mesh
     ndim = len(shape)
     goal_ops = goal.partial_ops
@@ -346,7 +367,7 @@ def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
             if a in goal_ops:
                 t = s.with_partial({**s.partial_ops, a: goal_ops[a]})
                 yield Step("reduce_local", a, s, t, 0, g, op=goal_ops[a])
-    if s.partial == goal.partial and s != goal:
+    if exchange and s.partial == goal.partial and s != goal:
         yield _exchange(s, goal, shape, itemsize)
 
 
