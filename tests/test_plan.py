@@ -98,6 +98,25 @@ def test_one_exchange_only_when_it_moves_no_more_bytes_than_per_axis_collectives
     assert torch.equal(y.full_tensor(), x.full_tensor())
 
 
+def test_no_plan_moves_more_bytes_than_the_best_per_axis_plan(mesh24):
+    """Every pair of these 2-D layouts on a 2x4 mesh, even and uneven, small and large:
+    the plan moves no more bytes than the best plan with one collective per mesh axis
+    (the latency-aware search may save collectives, never bytes against that)."""
+    import itertools
+    import math
+
+    from shardfn.plan import _per_axis_bytes
+    from shardfn.spec import to_layout
+
+    specs = [P(), P("x"), P("y"), P(None, "x"), P(None, "y"), P("x", "y"), P("y", "x"), P(("x", "y")),
+             P(("y", "x")), P(None, ("x", "y")), P("x", partial="y"), P(partial="x")]
+    for shape in [(7, 5), (3, 2), (255, 130)]:
+        for src, dst in itertools.product(specs, specs):
+            a, b = to_layout(src, 2, mesh24), to_layout(dst, 2, mesh24)
+            plan = sf.plan_redistribute(src, dst, shape, mesh=mesh24)
+            assert plan.bytes_per_device <= _per_axis_bytes(a, b, shape, 4, math.inf), str(plan)
+
+
 def test_plan_str_explains_each_step(mesh24):
     text = str(sf.plan_redistribute(P("x", partial="y"), P("y", "x"), (8, 8), mesh=mesh24))
     assert "f32[8,8] P('x', None, partial='y')" in text
