@@ -124,7 +124,7 @@ def _observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bool
     interpreter's state (it grows by two after a torch.compile failed on a dynamic dim,
     whose frames change how CPython specialises calls), not on who holds ``x``."""
     refs = count - _occurrences(x, args, kwargs) - len(x.__dict__.get("_views") or ())
-    if getattr(_tf_call, "args", None) == id(x):  # in the argument tuple of ShardedArray.__torch_function__
+    if getattr(_tf_call, "args", None) == id(x):  # in the argument tuple of _BatchedArray.__torch_function__
         refs -= 1
     if _calibrating:
         _BASE[point] = min(_BASE.get(point, refs), refs)
