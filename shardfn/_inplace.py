@@ -170,11 +170,6 @@ def calibrate() -> None:
         torch.autograd.grad(leaf.t().sum(), leaf)
     finally:
         _calibrating = False
-# A C++-only array measures 0 over the calibrated count; an unnamed Python temporary
-# (``(a - b).clamp_min_(0)``, which no one can see afterwards) measures 1; anything Python
-# holds by a name, a container or an attribute measures at least 2 (the holder and the
-# reference passing it on). One reference of slack separates the private from the held.
-_SLACK = 1
 
 
 # -- the policy ------------------------------------------------------------------------------------
