@@ -44,13 +44,17 @@ import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
 
 OPS: dict[str, Callable[..., torch.Tensor]] = {
-    "add": lambda x, w, b: x + x,
-    "mul_scalar": lambda x, w, b: x * 2.5,
-    "addmm": lambda x, w, b: torch.addmm(b, x, w),
-    "sum": lambda x, w, b: x.sum(),
-    "relu": lambda x, w, b: torch.relu(x),
-    "softmax": lambda x, w, b: torch.softmax(x, -1),
+    "add": lambda x, w, b, x3: x + x,
+    "mul_scalar": lambda x, w, b, x3: x * 2.5,
+    "addmm": lambda x, w, b, x3: torch.addmm(b, x, w),
+    "sum": lambda x, w, b, x3: x.sum(),
+    "relu": lambda x, w, b, x3: torch.relu(x),
+    "softmax": lambda x, w, b, x3: torch.softmax(x, -1),
+    # not a target row: arrays of 3+ dims carry the torch-function hook that keeps batched
+    # matmul / einsum / rms_norm as one op (``array._BatchedArray``); this shows its price
+    "add_3d": lambda x, w, b, x3: x3 + x3,
 }
+TARGET_OPS = ("add", "mul_scalar", "addmm", "sum", "relu", "softmax")
 
 
 class BareWrapper(torch.Tensor):
@@ -96,9 +100,10 @@ def interleaved_min(fns: dict[str, Callable[[], Any]], repeat: int, rounds: int)
     return best
 
 
-def _plain_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _plain_inputs() -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    return (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g),
+            torch.randn(2, 4, 8, generator=g))
 
 
 def _init_world(tmp: str) -> None:
@@ -109,7 +114,7 @@ def _init_world(tmp: str) -> None:
 
 
 def _variants() -> dict[str, tuple]:
-    """Each variant's three inputs (x, w, b), built from the same plain tensors."""
+    """Each variant's inputs (x, w, b and a 3-d x3), built from the same plain tensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -169,13 +174,15 @@ def report(times: dict[str, dict[str, float]]) -> str:
             (c, ref): ovh[c] / ovh[ref] if ovh[ref] > 0 else float("inf")
             for c in ("sf local", "sf dist") for ref in ("bare", "DTensor")
         }
-        worst = max(worst, r[("sf local", "bare")], r[("sf dist", "bare")])
+        if op in TARGET_OPS:
+            worst = max(worst, r[("sf local", "bare")], r[("sf dist", "bare")])
         lines.append(
             f"{op:11s}{ovh['bare'] * 1e6:8.1f}{ovh['DTensor'] * 1e6:9.1f}{ovh['sf local'] * 1e6:8.1f}"
             f"{ovh['sf dist'] * 1e6:8.1f}{r[('sf local', 'bare')]:10.2f}{r[('sf dist', 'bare')]:10.2f}"
             f"{r[('sf local', 'DTensor')]:8.2f}{r[('sf dist', 'DTensor')]:8.2f}"
         )
-    lines.append(f"\nworst shardfn overhead / bare-wrapper overhead: {worst:.2f} (target <= 1.5)")
+    lines.append(f"\nworst shardfn overhead / bare-wrapper overhead over {', '.join(TARGET_OPS)}: "
+                 f"{worst:.2f} (target <= 1.5)")
     return "\n".join(lines)
 
 

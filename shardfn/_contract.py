@@ -3,7 +3,7 @@ on ShardedArrays with two or more batch dims run as one op, ``shardfn::contract`
 
 torch's composites fold the batch dims of a 4-d ``matmul`` (or an einsum's batch
 letters) into one dim before ``bmm``; a folded dim cannot hold (batch over 'dp', heads
-over 'tp'), so the heads would be gathered. ``ShardedArray.__torch_function__`` sends
+over 'tp'), so the heads would be gathered. ``_BatchedArray.__torch_function__`` sends
 such calls here instead: ``contract(equation, a, b)`` is a ``torch.library`` custom op
 (einsum of two operands) whose sharding rule is the equation itself
 (``rules/matrix.py``), whose autograd formula is two more ``contract`` calls (so every
@@ -143,7 +143,7 @@ def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
 
 _RMS_NORMS = frozenset({torch.rms_norm, torch.nn.functional.rms_norm})
 FUNCS = _RMS_NORMS | frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.einsum})
-"""The torch functions ``ShardedArray.__torch_function__`` looks at."""
+"""The torch functions ``_BatchedArray.__torch_function__`` looks at."""
 
 
 # -- RMSNorm as one op --------------------------------------------------------------------

@@ -124,7 +124,7 @@ def _observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bool
     interpreter's state (it grows by two after a torch.compile failed on a dynamic dim,
     whose frames change how CPython specialises calls), not on who holds ``x``."""
     refs = count - _occurrences(x, args, kwargs) - len(x.__dict__.get("_views") or ())
-    if getattr(_tf_call, "args", None) == id(x):  # in the argument tuple of ShardedArray.__torch_function__
+    if getattr(_tf_call, "args", None) == id(x):  # in the argument tuple of _BatchedArray.__torch_function__
         refs -= 1
     if _calibrating:
         _BASE[point] = min(_BASE.get(point, refs), refs)
@@ -170,11 +170,6 @@ def calibrate() -> None:
         torch.autograd.grad(leaf.t().sum(), leaf)
     finally:
         _calibrating = False
-# A C++-only array measures 0 over the calibrated count; an unnamed Python temporary
-# (``(a - b).clamp_min_(0)``, which no one can see afterwards) measures 1; anything Python
-# holds by a name, a container or an attribute measures at least 2 (the holder and the
-# reference passing it on). One reference of slack separates the private from the held.
-_SLACK = 1
 
 
 # -- the policy ------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ results back with ``all_gather`` / ``psum``, which are differentiable collective
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 
 from . import lax
 from .array import ShardedArray, distribute, gather, reshard
+from ._tls import ThreadStack
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
@@ -113,15 +113,12 @@ def _on_submesh(f: Callable, sub: Mesh, layouts: list) -> Callable:
     return body
 
 
-_tls = threading.local()
+_submeshes = ThreadStack()
 
 
 def _subs() -> list[Mesh]:
     """The submeshes of the partial-manual bodies running in this thread."""
-    stack = getattr(_tls, "subs", None)
-    if stack is None:
-        stack = _tls.subs = []
-    return stack
+    return _submeshes.items
 
 
 def _as_body_value(v: Any) -> Any:

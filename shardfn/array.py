@@ -79,17 +79,15 @@ class ShardedArray(torch.Tensor):
     _layout: Layout
     _kf: Any = None  # interned (layout, shape, dtype) for dispatch's fast key (dispatch.fragment_of)
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """torch's own behaviour, except batched matmul / einsum (``_contract``), which
-        torch would fold into one batch dim."""
-        if func in _TF_SPECIAL:
-            return _special_torch_function(func, types, args, kwargs)
-        return _no_torch_function(func, types, args, kwargs or {})
+    # No torch-function hook: a torch call goes straight to ``__torch_dispatch__`` (a hook
+    # costs ~1.2 us on every op). Arrays with batch dims are ``_BatchedArray``s, which have one.
+    __torch_function__ = _no_torch_function
 
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
                 *, requires_grad: bool = False, stride: Sequence[int] | None = None) -> ShardedArray:
+        if cls is ShardedArray and len(shape) >= _BATCHED_NDIM:
+            cls = _BatchedArray
         if layout.partial:
             check_partial_dtype(layout, dtype)
         like = local[0] if isinstance(local, tuple) else local
@@ -307,13 +305,13 @@ class ShardedArray(torch.Tensor):
     @property
     def grad(self) -> Any:
         g = _GRAD.__get__(self)
-        if type(g) is ShardedArray:
+        if type(g) in ARRAY_TYPES:
             g._aliases_observable = True
         return g
 
     @grad.setter
     def grad(self, value: Any) -> None:
-        if type(value) is ShardedArray and not value.requires_grad:
+        if type(value) in ARRAY_TYPES and not value.requires_grad:
             value = _alias(value)
         _GRAD.__set__(self, value)
 
@@ -414,7 +412,8 @@ def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, f
     layout, shape and dtype dispatch has checked once; ``frag`` is its fast-key fragment."""
     # positional (cls, size, strides, storage_offset, memory_format, dtype, layout, device):
     # parsed faster than keywords
-    r = _make_wrapper(ShardedArray, shape, None, None, None, dtype, torch.strided,
+    r = _make_wrapper(ShardedArray if len(shape) < _BATCHED_NDIM else _BatchedArray, shape, None, None, None,
+                      dtype, torch.strided,
                       (local[0] if type(local) is tuple else local).device)
     r._local = local
     r._layout = layout
@@ -768,6 +767,31 @@ def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:
     return local
 
 
+# -- arrays with batch dims ------------------------------------------------------------------
+
+_BATCHED_NDIM = 3
+"""Arrays of this many dims or more carry the torch-function hook (``_BatchedArray``)."""
+
+
+class _BatchedArray(ShardedArray):
+    """A ShardedArray of three or more dims. Its torch-function hook runs batched
+    ``matmul`` / ``einsum`` and ``rms_norm`` as single ops (``_contract``: torch's
+    composites would fold several sharded batch dims into one and gather them, and reduce
+    an RMSNorm gradient twice); every other call keeps torch's behaviour. Lower-rank
+    arrays skip the hook and its cost: a 2-d einsum or rms_norm on them runs torch's
+    composite (the same values, possibly more communication)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _TF_SPECIAL:
+            return _special_torch_function(func, types, args, kwargs)
+        return _no_torch_function(func, types, args, kwargs or {})
+
+
+ARRAY_TYPES = (ShardedArray, _BatchedArray)
+"""The exact types of ShardedArrays (for exact-type checks that must not match wrappers)."""
+
+
 # -- pytree registration -------------------------------------------------------------------
 
 
@@ -782,4 +806,5 @@ def _unflatten(aux: tuple, children: Any) -> ShardedArray:
     return wrap(local, layout, shape, (local[0] if is_parts else local).dtype)
 
 
-optree.register_pytree_node(ShardedArray, _flatten, _unflatten, namespace="shardfn")
+for _cls in ARRAY_TYPES:
+    optree.register_pytree_node(_cls, _flatten, _unflatten, namespace="shardfn")

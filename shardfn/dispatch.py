@@ -23,7 +23,7 @@ from . import _functorch as _ft
 from . import _explicit
 from . import _inplace
 from . import rules as _rules
-from .array import ShardedArray, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
+from .array import ShardedArray, _BatchedArray, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
 from .backends import backend_for
 from .errors import FallbackWarning, ShardingError
 from .layout import Layout, describe
@@ -45,7 +45,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if fkey is not None and not _explicit._stack:
         entry = _cache.get(fkey)
         if entry is not None:
-            out = entry.run(args, kwargs)
+            out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
                 _inplace.note_views(func, args, kwargs, out)
             return out
@@ -233,7 +233,7 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     parts = [id(func), _FAST]
     for a in args:
         t = type(a)
-        if t is ShardedArray:
+        if t is ShardedArray or t is _BatchedArray:
             k = a._kf
             if k is None:
                 k = _fragment(a)
@@ -260,7 +260,7 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
 
 def _fast_part(a: Any, t: type) -> Any:
     """One argument's part of a fast key (``_MISS`` if it has none)."""
-    if t is ShardedArray:
+    if t is ShardedArray or t is _BatchedArray:
         k = a._kf
         return k if k is not None else (_fragment(a) or _MISS)
     if t in _AS_IS:
@@ -283,11 +283,13 @@ _FRAGMENTS_MAX = 65536
 
 def _fragment(x: ShardedArray) -> Any:
     """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
-    it); None while its shape is symbolic."""
+    it); None while its shape is symbolic or its storage is not in the canonical form."""
     try:
         k = fragment_of(x._layout, tuple(x.shape), x.dtype)
     except TypeError:  # SymInts do not hash
         return None
+    if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
+        return None  # fast-path calls assume the canonical form (``_Entry.warm``)
     x._kf = k
     return k
 
@@ -439,6 +441,7 @@ class _Entry:
     single: tuple | None = attrs.field(init=False)  # a lone tensor output's (layout, shape, dtype, fragment)
     moves: list = attrs.field(init=False)
     local: Any = attrs.field(init=False)
+    lean: Callable | None = attrs.field(init=False)  # the local call's fast form (``warm``)
 
     def __attrs_post_init__(self) -> None:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
@@ -455,6 +458,8 @@ class _Entry:
         self.local = backend_for(self.call.mesh).compile_call(
             self.func, self.call, self.cand, self.out_shapes, self.positional)
         self.stacked = self.local.keeps_symbolic
+        lone = self.positional is not None and not self.any_move and self.single is not None
+        self.lean = self.local.lean if lone else None
         # the cache must not keep the first call's arrays alive (nor count as holding them)
         self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
 
@@ -472,6 +477,16 @@ class _Entry:
         single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
         self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
                        self.out_fragments[0]) if single else None
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        """``run`` for dispatch's fast path, whose arrays are stored canonically (``_fragment``):
+        one local call and one wrap when the backend has a lean form for it."""
+        lean = self.lean
+        if lean is not None:
+            out = lean(args, kwargs)
+            if out is not None:
+                return _wrap_output(out, *self.single)
+        return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
         """Reshard the inputs that need it, run the backend's local call, wrap the outputs
@@ -576,6 +591,9 @@ class _Fallback:
             else:
                 res.append(o)
         return rebuild(res)
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        return self.run(args, kwargs)
 
 
 # -- in-place ops and special cases -------------------------------------------------------------------

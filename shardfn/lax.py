@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import optree
 import torch
 
+from ._tls import ThreadStack
 from .errors import ShardingError
 from .mesh import Mesh
 
@@ -71,14 +72,12 @@ class Collectives(Protocol):
 
 # -- the enclosing shard_map ------------------------------------------------------------
 
-_tls = threading.local()
+_running = ThreadStack()  # the shard_map bodies running in this thread, innermost last
+_manual_sets = ThreadStack()  # their manual axes, innermost last
 
 
 def _bodies() -> list[Collectives]:
-    stack = getattr(_tls, "stack", None)
-    if stack is None:
-        stack = _tls.stack = []
-    return stack
+    return _running.items
 
 
 @contextlib.contextmanager
@@ -97,10 +96,7 @@ def _in_shard_map() -> bool:
 
 
 def _manual_stack() -> list[frozenset[str]]:
-    stack = getattr(_tls, "manual", None)
-    if stack is None:
-        stack = _tls.manual = []
-    return stack
+    return _manual_sets.items
 
 
 @contextlib.contextmanager

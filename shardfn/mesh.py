@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from typing import Sequence
 
 import attrs
 import torch
 
+from ._tls import ThreadStack
 from .errors import ShardingError
 
 _BACKENDS = ("local", "dist")
@@ -201,14 +201,12 @@ def _coords(shape: tuple[int, ...], device: int) -> tuple[int, ...]:
     return hit
 
 
-_local = threading.local()
+_entered = ThreadStack()
 
 
 def _stack() -> list[Mesh]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    """The meshes entered with ``with mesh:`` in this thread, innermost last."""
+    return _entered.items
 
 
 def current_mesh() -> Mesh | None:

@@ -1,7 +1,7 @@
 """Redistribution plans: the cheapest sequence of collectives from one layout to another.
 
-``plan_redistribute`` is a pure, cached function of (src, dst, shape, dtype). It runs a
-shortest-path search over layouts whose edges are per-axis collectives (all_gather,
+``plan_redistribute`` is a pure, cached function of (src, dst, shape, dtype). It searches
+(collectives, bytes)-optimal paths over layouts whose edges are per-axis collectives (all_gather,
 all_to_all, slice, all_reduce, reduce_scatter, reduce_local) plus one direct exchange to
 the destination (a permute or an all_to_all over several axes). A plan costs
 ``alpha * (collectives in sequence) + bytes / beta`` seconds: ``bytes`` is what the
@@ -20,7 +20,11 @@ latency. Defaults per backend (:data:`COST_MODELS`, override with
 
 For small values the latency term dominates, so the search prefers fewer collectives
 (e.g. one padded all_gather over an all_to_all plus an all_gather); for large ones bytes
-do.
+do. One bound holds whatever the model: a plan never moves more bytes than the best
+per-axis plan (at most one collective per mesh axis, as DTensor's planners do), so
+e.g. uneven shards over two axes are gathered axis by axis when one exchange over both
+would send more (gloo has no all_gather of unequal sizes, and an all_to_all sends a
+device's whole shard to every peer).
 """
 
 from __future__ import annotations
@@ -241,46 +245,97 @@ def _drop_trivial(layout: Layout) -> Layout:
 # -- the search ---------------------------------------------------------------------------
 
 
-_BYTES_ONLY = CostModel(0.0, 1.0)
-
-
 def _bounded_search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, model: CostModel) -> tuple:
-    """The latency-aware plan, unless it moves more bytes than replicating everything (by
-    the same model) and slicing, which is free, would: then the bytes-only plan."""
-    steps = _search(src, dst, shape, itemsize, model)
-    rep = Layout(src.mesh, ((),) * len(shape))
-    if model.latency_bytes == 0 or not steps or dst == rep:
-        return steps
-    bound = sum(s.bytes for s in (_search(src, rep, shape, itemsize, model) if src != rep else ()))
-    if sum(s.bytes for s in steps) <= bound:
-        return steps
-    return _search(src, dst, shape, itemsize, _BYTES_ONLY)
+    """The cheapest plan by ``model`` among those moving no more bytes than the best
+    per-axis plan (see :func:`_per_axis_bytes`): a collective saved never costs more bytes
+    than moving each mesh axis on its own would.
 
-
-def _search(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, model: CostModel) -> tuple[Step, ...]:
-    """Dijkstra over layouts by ``model``'s seconds; ties prefer fewer bytes, standard
-    collectives, then fewer steps."""
-    counter = itertools.count()
-    best: dict[Layout, tuple] = {src: (0, 0, 0, 0)}
-    heap = [((0, 0, 0, 0), next(counter), src, ())]
+    A label-setting search over (layout, collectives, bytes) in order of cost, then bytes,
+    exchanges (standard collectives first) and steps. A label is dropped when one popped
+    earlier at its layout had no more collectives and no more bytes, or when it moves more
+    bytes than the bound (known once a plan exceeding it was found). The first plan found
+    within the bound is the cheapest. The direct exchange out of a layout is routed only
+    when the search reaches it (queued at a lower bound of its cost: one more collective)."""
     lat = model.latency_bytes
+    axis_edges = _edge_cache(dst, shape, itemsize)
+    counter = itertools.count()
+    settled: dict[Layout, list[tuple[int, int]]] = {}  # (collectives, bytes) popped per layout
+    heap = [((0, 0, 0, 0), 0, next(counter), src, (), None)]
+    bound = math.inf
+
+    def push(key: tuple, c: int, state: Layout, path: tuple, step: Step) -> None:
+        c2 = c + (1 if step.kind in COMM_KINDS else 0)
+        n2 = key[1] + step.bytes
+        if n2 <= bound and not _dominated(settled.get(step.dst, ()), c2, n2):
+            new = (lat * c2 + n2, n2, key[2] + (step.pieces is not None), key[3] + 1)
+            heapq.heappush(heap, (new, c2, next(counter), step.dst, path + (step,), None))
+
     while heap:
-        cost, _, state, path = heapq.heappop(heap)
-        if state == dst:
-            return path
-        if best.get(state, cost) < cost:
+        key, c, _, state, path, origin = heapq.heappop(heap)
+        nbytes = key[1]
+        if origin is not None:  # route the exchange out of ``state`` now that its lower bound is reached
+            push(origin, c - 1, state, path, _exchange(state, dst, shape, itemsize))
             continue
-        for step in _edges(state, dst, shape, itemsize):
-            exch = 1 if step.pieces is not None else 0
-            comm = 1 if step.kind in COMM_KINDS else 0
-            new = (cost[0] + lat * comm + step.bytes, cost[1] + step.bytes, cost[2] + exch, cost[3] + 1)
-            if new < best.get(step.dst, (math.inf,)):
-                best[step.dst] = new
-                heapq.heappush(heap, (new, next(counter), step.dst, path + (step,)))
+        if nbytes > bound or _dominated(settled.get(state, ()), c, nbytes):
+            continue
+        if state == dst:
+            if lat == 0 or bound < math.inf:
+                return path  # bytes only, the first plan moves fewest bytes; or within the bound
+            bound = _per_axis_bytes(src, dst, shape, itemsize, nbytes)
+            if nbytes <= bound:
+                return path
+            continue
+        settled.setdefault(state, []).append((c, nbytes))
+        for step in axis_edges(state):
+            push(key, c, state, path, step)
+        if state.partial == dst.partial:
+            low = (key[0] + lat, nbytes, key[2] + 1, key[3] + 1)
+            heapq.heappush(heap, (low, c + 1, next(counter), state, path, key))
     raise ShardingError(f"no redistribution from {src.spec_str()} to {dst.spec_str()}")  # unreachable
 
 
-def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
+def _dominated(labels: list[tuple[int, int]], collectives: int, nbytes: int) -> bool:
+    """Whether a label with no more collectives and no more bytes is among ``labels``."""
+    return any(c <= collectives and b <= nbytes for c, b in labels)
+
+
+def _edge_cache(dst: Layout, shape: tuple[int, ...], itemsize: int):
+    """The per-axis steps (``_edges`` without the exchange) towards ``dst``, memoised per
+    layout: a search may expand a layout once per label."""
+    return functools.cache(lambda s: tuple(_edges(s, dst, shape, itemsize, exchange=False)))
+
+
+def _per_axis_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int, limit: int) -> int:
+    """Fewest bytes of a plan of per-axis steps (no exchange) with at most one collective
+    per mesh axis: the plans DTensor's planners make (one transformation per mesh dim),
+    costed like ours; ``limit`` if there is none moving fewer than ``limit`` bytes."""
+    edges = _edge_cache(dst, shape, itemsize)
+    start = (src, frozenset())
+    best = {start: 0}
+    heap = [(0, 0, next(counter := itertools.count()), start)]
+    while heap:
+        nbytes, steps, _, (state, used) = heapq.heappop(heap)
+        if nbytes >= limit:
+            break
+        if state == dst:
+            return nbytes
+        if best.get((state, used), math.inf) < nbytes:
+            continue
+        for step in edges(state):
+            comm = step.kind in COMM_KINDS
+            if comm and step.axis in used:
+                continue
+            nxt = (step.dst, used | {step.axis} if comm else used)
+            n = nbytes + step.bytes
+            if n < best.get(nxt, math.inf):
+                best[nxt] = n
+                heapq.heappush(heap, (n, steps + 1, next(counter), nxt))
+    return limit
+
+
+def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int, exchange: bool = True):
+    """Steps out of ``s`` towards ``goal``: per-axis collectives and slices, and (with
+    ``exchange``) the direct exchange to ``goal``."""
     mesh = s.mesh
     ndim = len(shape)
     goal_ops = goal.partial_ops
@@ -319,7 +374,7 @@ def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int):
             if a in goal_ops:
                 t = s.with_partial({**s.partial_ops, a: goal_ops[a]})
                 yield Step("reduce_local", a, s, t, 0, g, op=goal_ops[a])
-    if s.partial == goal.partial and s != goal:
+    if exchange and s.partial == goal.partial and s != goal:
         yield _exchange(s, goal, shape, itemsize)
 
 

@@ -162,3 +162,73 @@ def test_copies_share_the_fragment(mesh, monkeypatch):
     seen = _slow_calls(monkeypatch)
     torch.testing.assert_close((y + y).full_tensor(), 2 * x.full_tensor())
     assert seen == []
+
+
+def test_low_rank_arrays_skip_the_torch_function_hook(mesh):
+    """Arrays of 2 dims or fewer reach ``__torch_dispatch__`` without a torch-function hook;
+    arrays with batch dims keep the one that runs batched matmul / einsum / rms_norm as one
+    op. Both are ShardedArrays, flatten as pytrees, and ops pick the output's class by rank."""
+    import optree
+
+    disabled = torch._C._disabled_torch_function_impl
+    x2 = sf.distribute(torch.randn(4, 4), P("x"), mesh=mesh)
+    x4 = sf.distribute(torch.randn(2, 2, 4, 4), P("x", "y"), mesh=mesh)
+    assert isinstance(x2, sf.ShardedArray) and isinstance(x4, sf.ShardedArray)
+    assert type(x2).__torch_function__ is disabled
+    assert type(x4).__torch_function__ is not disabled
+    assert type(x4.sum((0, 1))) is type(x2) and type(x2.unsqueeze(0)) is type(x4)
+    tree = {"a": x2, "b": x4}
+    leaves, spec = optree.tree_flatten(tree, namespace="shardfn")
+    back = optree.tree_unflatten(spec, leaves)
+    for k in tree:
+        assert type(back[k]) is type(tree[k])
+        torch.testing.assert_close(back[k].full_tensor(), tree[k].full_tensor())
+    q = sf.distribute(torch.randn(2, 2, 4, 3), P("x", "y"), mesh=mesh)
+    k = sf.distribute(torch.randn(2, 2, 5, 3), P("x", "y"), mesh=mesh)
+    s = torch.matmul(q, k.transpose(2, 3))  # heads stay split: the hook ran contract
+    assert s.spec == P("x", "y")
+    torch.testing.assert_close(s.full_tensor(), q.full_tensor() @ k.full_tensor().transpose(2, 3))
+
+
+def test_non_canonical_storage_takes_the_checked_path(mesh, monkeypatch):
+    """The fast path assumes op outputs' storage form (size 1 on mesh dims a value does
+    not vary over). An array stored otherwise (a replicated value repeated per device)
+    gets no fast key, and its results have torch's values and the canonical form."""
+    from shardfn.array import ShardedArray
+
+    t = torch.randn(3, 3)
+    r = sf.distribute(t, P(), mesh=mesh)
+    expanded = ShardedArray(t.expand(2, 2, 3, 3), r._layout, (3, 3), t.dtype)
+    for _ in range(2):
+        torch.addmm(r, r, r.t())  # warm the entry with canonical arrays
+    assert _dispatch._fast_key(torch.ops.aten.addmm.default, (expanded, expanded, r), {}) is None
+    for _ in range(2):
+        y = torch.addmm(expanded, expanded, r.t())
+        torch.testing.assert_close(y.full_tensor(), t + t @ t.t())
+        assert tuple(y._local.shape[:2]) == (1, 1)
+
+
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "y")])
+def test_calls_the_same_on_every_device_run_once(spec):
+    """On a mesh whose devices all compute the same thing (replicated inputs, or a mesh of
+    size-1 axes) an op without a plain batched form runs once, as one device runs it:
+    values, dtype and gradients as plain torch, warm and cold."""
+    mesh = sf.Mesh((1, 1), ("x", "y"), backend="local") if spec != P() else sf.Mesh((2, 2), ("x", "y"), backend="local")
+    g = torch.Generator().manual_seed(0)
+    b, x, w = torch.randn(5, generator=g), torch.randn(3, 4, generator=g), torch.randn(4, 5, generator=g)
+    bs, xs, ws = (sf.distribute(v, spec if v.dim() == 2 else P(), mesh=mesh).requires_grad_() for v in (b, x, w))
+    for _ in range(3):
+        y = torch.addmm(bs, xs, ws, beta=0.5, alpha=2.0)
+        torch.testing.assert_close(y.full_tensor(), torch.addmm(b, x, w, beta=0.5, alpha=2.0))
+        s = xs.sum()
+        torch.testing.assert_close(s.full_tensor(), x.sum())
+    (y.sum() + s).backward()
+    br, xr, wr = (v.clone().requires_grad_() for v in (b, x, w))
+    (torch.addmm(br, xr, wr, beta=0.5, alpha=2.0).sum() + xr.sum()).backward()
+    for got, want in ((bs, br), (xs, xr), (ws, wr)):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad)
+    i = sf.distribute(torch.arange(12, dtype=torch.int32).reshape(3, 4), spec, mesh=mesh)
+    for _ in range(2):
+        z = torch.mm(i, i.t())
+        assert z.dtype == torch.int32
+        torch.testing.assert_close(z.full_tensor(), torch.mm(i.full_tensor(), i.full_tensor().t()))

@@ -81,6 +81,42 @@ def test_plans_are_cached_per_shape_mesh_and_dtype(mesh24):
     assert d.bytes_per_device == 3 * 2 * 4 * 4 and d.src.mesh == other
 
 
+def test_one_exchange_only_when_it_moves_no_more_bytes_than_per_axis_collectives(mesh22):
+    # even shards: one all_gather over both axes sends what two per-axis ones would
+    even = sf.plan_redistribute(P("x", "y"), P(), (8, 6), mesh=mesh22)
+    assert len(even.steps) == 1 and even.bytes_per_device == 3 * 4 * 3 * 4
+    # uneven f32[7,5]: the exchange sends the 4x3 shard to 3 peers (144 B); gathering 'y'
+    # then 'x' sends 4x3 then 4x5 (128 B, DTensor's plan), so that wins despite the latency
+    uneven = sf.plan_redistribute(P("x", "y"), P(), (7, 5), mesh=mesh22)
+    assert kinds(uneven) == [("all_gather", "y"), ("all_gather", "x")]
+    assert uneven.bytes_per_device == (4 * 3 + 4 * 5) * 4
+    assert "2 collective(s)" in str(uneven) and "us bytes" in str(uneven)
+    x = sf.distribute(torch.randn(7, 5), P("x", "y"), mesh=mesh22)
+    with CommCounter() as c:
+        y = sf.reshard(x, P())
+    assert c.bytes == uneven.bytes_per_device and c.total == 2
+    assert torch.equal(y.full_tensor(), x.full_tensor())
+
+
+def test_no_plan_moves_more_bytes_than_the_best_per_axis_plan(mesh24):
+    """Every pair of these 2-D layouts on a 2x4 mesh, even and uneven, small and large:
+    the plan moves no more bytes than the best plan with one collective per mesh axis
+    (the latency-aware search may save collectives, never bytes against that)."""
+    import itertools
+    import math
+
+    from shardfn.plan import _per_axis_bytes
+    from shardfn.spec import to_layout
+
+    specs = [P(), P("x"), P("y"), P(None, "x"), P(None, "y"), P("x", "y"), P("y", "x"), P(("x", "y")),
+             P(("y", "x")), P(None, ("x", "y")), P("x", partial="y"), P(partial="x")]
+    for shape in [(7, 5), (3, 2), (255, 130)]:
+        for src, dst in itertools.product(specs, specs):
+            a, b = to_layout(src, 2, mesh24), to_layout(dst, 2, mesh24)
+            plan = sf.plan_redistribute(src, dst, shape, mesh=mesh24)
+            assert plan.bytes_per_device <= _per_axis_bytes(a, b, shape, 4, math.inf), str(plan)
+
+
 def test_plan_str_explains_each_step(mesh24):
     text = str(sf.plan_redistribute(P("x", partial="y"), P("y", "x"), (8, 8), mesh=mesh24))
     assert "f32[8,8] P('x', None, partial='y')" in text
@@ -99,8 +135,8 @@ def test_reshard_executes_exactly_its_plan(mesh24):
 def test_plans_against_dtensor_on_a_sample_of_the_redistribution_corpus():
     """tools/dtensor_redistribute_compare.py on every 11th case (the full run: python
     tools/dtensor_redistribute_compare.py --check): exact, never more collectives than
-    DTensor's better planner on tensors < 64 KiB, and more bytes only where one padded
-    collective replaces DTensor's two (uneven shards over two axes gathered at once)."""
+    DTensor's better planner on tensors < 64 KiB, never more bytes (the full run: 0 of
+    2,574 cases either way, bytes 0.864x DTensor's)."""
     import sys
     from pathlib import Path
 
@@ -116,5 +152,4 @@ def test_plans_against_dtensor_on_a_sample_of_the_redistribution_corpus():
             dist.destroy_process_group()
     assert r["more_collectives_small"] == []
     assert r["bytes"] < 0.9 * r["dtensor_bytes"]
-    for case, (ob, oc), (tb, tc) in r["more_bytes"]:
-        assert oc < tc and ob <= 1.75 * tb, case
+    assert r["more_bytes"] == []

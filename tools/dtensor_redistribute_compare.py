@@ -5,7 +5,9 @@ per mesh dim a source placement in {R, S(0), S(1), P(sum), P(max)} (one Partial 
 case, as DTensor requires) and a destination in {R, S(0), S(1)}. For each case:
 
 - shardfn: ``plan_redistribute`` -> bytes the busiest device sends, collectives; with
-  ``--check`` the plan also runs on the local backend and must give the exact value.
+  ``--check`` the plan also runs on the local backend and must give the exact value; with
+  ``--check-dist`` every case on a mesh of at most 4 devices runs on the dist backend
+  (4 gloo processes) and must give the exact value there too.
 - DTensor: both planners (``_gen_transform_infos`` greedy and graph-based), each step
   costed like shardfn's steps (ring: all_gather (g-1) x padded shard, all_reduce
   2 (g-1)/g x size, reduce_scatter (g-1) x padded shard, all_to_all (g-1) x padded
@@ -13,7 +15,7 @@ case, as DTensor requires) and a destination in {R, S(0), S(1)}. For each case:
 
 Targets (issue 14): never more bytes than DTensor, and never more collectives than
 DTensor where the tensor is small (< 64 KiB). ``python tools/dtensor_redistribute_compare.py
-[--check]`` prints the totals and every losing case; ``cases()``/``compare()`` are used
+[--check] [--check-dist]`` prints the totals and every losing case; ``cases()``/``compare()`` are used
 by tests/test_plan.py on a sample.
 """
 
@@ -23,6 +25,7 @@ import argparse
 import itertools
 import math
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -32,6 +35,9 @@ SHAPES = [(8, 8), (7, 5), (3, 2), (1, 9), (64, 48), (255, 130)]
 SRC = ("R", "S0", "S1", "Psum", "Pmax")
 DST = ("R", "S0", "S1")
 SMALL = 64 * 1024
+ROOT = Path(__file__).parents[1]
+if str(ROOT) not in sys.path:  # this checkout's shardfn, not an installed one
+    sys.path.insert(0, str(ROOT))
 
 
 def cases() -> list[tuple]:
@@ -68,13 +74,13 @@ def shardfn_cost(case: tuple) -> tuple[int, int]:
     return plan.bytes_per_device, plan.collectives
 
 
-def check_exact(case: tuple) -> None:
-    """Run the plan on the local backend from a source with that layout; compare."""
+def check_exact(case: tuple, backend: str = "local") -> None:
+    """Run the plan on ``backend`` from a source with that layout; compare."""
     import shardfn as sf
 
     mshape, names, shape, src, dst = case
-    mesh = sf.Mesh(mshape, names, backend="local")
-    full = torch.randn(shape)
+    mesh = sf.Mesh(mshape, names, backend=backend)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(repr(case).encode())))
     x = sf.reshard(sf.distribute(full, sf.P(), mesh=mesh), _sf_placements(src))
     y = sf.reshard(x, _sf_placements(dst))
     if not torch.equal(y.full_tensor(), full):
@@ -86,7 +92,7 @@ def dtensor_cost(case: tuple) -> tuple[int, int]:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import _dtensor_ref as ref
 
     mshape, names, shape, src, dst = case
@@ -151,14 +157,66 @@ def compare(sample: list[tuple], check: bool = False) -> dict:
             "more_bytes": more_bytes, "more_collectives_small": more_colls}
 
 
+DIST_WORLD = 4
+
+
+def _dist_rank(rank: int, port: int, out: str) -> None:
+    """One gloo rank: every case on a mesh of at most DIST_WORLD devices; rank 0 writes
+    the failures to ``out``."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=DIST_WORLD)
+    failures, n = [], 0
+    for case in cases():
+        if math.prod(case[0]) != DIST_WORLD:
+            continue
+        n += 1
+        try:
+            check_exact(case, "dist")
+        except AssertionError as e:
+            failures.append(str(e))
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(f"{n}\n" + "\n".join(failures))
+
+
+def check_dist() -> tuple[int, list[str]]:
+    """(cases run, failures) of every case on a 4-device mesh, run on 4 gloo processes."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result")
+        mp.spawn(_dist_rank, args=(port, out), nprocs=DIST_WORLD)
+        n, *failures = Path(out).read_text().split("\n")
+    return int(n), [f for f in failures if f]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="also run every plan and compare values")
+    parser.add_argument("--check-dist", action="store_true",
+                        help="also run every case on a 4-device mesh on 4 gloo processes and compare values")
     args = parser.parse_args()
+    if args.check_dist:
+        n, failures = check_dist()
+        print(f"dist backend (4 gloo processes): {n} cases run, {len(failures)} inexact")
+        for f in failures[:40]:
+            print(f"  inexact on dist: {f}")
     r = compare(cases(), args.check)
-    print(f"{r['cases']} cases; bytes shardfn / DTensor = {r['bytes'] / max(r['dtensor_bytes'], 1):.3f}")
-    print(f"more bytes than DTensor: {len(r['more_bytes'])}; more collectives on < 64 KiB: "
-          f"{len(r['more_collectives_small'])}")
+    print(f"cases: {r['cases']}; bytes shardfn / DTensor: {r['bytes'] / max(r['dtensor_bytes'], 1):.4f} "
+          f"({r['bytes']} / {r['dtensor_bytes']} B); cases with more bytes than DTensor: {len(r['more_bytes'])}; "
+          f"cases with more collectives on < 64 KiB: {len(r['more_collectives_small'])}"
+          + ("; every result exact" if args.check else ""))
     for name in ("more_bytes", "more_collectives_small"):
         for case, ours, theirs in r[name][:40]:
             print(f"  {name}: {case}: shardfn (bytes, collectives) {ours}, DTensor {theirs}")

@@ -99,6 +99,18 @@ class Backend(Protocol):
         autograd may skip it, else zeros computed from ``like`` (a traced backward
         must keep the collectives such a value feeds on the backward side)."""
 
+    # -- running ops -----------------------------------------------------------------------
+    def compile_call(self, func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], positional: tuple | None) -> Any:
+        """An op's local call for one dispatch cache entry, decided once:
+        ``(args, kwargs, values, symbolic) -> flat outputs`` (backend values). Its ``lean``
+        is None or ``(args, kwargs) -> the lone output`` for a warm call whose arrays sit at
+        ``positional``, need no move and are stored canonically (:meth:`is_canonical`);
+        ``lean`` returns None while it cannot run such a call yet."""
+
+    def is_canonical(self, value: Any, layout: Any) -> bool:
+        """Whether ``value`` is stored in the one form op outputs of ``layout`` have (the
+        fast path's ``lean`` calls rely on it; dispatch gives other arrays no fast key)."""
+
     def keeps_symbolic(self, value: Any) -> bool:
         """Whether an array holding ``value`` may keep symbolic (torch.compile dynamic)
         global sizes through plans and ops; otherwise they are specialised."""

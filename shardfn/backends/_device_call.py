@@ -105,6 +105,12 @@ def same(v: Any) -> Any:
     return v
 
 
+def raw_op(fn: Any) -> Any:
+    """An aten op's C++ callable (``OpOverload.__call__`` is one Python frame around it,
+    a measurable share of a warm call), anything else as it is."""
+    return fn._op if isinstance(fn, torch._ops.OpOverload) else fn
+
+
 class DeviceCall:
     """The local call of one strategy on the shards of the given devices: ``(args,
     kwargs, dev) -> flat outputs``. Localised sizes and shard facts are computed once

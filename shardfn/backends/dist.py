@@ -40,7 +40,7 @@ from ..errors import ShardingError
 from ..layout import Layout, describe, local_shapes, split_range
 from ..mesh import Mesh
 from ..plan import Step
-from ._device_call import DeviceCall, substitute
+from ._device_call import DeviceCall, raw_op, substitute
 from .local import _reduce
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
@@ -667,7 +667,16 @@ class RankCall:
         self.rank = rank_of(call.mesh)
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes, (self.rank,))
         self.positional = positional
-        self.direct = self.device_call.direct  # the op itself when nothing needs adapting
+        self.direct = raw_op(self.device_call.direct)  # the op itself when nothing needs adapting
+
+    def lean(self, args: tuple, kwargs: dict) -> Any:
+        """The lone output for arrays at ``positional`` needing no move (dispatch's fast path)."""
+        a = list(args)
+        for p in self.positional:
+            a[p] = args[p]._local
+        if self.direct is not None:
+            return self.direct(*a, **kwargs)
+        return self.device_call(tuple(a), kwargs, self.rank)[0]
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
         a, k = substitute(args, kwargs, values, self.positional)
@@ -697,6 +706,9 @@ class DistBackend:
     all_true = staticmethod(all_true)
     axis_group = staticmethod(axis_group)
     compile_call = staticmethod(compile_call)  # dispatch: an op's local call, once per cache entry
+
+    def is_canonical(self, value: torch.Tensor, layout: Layout) -> bool:
+        return True  # a rank's shard has one form
 
     def devices(self, mesh: Mesh) -> tuple[int]:
         return (rank_of(mesh),)

@@ -21,7 +21,7 @@ import torch
 from ..layout import Layout, is_even, local_shapes
 from ..mesh import Mesh
 from ..plan import Step, _exchange
-from ._device_call import DeviceCall, substitute
+from ._device_call import DeviceCall, raw_op, substitute
 
 Value = Union[torch.Tensor, tuple]
 
@@ -66,6 +66,18 @@ def settle(value: torch.Tensor, layout: Layout) -> torch.Tensor:
         elif not v and n != 1:
             value = value.narrow(k, 0, 1)
     return value
+
+
+@functools.lru_cache(maxsize=4096)
+def canonical_sizes(layout: Layout) -> tuple[int, ...]:
+    """The mesh-dim sizes of a stacked value in :func:`settle`'s form for ``layout``."""
+    return tuple(g if v else 1 for g, v in zip(layout.mesh.shape, varying(layout)))
+
+
+def is_canonical(value: Value, layout: Layout) -> bool:
+    """Whether ``value`` is stored as op outputs are (:func:`settle`; per-device tuples
+    have one form)."""
+    return isinstance(value, tuple) or tuple(value.shape[:layout.mesh.ndim]) == canonical_sizes(layout)
 
 
 def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None], mesh: Mesh,
@@ -570,12 +582,13 @@ def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], pos
     from . import _batching
 
     per_device = PerDeviceCall(func, cand, call, out_shapes, positional)
+    canon = tuple(torch.Size(canonical_sizes(v._layout)) for _, v in call.arrays)
     even = all(is_even(l, tuple(v.shape)) for (_, v), l in zip(call.arrays, cand.in_layouts)) and all(
         l is None or is_even(l, s) for l, s in zip(cand.out_layouts, out_shapes))
     batched = _batching.batched_call(func, cand, call, out_shapes) if even else None
     if batched is None:
         return per_device
-    return StackedCall(batched, per_device, call.mesh, cand.out_layouts, positional)
+    return StackedCall(batched, per_device, call.mesh, cand.out_layouts, positional, canon)
 
 
 def _flat(out: Any) -> list:
@@ -590,12 +603,49 @@ class StackedCall:
 
     keeps_symbolic = True
 
-    def __init__(self, fn: Any, per_device: "PerDeviceCall", mesh: Mesh, layouts: tuple, positional: tuple | None) -> None:
+    def __init__(self, fn: Any, per_device: "PerDeviceCall", mesh: Mesh, layouts: tuple, positional: tuple | None,
+                 canon: tuple) -> None:
         self.fn, self.per_device, self.mesh, self.layouts, self.positional = fn, per_device, mesh, layouts, positional
         self.mode = "batched"  # -> "full" -> "per_device" as calls show what the op supports
         self.verified: dict = {}
-        self.direct = getattr(fn, "direct", None)  # the op itself when no argument needs adapting
+        self.direct = raw_op(getattr(fn, "direct", None))  # the op itself when no argument needs adapting
         self.m = mesh.ndim
+        self.canon = canon  # the inputs' mesh-dim sizes when the arrays are stored canonically
+        self.ready = False  # that call verified: ``lean`` may run it without looking at shapes
+        # canonical inputs and outputs the same on every device (a 1-device mesh, a fully
+        # replicated computation), and a batched form that is more than the aten op itself:
+        # ``lean`` runs device 0's call on the squeezed values instead
+        same = all(n == 1 for sizes in canon for n in sizes) and all(
+            l is None or all(n == 1 for n in canonical_sizes(l)) for l in layouts)
+        adapted = not isinstance(getattr(fn, "direct", None), torch._ops.OpOverload)
+        self.once = per_device.device_call if same and adapted and positional is not None else None
+        self.once_direct = raw_op(self.once.direct) if self.once is not None else None
+        self.first = 0 if self.m == 1 else (0,) * self.m
+
+    def lean(self, args: tuple, kwargs: dict) -> Any:
+        """The lone output for arrays at ``positional``, stored canonically and needing no
+        move (dispatch's fast path), or None until such a call has been verified."""
+        if self.once is not None:
+            return self._once(args, kwargs)
+        if not self.ready:
+            return None
+        a = list(args)
+        for p in self.positional:
+            a[p] = args[p]._local
+        if self.direct is not None:
+            return self.direct(*a, **kwargs)
+        return self.fn(tuple(a), kwargs, False)
+
+    def _once(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Device 0's call on the squeezed values, its output given size-1 mesh dims: what
+        per-device execution gives when every device computes the same thing."""
+        a = list(args)
+        first = self.first
+        for p in self.positional:
+            a[p] = args[p]._local[first]
+        direct = self.once_direct
+        out = direct(*a, **kwargs) if direct is not None else self.once(tuple(a), kwargs, 0)[0]
+        return out.unsqueeze(0) if self.m == 1 else out.view((1,) * self.m + tuple(out.shape))
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
         if self.mode == "batched":
@@ -620,8 +670,9 @@ class StackedCall:
                 fixed = [o if t is None else settle(o, l) for o, t, l in zip(outs, tensors, layouts)]
                 if len(self.verified) < 64:
                     self.verified[sig] = all(f is o for f, o in zip(fixed, outs))
+                    self.ready = self.verified.get(self.canon) is True and self.positional is not None
                 return fixed
-            self.mode = "full"
+            self.mode, self.ready = "full", False
         if self.mode == "full":
             a, k = substitute(args, kwargs, values, self.positional, functools.partial(full, mesh=mesh))
             try:
@@ -629,7 +680,7 @@ class StackedCall:
             except (RuntimeError, IndexError, ValueError) as e:
                 if symbolic or _is_sharding_error(e):
                     raise
-                self.mode = "per_device"
+                self.mode, self.ready = "per_device", False
             else:
                 return [settle(o, l) if isinstance(o, torch.Tensor) and l is not None else o
                         for o, l in zip(outs, layouts)]
@@ -647,6 +698,7 @@ class PerDeviceCall:
     with no batched form); outputs are stored in their preferred form."""
 
     keeps_symbolic = False
+    lean = None  # no fast form: a warm call takes ``__call__``
 
     def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
         self.mesh = call.mesh
@@ -683,6 +735,7 @@ class LocalBackend:
     global_shape = staticmethod(global_shape)
     all_true = staticmethod(all_true)
     compile_call = staticmethod(compile_call)  # dispatch: an op's local call, once per cache entry
+    is_canonical = staticmethod(is_canonical)
 
     def devices(self, mesh: Mesh) -> range:
         return range(mesh.size)

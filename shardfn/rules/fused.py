@@ -1,5 +1,5 @@
 """Rules for shardfn's own ops (``shardfn/_contract.py``): torch composites that
-``ShardedArray.__torch_function__`` runs as one op so that their sharding survives.
+``_BatchedArray.__torch_function__`` runs as one op so that their sharding survives.
 
 - ``shardfn::contract(equation, a, b)``: the equation is the rule, so every batch letter
   keeps its sharding (torch's ``matmul``/``einsum`` would fold the batch dims into one).
