@@ -19,8 +19,8 @@ from typing import Any
 import optree
 import torch
 
-from .array import ShardedArray, _make_wrapper, check_partial_dtype, reshard
-from .dispatch import _fragment, fragment_of
+from .array import _BATCHED_NDIM, ARRAY_TYPES, ShardedArray, _BatchedArray, _make_wrapper, check_partial_dtype, reshard
+from .dispatch import fragment_of
 from .layout import Layout, is_even
 from .plan import PLAN_CACHES, plan_layouts
 from .spec import to_layout
@@ -62,7 +62,7 @@ def _tree_key(treespec: Any, leaves: list, shardings: Any) -> tuple | None:
     their types: a tuple and a P may compare equal) and the bucket size."""
     from .transforms import _is_spec
 
-    parts = [v._kf if type(v) is ShardedArray and v._kf is not None else _leaf_part(v) for v in leaves]
+    parts = [v._kf if type(v) in ARRAY_TYPES and v._kf is not None else _leaf_part(v) for v in leaves]
     if None in parts:
         return None
     if _is_spec(shardings):
@@ -74,10 +74,14 @@ def _tree_key(treespec: Any, leaves: list, shardings: Any) -> tuple | None:
 
 
 def _leaf_part(v: Any) -> Any:
-    """A leaf's part of the tree key: an array's interned fragment (None while its shape
-    is symbolic), else whether it is a tensor."""
+    """A leaf's part of the tree key: an array's interned (layout, shape, dtype) fragment
+    (None while its shape is symbolic; not kept on the array, which dispatch does only for
+    canonical storage), else whether it is a tensor."""
     if isinstance(v, ShardedArray):
-        return _fragment(v)
+        try:
+            return fragment_of(v._layout, tuple(v.shape), v.dtype)
+        except TypeError:  # SymInts do not hash
+            return None
     return _TENSOR if isinstance(v, torch.Tensor) else _OTHER
 
 
@@ -197,7 +201,7 @@ class _Bucket:
     ``from_shards`` per leaf."""
 
     __slots__ = ("idx", "whole", "mesh", "dtype", "device", "flat_src", "flat_dst", "total",
-                 "srcs", "dsts", "shapes", "frags", "sizes", "local_shapes", "held1")
+                 "srcs", "dsts", "shapes", "classes", "frags", "sizes", "local_shapes", "held1")
 
     def __init__(self, bucket: list, leaves: list, flat_dst: Layout) -> None:
         from .backends import backend_for
@@ -215,10 +219,10 @@ class _Bucket:
         self.srcs = tuple(x._layout for x in xs)
         self.dsts = tuple(dst for _, dst in bucket)
         self.shapes = tuple(tuple(x.shape) for x in xs)
+        self.classes = tuple(ShardedArray if len(s) < _BATCHED_NDIM else _BatchedArray for s in self.shapes)
         for dst in self.dsts:
             if dst.partial:
                 check_partial_dtype(dst, self.dtype)
-        self.frags = tuple(fragment_of(d, s, self.dtype) for d, s in zip(self.dsts, self.shapes))
         backend = backend_for(self.mesh)
         shards = [backend.shard_list(x._local, self.mesh)[0] for x in xs]  # even (or whole) leaves
         self.local_shapes = tuple(tuple(p.shape) for p in shards)
@@ -227,6 +231,11 @@ class _Bucket:
         probe = shards[0]
         self.held1 = (len(backend.devices(self.mesh)) == 1 and backend.shard_list(x0._local, self.mesh)[0] is x0._local
                       and backend.from_shards([probe], self.dsts[0], self.shapes[0]) is probe)
+        # outputs carry dispatch's key fragment where their storage is canonical (always
+        # for a lone held shard; the generic path leaves it to dispatch's first use)
+        canonical = self.held1 and all(backend.is_canonical(probe, d) for d in set(self.dsts))
+        self.frags = tuple(fragment_of(d, s, self.dtype) if canonical else None
+                           for d, s in zip(self.dsts, self.shapes))
 
     def move(self, xs: list) -> list:
         """The leaves ``xs`` (this bucket's, in order) moved: their new ShardedArrays."""
@@ -247,11 +256,12 @@ class _Bucket:
         return self._wrap(pieces)
 
     def _wrap(self, pieces: list) -> list:
-        """Contiguous ShardedArrays of the moved backend values (metadata checked when
-        the bucket was made); positional wrapper args parse fastest (``array._wrap_output``)."""
+        """Contiguous arrays of the moved backend values (metadata checked when the bucket
+        was made; ``_BatchedArray`` from 3 dims, as ``array._wrap_output`` makes them);
+        positional wrapper args parse fastest."""
         out = []
-        dtype, device, strided, cls = self.dtype, self.device, torch.strided, ShardedArray
-        for p, dst, shape, frag in zip(pieces, self.dsts, self.shapes, self.frags):
+        dtype, device, strided = self.dtype, self.device, torch.strided
+        for p, dst, shape, cls, frag in zip(pieces, self.dsts, self.shapes, self.classes, self.frags):
             r = _make_wrapper(cls, shape, None, None, None, dtype, strided, device)
             r._local = p
             r._layout = dst

@@ -358,8 +358,9 @@ def test_pytree_reshard_mixed_tree_values_and_grads_match_torch() -> None:
         close(out["plain"], plain)
         assert out["plain"].spec == P("tp")
         got = [*out["s"], out["t"][0], out["u"]["d"], out["u"]["avg"], out["u"]["max"]]
-        for g, x in zip(got, xs):
+        for g, x, lf in zip(got, xs, leaves):
             assert g.spec == P() and g.dtype == x.dtype
+            assert type(g) is type(lf)  # 3-d and up: the class with the batched-product hook
             close(g, x.detach())
         ws = [torch.randn(x.shape, dtype=x.dtype) for x in xs]
         sum((g.full_tensor() * w).sum() for g, w in zip(got, ws)).backward()
