@@ -331,6 +331,21 @@ def test_pytree_reshard_plan_cache_hits_and_never_goes_stale() -> None:
         plan_mod.COST_MODELS["gloo"] = old
 
 
+def test_pytree_reshard_with_unhashable_shardings_is_not_cached() -> None:
+    from shardfn import Replicate, coalesce
+
+    mesh = sf.Mesh((4,), ("dp",), backend="local")
+    torch.manual_seed(0)
+    full = [torch.randn(s) for s in _GRAD_SHAPES]
+    coalesce._plans.clear()
+    for _ in range(2):
+        with sf.debug.CommCounter() as cc:
+            out = sf.reshard(_pending(full, mesh), [Replicate()])  # a placements list: no hash
+        assert cc.counts == {"all_reduce": 1} and not coalesce._plans
+        for o, t in zip(out, full):
+            close(o, t)
+
+
 def test_pytree_reshard_mixed_tree_values_and_grads_match_torch() -> None:
     """Mixed dtypes, uneven shapes, Partial(avg/max), a leaf that needs no move, a plain
     tensor and non-array leaves; twice (cache miss, then hit); gradients against torch."""
