@@ -115,6 +115,13 @@ class ShardedArray(torch.Tensor):
     def placements(self) -> tuple[Placement, ...]:
         return layout_placements(self._layout)
 
+    def __format__(self, spec: str) -> str:
+        """A 0-d array formats as its value, as a 0-d tensor does (``f"{loss:.4f}"``);
+        torch's own ``__format__`` does that for plain tensors only."""
+        if self.dim() == 0 and spec:
+            return self.item().__format__(spec)
+        return super().__format__(spec)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         rg = ", requires_grad=True" if self.requires_grad else ""
         return f"ShardedArray({describe(tuple(self.shape), self.dtype, self._layout)}, mesh={self.mesh!r}{rg})"

@@ -215,3 +215,16 @@ def test_visualize_sharding(mesh24, capsys):
 def test_repr_is_compact(mesh24):
     x = sf.distribute(torch.randn(7, 5), P("x", None), mesh=mesh24)
     assert "f32[7,5] P('x', None)" in repr(x)
+
+
+def test_format_spec_of_a_scalar_array_formats_its_value():
+    """``f"{loss:.4f}"`` works on a 0-d array as on a 0-d tensor; other arrays reject a
+    format spec as torch does."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    t = torch.arange(16.0).reshape(4, 4) / 7
+    x = sf.distribute(t, P("x"), mesh=mesh)
+    assert f"{x.sum():.4f}" == f"{t.sum():.4f}"
+    assert f"{x.mean(dtype=torch.float64):10.2e}" == f"{t.mean(dtype=torch.float64):10.2e}"
+    assert f"{x}" == str(x)
+    with pytest.raises(TypeError):
+        f"{x:.3f}"
