@@ -105,6 +105,19 @@ def same(v: Any) -> Any:
     return v
 
 
+def with_locals(args: tuple, positional: tuple, index: Any = None) -> list:
+    """A warm call's arguments: ``args`` with each array at ``positional`` replaced by its
+    backend value (``value[index]`` when ``index`` is given)."""
+    a = list(args)
+    if index is None:
+        for p in positional:
+            a[p] = args[p]._local
+    else:
+        for p in positional:
+            a[p] = args[p]._local[index]
+    return a
+
+
 def raw_op(fn: Any) -> Any:
     """An aten op's C++ callable (``OpOverload.__call__`` is one Python frame around it,
     a measurable share of a warm call), anything else as it is."""

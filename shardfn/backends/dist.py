@@ -40,7 +40,7 @@ from ..errors import ShardingError
 from ..layout import Layout, describe, local_shapes, split_range
 from ..mesh import Mesh
 from ..plan import Step
-from ._device_call import DeviceCall, raw_op, substitute
+from ._device_call import DeviceCall, raw_op, substitute, with_locals
 from .local import _reduce
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
@@ -671,9 +671,7 @@ class RankCall:
 
     def lean(self, args: tuple, kwargs: dict) -> Any:
         """The lone output for arrays at ``positional`` needing no move (dispatch's fast path)."""
-        a = list(args)
-        for p in self.positional:
-            a[p] = args[p]._local
+        a = with_locals(args, self.positional)
         if self.direct is not None:
             return self.direct(*a, **kwargs)
         return self.device_call(tuple(a), kwargs, self.rank)[0]

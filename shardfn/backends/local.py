@@ -21,7 +21,7 @@ import torch
 from ..layout import Layout, is_even, local_shapes
 from ..mesh import Mesh
 from ..plan import Step, _exchange
-from ._device_call import DeviceCall, raw_op, substitute
+from ._device_call import DeviceCall, raw_op, substitute, with_locals
 
 Value = Union[torch.Tensor, tuple]
 
@@ -608,7 +608,8 @@ class StackedCall:
         self.fn, self.per_device, self.mesh, self.layouts, self.positional = fn, per_device, mesh, layouts, positional
         self.mode = "batched"  # -> "full" -> "per_device" as calls show what the op supports
         self.verified: dict = {}
-        self.direct = raw_op(getattr(fn, "direct", None))  # the op itself when no argument needs adapting
+        batched_direct = getattr(fn, "direct", None)  # the op itself when no argument needs adapting
+        self.direct = raw_op(batched_direct)
         self.m = mesh.ndim
         self.canon = canon  # the inputs' mesh-dim sizes when the arrays are stored canonically
         self.ready = False  # that call verified: ``lean`` may run it without looking at shapes
@@ -617,7 +618,7 @@ class StackedCall:
         # ``lean`` runs device 0's call on the squeezed values instead
         same = all(n == 1 for sizes in canon for n in sizes) and all(
             l is None or all(n == 1 for n in canonical_sizes(l)) for l in layouts)
-        adapted = not isinstance(getattr(fn, "direct", None), torch._ops.OpOverload)
+        adapted = not isinstance(batched_direct, torch._ops.OpOverload)
         self.once = per_device.device_call if same and adapted and positional is not None else None
         self.once_direct = raw_op(self.once.direct) if self.once is not None else None
         self.first = 0 if self.m == 1 else (0,) * self.m
@@ -629,9 +630,7 @@ class StackedCall:
             return self._once(args, kwargs)
         if not self.ready:
             return None
-        a = list(args)
-        for p in self.positional:
-            a[p] = args[p]._local
+        a = with_locals(args, self.positional)
         if self.direct is not None:
             return self.direct(*a, **kwargs)
         return self.fn(tuple(a), kwargs, False)
@@ -639,10 +638,7 @@ class StackedCall:
     def _once(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """Device 0's call on the squeezed values, its output given size-1 mesh dims: what
         per-device execution gives when every device computes the same thing."""
-        a = list(args)
-        first = self.first
-        for p in self.positional:
-            a[p] = args[p]._local[first]
+        a = with_locals(args, self.positional, self.first)
         direct = self.once_direct
         out = direct(*a, **kwargs) if direct is not None else self.once(tuple(a), kwargs, 0)[0]
         return out.unsqueeze(0) if self.m == 1 else out.view((1,) * self.m + tuple(out.shape))
