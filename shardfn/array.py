@@ -123,8 +123,12 @@ class ShardedArray(torch.Tensor):
         return super().__format__(spec)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        rg = ", requires_grad=True" if self.requires_grad else ""
-        return f"ShardedArray({describe(tuple(self.shape), self.dtype, self._layout)}, mesh={self.mesh!r}{rg})"
+        """The values as a tensor prints them, with the sharding, where this process holds
+        every shard (the simulated mesh); else this rank's shard and the layout. Never
+        communicates (``_show.py``)."""
+        from ._show import show
+
+        return show(self)
 
     # -- shards ----------------------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
