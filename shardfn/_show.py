@@ -35,7 +35,7 @@ def show(x: Any) -> str:
         box = ", ".join(f"{lo}:{hi}" for lo, hi in device_box(layout, tuple(x.shape), dev)) or "scalar"
         what = "holds" if not layout.partial else (
             "holds a part (pending " + ", ".join(f"{op} over {a!r}" for a, op in layout.partial) + ") of")
-        lines.append(f"  device {dev} ({coords}), this process, {what} [{box}]:")
+        lines.append(f"  rank {dev} ({coords}) {what} [{box}]:")
         lines.append("  " + repr(s).replace("\n", "\n  ") + (")" if dev == devices[-1] else ""))
     return "\n".join(lines)
 
