@@ -22,6 +22,7 @@ import torch
 
 from . import lax
 from .array import ShardedArray, distribute, gather, reshard
+from .backends import backend_for
 from ._tls import ThreadStack
 from .errors import ShardingError
 from .layout import Layout
@@ -43,6 +44,11 @@ def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: A
     body = _restricted(f, manual)
     if not auto:
         return _shard_map(body, m, in_specs, out_specs, check_vma, args, kwargs)
+    sub = backend_for(m).submesh(m, auto) if _plain_autograd() else None
+    if sub is not None:  # one device per process: the body runs on the sub-mesh of this rank's manual coordinates
+        from ._dist_manual import shard_map_dist
+
+        return shard_map_dist(f, inputs, sub, manual, out_specs, check_vma, kwargs)
     sub = Mesh(tuple(m.axis_size(a) for a in auto), auto, backend="local", device_type=m.device_type)
     body = _on_submesh(body, sub, [None if l is None else _keep(l, sub) for l in inputs.layouts])
     whole_in = inputs.rebuild([None if l is None else _drop(l, auto) for l in inputs.layouts])
@@ -54,6 +60,16 @@ def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: A
         for p, v, s in zip(paths, outs, specs)
     ]
     return optree.tree_unflatten(treespec, laid)
+
+
+def _plain_autograd() -> bool:
+    """No torch.func transform, forward-AD level or make_fx trace is active (the sub-mesh
+    path's crossings are first-order autograd Functions; under those the body runs on
+    whole values over the automatic axes, as before)."""
+    from torch.autograd.forward_ad import _current_level
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return not torch._C._are_functorch_transforms_active() and _current_level < 0 and get_proxy_mode() is None
 
 
 def _is_spec_leaf(s: Any) -> bool:
@@ -126,7 +142,9 @@ def _as_body_value(v: Any) -> Any:
     its submesh (so gradients never mix plain tensors and ShardedArrays)."""
     subs = _subs()
     if not subs or not isinstance(v, torch.Tensor):
-        return v
+        from ._dist_manual import as_body_value
+
+        return as_body_value(v)
     return distribute(v, Layout(subs[-1], ((),) * v.dim(), ()))
 
 
