@@ -44,11 +44,15 @@ def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: A
     body = _restricted(f, manual)
     if not auto:
         return _shard_map(body, m, in_specs, out_specs, check_vma, args, kwargs)
-    sub = backend_for(m).submesh(m, auto) if _plain_autograd() else None
-    if sub is not None:  # one device per process: the body runs on the sub-mesh of this rank's manual coordinates
-        from ._dist_manual import shard_map_dist
+    if _plain_autograd():
+        sub = backend_for(m).submesh(m, auto)
+        if sub is not None:  # one device per process: the body runs on the sub-mesh of this rank's manual coordinates
+            from ._dist_manual import shard_map_dist
 
-        return shard_map_dist(f, inputs, sub, manual, out_specs, check_vma, kwargs)
+            return shard_map_dist(f, inputs, sub, manual, out_specs, check_vma, kwargs)
+        from . import _sim_manual  # every device here: one run per manual coordinate, on sub-mesh arrays
+
+        return _sim_manual.run(f, inputs, manual, auto, out_specs, check_vma, kwargs)
     sub = Mesh(tuple(m.axis_size(a) for a in auto), auto, backend="local", device_type=m.device_type)
     body = _on_submesh(body, sub, [None if l is None else _keep(l, sub) for l in inputs.layouts])
     whole_in = inputs.rebuild([None if l is None else _drop(l, auto) for l in inputs.layouts])
@@ -212,9 +216,15 @@ def _strip(spec: Any, auto: tuple[str, ...], mesh: Mesh) -> Any:
 def _nested(f: Callable, in_specs: Any, out_specs: Any, axis_names: Any, args: tuple, kwargs: dict) -> Any:
     from .transforms import _arg_specs, _match
 
-    mesh = lax._bodies()[-1].mesh
+    body = lax._bodies()[-1]
+    mesh = body.mesh
     outer = lax._manual_set(mesh)
     inner = _check_axis_names(axis_names, mesh, outer, "nested shard_map")
+    sub = getattr(body, "submesh", None)
+    if sub is not None:  # a simulated partial-manual run: its values are arrays on the sub-mesh
+        from ._sim_manual import nested_on_submesh
+
+        return nested_on_submesh(f, sub, in_specs, out_specs, inner, args, kwargs)
     if in_specs is None:
         raise ShardingError("a nested shard_map needs in_specs: inside a shard_map body values are local tensors with no spec")
     specs = _arg_specs(in_specs, args, "nested shard_map in_specs")

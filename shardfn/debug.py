@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from ._replicas import check_replicas as check_replicas
@@ -10,10 +13,23 @@ from .layout import all_boxes, describe
 from .plan import COMM_KINDS, Step
 
 _active: list["CommCounter"] = []
+_muted = threading.local()
+
+
+@contextlib.contextmanager
+def muted(on: bool = True) -> Iterator[None]:
+    """Record nothing from this thread while ``on`` (the runs of a simulated partial-manual
+    body other than the first: their sub-mesh collectives are counted once, by the first)."""
+    before = getattr(_muted, "on", False)
+    _muted.on = on
+    try:
+        yield
+    finally:
+        _muted.on = before
 
 
 def _record(step: Step) -> None:
-    if _active and step.kind in COMM_KINDS:
+    if _active and step.kind in COMM_KINDS and not getattr(_muted, "on", False):
         for c in _active:
             c.counts[step.kind] += 1
             c.bytes += step.bytes
