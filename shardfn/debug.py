@@ -120,13 +120,21 @@ _SHARDFN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 _PUBLIC: dict[Any, str] = {}
+_PUBLIC_MODULES = ("lax", "nn", "random", "debug", "optim", "checkpoint")
+_LIBRARY_DIRS: tuple[str, ...] = ()
 
 
 def _is_library(filename: str) -> bool:
-    if filename.startswith(("<frozen", "<string")) and "importlib" in filename:
+    """shardfn, torch, optree and the standard library: not where the user's code is."""
+    global _LIBRARY_DIRS
+    if not _LIBRARY_DIRS:
+        import optree
+
+        _LIBRARY_DIRS = (_SHARDFN_DIR, _TORCH_DIR, os.path.dirname(os.path.abspath(optree.__file__)) + os.sep)
+    if filename.startswith("<frozen"):
         return True
     path = os.path.abspath(filename) if not filename.startswith("<") else filename
-    if path.startswith((_SHARDFN_DIR, _TORCH_DIR)):
+    if path.startswith(_LIBRARY_DIRS):
         return True
     return path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path
 
@@ -154,13 +162,15 @@ def _op_and_location() -> tuple[str | None, str | None]:
 
 
 def _public_names() -> dict[Any, str]:
-    """Code object -> public name (``sf.reshard``, ``sf.lax.psum``, ``sf.ShardedArray.redistribute``)."""
+    """Code object -> public name (``sf.reshard``, ``sf.lax.psum``, ``sf.ShardedArray.redistribute``);
+    code shared by several public functions (a decorator's wrapper) names none of them."""
     if _PUBLIC:
         return _PUBLIC
     root = sys.modules.get(__package__)
     if root is None:
         return _PUBLIC
-    spaces = [("sf", root)] + [(f"sf.{n}", getattr(root, n)) for n in dir(root)
+    found: dict[Any, set[str]] = {}
+    spaces = [("sf", root)] + [(f"sf.{n}", getattr(root, n)) for n in _PUBLIC_MODULES
                                if type(getattr(root, n, None)) is type(root)]
     for prefix, space in spaces:
         for name in getattr(space, "__all__", None) or [n for n in dir(space) if not n.startswith("_")]:
@@ -168,19 +178,26 @@ def _public_names() -> dict[Any, str]:
             if isinstance(obj, type) and obj.__module__.startswith(__package__):
                 for meth, fn in vars(obj).items():
                     if not meth.startswith("_"):
-                        _add_code(f"{prefix}.{name}.{meth}", getattr(fn, "__func__", fn))
+                        _codes(found, f"{prefix}.{name}.{meth}", getattr(fn, "__func__", fn))
             else:
-                _add_code(f"{prefix}.{name}", obj)
+                _codes(found, f"{prefix}.{name}", obj)
+    _PUBLIC.update({code: min(names, key=len) for code, names in found.items() if len(names) == 1 or _aliases(names)})
     return _PUBLIC
 
 
-def _add_code(name: str, fn: Any) -> None:
-    seen = 0
-    while fn is not None and seen < 5:
+def _aliases(names: set[str]) -> bool:
+    """One function re-exported under several paths (``sf.reshard`` and ``sf.array.reshard``)."""
+    return len({n.rsplit(".", 1)[-1] for n in names}) == 1
+
+
+def _codes(found: dict[Any, set[str]], name: str, fn: Any) -> None:
+    for _ in range(5):
         code = getattr(fn, "__code__", None)
         if code is not None:
-            _PUBLIC.setdefault(code, name)
-        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+            found.setdefault(code, set()).add(name)
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            break
 
 
 # -- which module is running ---------------------------------------------------------------------------
