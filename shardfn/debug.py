@@ -100,6 +100,17 @@ def _observe(step: Step) -> None:
         c.records.append(rec)
 
 
+_BACKWARD_OF = {  # shardfn's autograd functions -> the API call whose backward they run
+    "ConstrainBackward": "sf.with_sharding_constraint",
+    "_ReshardBackward": "sf.reshard",
+    "_CoalescedBackward": "sf.reshard",
+    "_DistributeBackward": "sf.distribute",
+    "_FullTensorBackward": "sf.ShardedArray.full_tensor",
+    "_ToLocalBackward": "sf.ShardedArray.to_local",
+    "_FromLocalBackward": "sf.ShardedArray.from_local",
+}
+
+
 def _make_record(step: Step) -> CommRecord:
     backward = torch._C._current_graph_task_id() != -1
     op, location = _op_and_location()
@@ -107,7 +118,7 @@ def _make_record(step: Step) -> CommRecord:
         node = torch._C._current_autograd_node()
         module = _TRACKER.module_of_node(node)
         if op is None and node is not None:
-            op = node.name()
+            op = _BACKWARD_OF.get(node.name(), node.name())
     else:
         module = _TRACKER.current()
     axes = (step.axis,) if isinstance(step.axis, str) else tuple(step.axis)
@@ -203,11 +214,15 @@ def _codes(found: dict[Any, set[str]], name: str, fn: Any) -> None:
 # -- which module is running ---------------------------------------------------------------------------
 
 
+_MAX_CALLS = 100_000
+
+
 class _ModuleTracker:
     """Qualified names of the running modules (global forward hooks, installed only while a
     counter is active). Backward attribution: each module call spans a range of autograd
     sequence numbers; the node running in backward belongs to the innermost range holding it
-    (so it works under torch.func too, where tensor hooks would not see the wrappers)."""
+    (so it works under torch.func too, where tensor hooks would not see the wrappers). A
+    backward is attributed when its forward ran under a counter (not necessarily the same)."""
 
     def __init__(self) -> None:
         self.stack: list[str] = []
@@ -216,7 +231,11 @@ class _ModuleTracker:
         self.handles: list[Any] = []
 
     def start(self) -> None:
-        self.stack, self.calls = [], []
+        # ``calls`` outlives the counter: a backward counted apart from its forward still finds
+        # the modules (sequence numbers never repeat in a thread); only the newest are kept.
+        self.stack = []
+        if len(self.calls) > _MAX_CALLS:
+            del self.calls[: len(self.calls) - _MAX_CALLS // 2]
         self.handles = [_nn_module.register_module_forward_pre_hook(self._pre),
                         _nn_module.register_module_forward_hook(self._post, always_call=True)]
 
