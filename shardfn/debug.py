@@ -13,10 +13,11 @@ import torch
 from torch.nn.modules import module as _nn_module
 
 from . import _comm_hooks
+from ._replicas import check_replicas as check_replicas
 from .layout import all_boxes, describe
 from .plan import Step
 
-__all__ = ["CommCounter", "CommRecord", "visualize_sharding"]
+__all__ = ["CommCounter", "CommRecord", "check_replicas", "visualize_sharding"]
 
 _active: list["CommCounter"] = []
 
