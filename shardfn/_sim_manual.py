@@ -19,6 +19,7 @@ arrays need is counted once (by the first run), as a collective over those devic
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -168,8 +169,7 @@ class _RunBody(_per_device.DeviceBody):
 def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_specs: Any, check_vma: bool,
         kwargs: dict) -> Any:
     """A partial-manual shard_map call on the simulated mesh (see the module docstring)."""
-    from . import lax
-    from .debug import muted
+    from . import _comm_hooks, lax
     from .transforms import _match, _out_layout, check_output_vma, check_scalar_spec
 
     mesh = inputs.mesh
@@ -196,7 +196,7 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
     def work(c: int) -> None:
         try:
             body = _RunBody(mesh, mm, sub, c, rv)
-            with torch.set_grad_enabled(grad), muted(c != 0), sub, lax._entered(body), lax._manual_axes(manual):
+            with torch.set_grad_enabled(grad), _comm_hooks.muted() if c else contextlib.nullcontext(), sub, lax._entered(body), lax._manual_axes(manual):
                 with _per_device._VmaMode():
                     out = f(*per_run[c], **kwargs)
                 results[c] = _laid_out(out, out_specs, mesh, sub)
