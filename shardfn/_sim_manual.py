@@ -196,7 +196,8 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
     def work(c: int) -> None:
         try:
             body = _RunBody(mesh, mm, sub, c, rv)
-            with torch.set_grad_enabled(grad), _comm_hooks.muted() if c else contextlib.nullcontext(), sub, lax._entered(body), lax._manual_axes(manual):
+            quiet = _comm_hooks.muted() if c else contextlib.nullcontext()  # counted once, by the first run
+            with torch.set_grad_enabled(grad), quiet, sub, lax._entered(body), lax._manual_axes(manual):
                 with _per_device._VmaMode():
                     out = f(*per_run[c], **kwargs)
                 results[c] = _laid_out(out, out_specs, mesh, sub)
