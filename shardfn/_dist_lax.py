@@ -291,7 +291,7 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
     paths, idx, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
     vma = _traced_vma(f, inputs, leaves, kwargs) if check_vma else None
     return optree.tree_unflatten(treespec, [
-        assemble_parts(p, [flat[i]], s, mesh, vma is not None, (lambda o, i=i: vma[i]) if vma else None,
+        assemble_parts(p, [flat[i]], s, mesh, check_vma, (lambda o, i=i: vma[i]) if vma else None,
                        exchange=not inputs.even())
         for p, i, s in zip(paths, idx, specs)
     ])

@@ -198,9 +198,12 @@ def _own_specs(args: tuple) -> tuple:
     specs = []
     for path, v in zip(paths, leaves):
         if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
-            raise ShardingError(
+            from .errors import ShardingTypeError
+
+            raise ShardingTypeError(  # a TypeError too, as JAX's in_specs=None error
                 f"shard_map with in_specs=None takes each argument's own spec, but {_path_str('args', path)} "
-                f"is a plain tensor with no spec; pass in_specs=, or sf.distribute it first"
+                f"is a plain tensor with no spec; pass in_specs= (instead of in_specs=None, did you mean "
+                f"in_specs=P()?), or sf.distribute it first"
             )
         specs.append(v._layout if isinstance(v, ShardedArray) else None)
     return tuple(optree.tree_unflatten(treespec, specs))
@@ -246,7 +249,16 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
 def check_scalar_spec(path: str, v: Any, spec: Any, what: str) -> None:
     """A non-tensor leaf (a Python number) is the same on every device: only a spec that
     shards nothing and sums nothing can hold for it."""
-    if spec is None or _is_trivial(spec):
+    if spec is None:
+        return
+    n = len(spec) if isinstance(spec, P) else len(spec.spec) if isinstance(spec, NamedSharding) else 0
+    if n:  # JAX: a Python number is a rank-0 value, and a spec longer than its rank is an error
+        raise ShardingError(
+            f"shard_map {what} for {path} is {spec!r}, but {path} is a {type(v).__name__}, a rank-0 value: the "
+            f"spec has length {n} (and 0 < {n}), too long for it; entries in {what} must be of length no greater "
+            f"than the number of axes of the value. For scalar values (rank 0) use P() (or None), or make it a tensor"
+        )
+    if _is_trivial(spec):
         return
     raise ShardingError(
         f"shard_map {what} for {path} is {spec!r}, but {path} is a {type(v).__name__}, not a tensor: "
@@ -332,11 +344,38 @@ def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool)
     used = B.used_axes(layout)
     for k, a in enumerate(mesh.axis_names):
         if a in varying and a not in used:
-            c = c.narrow(k, 0, 1)
+            c = c.narrow(k, 0, 1) if check_vma else _Unchecked.apply(c, k)
     shape = tuple(
         n * math.prod(mesh.axis_size(a) for a in axes) for n, axes in zip(c.shape[m:], layout.dims)
     )
     return B.ExitStacked.apply(c, layout, shape)
+
+
+class _Unchecked(torch.autograd.Function):
+    """Device 0's value along mesh dim ``k`` of an output that varies over an axis its
+    out_spec leaves out (check_vma=False); the cotangent goes to every device divided by
+    their number: JAX's transpose of such an output."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(c: torch.Tensor, k: int) -> torch.Tensor:
+        return c.narrow(k, 0, 1).clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        c, k = inputs
+        ctx.k, ctx.n = k, c.shape[k]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        sizes = list(g.shape)
+        sizes[ctx.k] = ctx.n
+        return g.expand(sizes) / ctx.n, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return t.narrow(ctx.k, 0, 1).clone()
 
 
 # -- local backend, uneven shards -----------------------------------------------------------------------
@@ -426,7 +465,9 @@ def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool
     layout = _out_layout(path, spec, outs[0].dim(), mesh)
     if check_vma and vma_of is not None:
         check_output_vma(path, spec, layout, set().union(*(vma_of(o) for o in outs)))
-    return B.ExitParts.apply(layout, _global_shape(path, outs, layout, exchange), True, *outs)
+    # unchecked outputs (their replicas may differ): JAX's transpose, the cotangent shared out
+    first_only = True if check_vma else "mean"
+    return B.ExitParts.apply(layout, _global_shape(path, outs, layout, exchange), first_only, *outs)
 
 
 def _global_shape(path: str, outs: list, layout: Layout, exchange: bool = False) -> tuple[int, ...]:
