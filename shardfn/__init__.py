@@ -1,5 +1,7 @@
 """shardfn: JAX-style functional sharding for PyTorch."""
 
+from . import _compat as _compat  # first: an unsupported torch fails here, clearly
+
 from . import debug as debug
 from . import lax as lax
 from . import nn as nn

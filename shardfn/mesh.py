@@ -9,6 +9,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from ._compat import ValueMeta
 from ._tls import ThreadStack
 from .errors import ShardingError
 
@@ -93,7 +94,7 @@ def _default_backend(size: int) -> str:
 
 
 @attrs.frozen(repr=False, init=False)
-class Mesh:
+class Mesh(metaclass=ValueMeta):
     """An immutable grid of devices with named axes; devices are numbered row-major.
 
     ``backend="local"`` simulates every device in this process; ``"dist"`` runs one
