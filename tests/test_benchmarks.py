@@ -38,3 +38,18 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
         row = next(line for line in out.splitlines() if line.startswith(config))
         assert len(row.split()) >= 7 and all(float(v.rstrip("x")) > 0 for v in row.split()[-6:])
     assert "losses equal unsharded" in out
+
+
+def test_gpu_check_runs_every_section_on_cpu() -> None:
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu", "--quick"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0 and "every section ran" in out, out[-3000:] + proc.stderr[-3000:]
+    for title in ("1. values and gradients", "2. fallback census", "3. bench_sim", "4. per-op overhead",
+                  "5. dist backend"):
+        assert f"=== {title}" in out and f"--- {title}" in out
+    assert "FAIL" not in out
+    values = [line for line in out.splitlines() if "worst rel err" in line]
+    assert len(values) >= 8 and all(line.rstrip().endswith(("ok", ")")) for line in values)
+    assert "distinct ops that fell back:" in out and "[compiled aot_eager, quick size] dp x tp (2, 4)" in out
