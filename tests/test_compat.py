@@ -6,7 +6,6 @@ import importlib
 import types
 
 import pytest
-import torch
 from torch._library.opaque_object import is_opaque_value_type
 from torch._opaque_base import OpaqueBaseMeta
 

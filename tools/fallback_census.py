@@ -127,8 +127,9 @@ def hf_families() -> dict[str, Callable[[], Any]]:
                                      ("gemma", "GemmaConfig", "GemmaForCausalLM")]:
         if hasattr(tf, cfg_cls) and hasattr(tf, model_cls):
             extra = {"head_dim": 16} if name == "gemma" else {}
+            config_type, model_type = getattr(tf, cfg_cls), getattr(tf, model_cls)
 
-            def build(c=getattr(tf, cfg_cls), m=getattr(tf, model_cls), extra=extra) -> Any:
+            def build(c: Any = config_type, m: Any = model_type, extra: dict = extra) -> Any:
                 cfg = c(**common, **extra)
                 cfg._attn_implementation = "sdpa"
                 return m(cfg)
