@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import re
 import types
+from pathlib import Path
 
 import pytest
 from torch._library.opaque_object import is_opaque_value_type
@@ -60,3 +62,11 @@ def test_funcol_names_of_both_versions() -> None:
     assert _compat.funcol_gather_scatter(new) == (gather, scatter)
     g, s = _compat.funcol_gather_scatter()
     assert callable(g) and callable(s)
+
+
+def test_shardfn_calls_no_2_13_only_funcol_name_directly() -> None:
+    # torch 2.11 lacks funcol.all_gather_single / reduce_scatter_single: go through _compat
+    root = Path(sf.__file__).parent
+    bad = [str(f.relative_to(root)) for f in root.rglob("*.py") if f.name != "_compat.py"
+           and re.search(r"funcol\.(all_gather_single|reduce_scatter_single)", f.read_text())]
+    assert bad == []

@@ -647,7 +647,7 @@ def check_replicas(mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) 
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     mine = torch.tensor(_fingerprint(t), dtype=torch.int64, device=device)
     rows = run_collective(
-        f"{what} replica check", st.groups[mesh.axis_names], funcol.all_gather_single, mine, 0
+        f"{what} replica check", st.groups[mesh.axis_names], _all_gather_single, mine, 0
     ).view(mesh.size, -1).tolist()
     pos = [mesh.axis_index(a) for a in over]
     first: dict[tuple, int] = {}
