@@ -721,7 +721,7 @@ class DistBackend:
                      neutral: float) -> torch.Tensor:
         mesh = layout.mesh
         axes = set(layout.axis_dim) | set(layout.partial_ops)
-        red = fn(value, tuple(range(value.dim()))) if value.dim() else value
+        red = fn(value, tuple(range(value.dim()))) if value.dim() else fn(value.reshape(1), (0,))
         replica = any(c != 0 for a, c in zip(mesh.axis_names, mesh.coords(rank_of(mesh))) if a not in axes)
         return torch.full((), neutral, dtype=red.dtype, device=red.device) if replica else red
 

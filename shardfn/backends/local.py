@@ -558,7 +558,7 @@ def shard_reduce(value: Value, layout: Layout, shape: tuple[int, ...], fn: Any, 
     m, nd = mesh.ndim, len(shape)
     if is_even(layout, shape):
         t = storage(value, layout, shape)[0]
-        red = fn(t, tuple(range(m, m + nd))) if nd else t
+        red = fn(t, tuple(range(m, m + nd))) if nd else fn(t.unsqueeze(-1), (m,))
         out = torch.full(mesh.shape, neutral, dtype=red.dtype, device=red.device)
         out[tuple(slice(None) if n != 1 else slice(0, 1) for n in red.shape)] = red
         return out
@@ -567,7 +567,7 @@ def shard_reduce(value: Value, layout: Layout, shape: tuple[int, ...], fn: Any, 
     vals = []
     for d in range(mesh.size):
         if first[d] == d:
-            vals.append(fn(shards[d], tuple(range(nd))) if nd else shards[d])
+            vals.append(fn(shards[d], tuple(range(nd))) if nd else fn(shards[d].reshape(1), (0,)))
         else:
             vals.append(None)
     like = next(v for v in vals if v is not None)

@@ -129,7 +129,7 @@ class TorchOptimizer:
         for p, path in zip(leaves, paths):
             layout = self._update_layout(p)
             pu = reshard(p.detach(), layout) if layout is not None else p.detach()
-            parts = [s.clone() for s in storage(pu, layout)]
+            parts = [s.clone(memory_format=torch.contiguous_format) for s in storage(pu, layout)]
             opt = self.optimizer_cls(parts, **self.kwargs)
             fresh = _fresh_state(opt, parts)
             states.append(self._wrap_state(fresh, layout, p))
@@ -188,15 +188,15 @@ class TorchOptimizer:
             bparts = {k: (None if v is None else storage(v, layouts[i])) for k, v in st.items()
                       if k in self._keys.buffers or k in self._keys.lazy}
             for j, (pp, gp) in enumerate(zip(pparts, gparts)):
-                new = pp.clone()
-                new.grad = gp
+                new = pp.clone(memory_format=torch.contiguous_format)
+                new.grad = gp.contiguous()  # fused kernels read gradients as laid out like the parameter
                 parts.append(new)
                 owner.append((i, len(pparts)))
                 entry = {}
                 for k, v in st.items():
                     if k in bparts:
                         if bparts[k] is not None:
-                            entry[k] = bparts[k][j].clone()
+                            entry[k] = bparts[k][j].clone(memory_format=torch.contiguous_format)
                     else:
                         entry[k] = _copy(v)
                 opt_state.append(entry)

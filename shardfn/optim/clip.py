@@ -77,8 +77,12 @@ def clip_grad_norm(grads: Any, max_norm: float, *, norm_type: float = 2.0,
         for v in vals[1:]:
             dtype = torch.promote_types(dtype, v.dtype)
         stacked = torch.stack([v.to(dtype) for v in vals], dim=-1)
-        pending = Layout(mesh, ((),), tuple((a, op) for a in mesh.axis_names))
-        summed = reshard(wrap(stacked, pending, (len(idx),), dtype), Layout(mesh, ((),)))
+        flat = mesh
+        if mesh.ndim > 1:  # one axis over every device: one all_reduce, not one per axis
+            flat = mesh.flatten(mesh.axis_names, "_".join(mesh.axis_names) + "_clip")
+            stacked = backend.relabel(stacked, mesh, flat)
+        pending = Layout(flat, ((),), tuple((a, op) for a in flat.axis_names))
+        summed = reshard(wrap(stacked, pending, (len(idx),), dtype), Layout(flat, ((),)))
         total = summed.full_tensor()
         for k, i in enumerate(idx):
             parts[i] = total[k]
