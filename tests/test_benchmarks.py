@@ -38,3 +38,11 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
         row = next(line for line in out.splitlines() if line.startswith(config))
         assert len(row.split()) >= 7 and all(float(v.rstrip("x")) > 0 for v in row.split()[-6:])
     assert "losses equal unsharded" in out
+
+
+def test_bench_optim_prints_ratios_and_zero1_memory() -> None:
+    out = _run("bench_optim.py")
+    for run in ("torch foreach", "sf foreach", "sf fused", "sf fused zero1"):
+        row = next(line for line in out.splitlines() if line.startswith(run + " "))
+        assert float(row.split()[-2]) > 0 and row.split()[-1].endswith("x")
+    assert "(0.50x)" in out and "results equal torch.optim.AdamW" in out
