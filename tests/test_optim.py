@@ -308,3 +308,15 @@ def test_inplace_messages_are_well_formed() -> None:
         torch._fused_adamw_([w], [w], [w], [w], [], [step], lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0,
                             eps=1e-8, amsgrad=False, maximize=False)
     assert "the out-of-place form the functional" not in str(e.value) and "sf.optim" in str(e.value)
+
+
+def test_plain_parameter_with_a_sharded_gradient() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"))
+    params = {"w": sf.distribute(torch.randn(6, 4), P(None, "tp"), mesh=mesh), "b": torch.zeros(4)}
+    x = sf.distribute(torch.randn(8, 6), P("dp"), mesh=mesh)
+    grads = torch.func.grad(lambda p: ((x @ p["w"] + p["b"]) ** 2).mean())(params)
+    assert isinstance(grads["b"], sf.ShardedArray)
+    opt = sf.optim.SGD(0.1)
+    new, _ = opt.step(params, grads, opt.init(params))
+    assert not isinstance(new["b"], sf.ShardedArray)
+    torch.testing.assert_close(new["b"], -0.1 * grads["b"].full_tensor())

@@ -66,14 +66,12 @@ def from_storage(tensors: Sequence[torch.Tensor], layout: Layout | None, shape: 
 
 
 def in_layout(x: Any, layout: Layout | None, what: str) -> torch.Tensor:
-    """``x`` (an array or plain tensor) laid out as ``layout``; a plain tensor given for an
+    """``x`` (an array or plain tensor) laid out as ``layout``: a plain tensor given for an
     array is distributed (every process must pass the same value on dist), an array given
-    for a plain tensor is a ShardingError naming ``what``."""
+    for a plain tensor (``layout`` None: the gradient of a plain parameter used with
+    ShardedArrays) is gathered."""
     if layout is None:
-        if isinstance(x, ShardedArray):
-            raise ShardingError(f"{what} is a ShardedArray but its parameter is a plain tensor; "
-                                f"pass a plain tensor (x.full_tensor()) or make the parameter a ShardedArray")
-        return x
+        return x.full_tensor() if isinstance(x, ShardedArray) else x
     if not isinstance(x, ShardedArray):
         from ..array import distribute
 
