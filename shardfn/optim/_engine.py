@@ -124,9 +124,9 @@ class TorchOptimizer:
         same pytree with each parameter replaced by a dict of its torch.optim state entries;
         those laid out like the parameter are ShardedArrays in its (update) layout, entries
         torch creates at the first step (SGD's ``momentum_buffer``) are None until then."""
-        leaves, spec, paths = _flatten(params, "params")
+        leaves, spec, _ = _flatten(params, "params")
         states = []
-        for p, path in zip(leaves, paths):
+        for p in leaves:
             layout = self._update_layout(p)
             pu = reshard(p.detach(), layout) if layout is not None else p.detach()
             parts = [s.clone(memory_format=torch.contiguous_format) for s in storage(pu, layout)]
@@ -221,7 +221,8 @@ class TorchOptimizer:
             new_p = from_storage([t.detach() for t in chunk], layouts[i], p.shape, p.dtype)
             new_leaves[i] = new_p
             new_states[i] = self._wrap_state([opt.state[t] for t in chunk], layouts[i], p)
-        back = [i for i in sharded if new_leaves[i]._layout != leaves[i]._layout and leaves[i]._layout == resolved(leaves[i]._layout)]
+        back = [i for i in sharded
+                if new_leaves[i]._layout != leaves[i]._layout and leaves[i]._layout == resolved(leaves[i]._layout)]
         if back:
             new_leaves_back = reshard([new_leaves[i] for i in back], [leaves[i]._layout for i in back])
             for i, v in zip(back, new_leaves_back):
