@@ -46,3 +46,14 @@ def test_bench_optim_prints_ratios_and_zero1_memory() -> None:
         row = next(line for line in out.splitlines() if line.startswith(run + " "))
         assert float(row.split()[-2]) > 0 and row.split()[-1].endswith("x")
     assert "(0.50x)" in out and "results equal torch.optim.AdamW" in out
+
+
+def test_bench_comm_models_counts_hf_llama_beside_megatron() -> None:
+    pytest.importorskip("transformers")
+    out = _run("bench_comm_models.py")
+    rows = {" ".join(line.split()[:3]): line for line in out.splitlines() if line.startswith("llama ")}
+    assert set(rows) == {"llama tp fwd", "llama seq fwd"}, out
+    assert "all_reduce 2 all_reduce 2" in " ".join(rows["llama tp fwd"].split())
+    assert "all_gather 2, reduce_scatter 2 all_gather 2, reduce_scatter 2" in " ".join(rows["llama seq fwd"].split())
+    assert "values and gradients equal unsharded" in out
+    assert "model.layers.0" in out and "FORWARD: all_reduce 2" in out  # the records tree
