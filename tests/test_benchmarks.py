@@ -40,6 +40,14 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
     assert "losses equal unsharded" in out
 
 
+def test_bench_optim_prints_ratios_and_zero1_memory() -> None:
+    out = _run("bench_optim.py")
+    for run in ("torch foreach", "sf foreach", "sf fused", "sf fused zero1"):
+        row = next(line for line in out.splitlines() if line.startswith(run + " "))
+        assert float(row.split()[-2]) > 0 and row.split()[-1].endswith("x")
+    assert "(0.50x)" in out and "results equal torch.optim.AdamW" in out
+
+
 def test_bench_comm_models_counts_hf_llama_beside_megatron() -> None:
     pytest.importorskip("transformers")
     out = _run("bench_comm_models.py")

@@ -761,6 +761,20 @@ class DistBackend:
     def devices(self, mesh: Mesh) -> tuple[int]:
         return (rank_of(mesh),)
 
+    def storage(self, value: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        return [value]
+
+    def from_storage(self, tensors: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        return tensors[0]
+
+    def shard_reduce(self, value: torch.Tensor, layout: Layout, shape: tuple[int, ...], fn: Callable,
+                     neutral: float) -> torch.Tensor:
+        mesh = layout.mesh
+        axes = set(layout.axis_dim) | set(layout.partial_ops)
+        red = fn(value, tuple(range(value.dim()))) if value.dim() else fn(value.reshape(1), (0,))
+        replica = any(c != 0 for a, c in zip(mesh.axis_names, mesh.coords(rank_of(mesh))) if a not in axes)
+        return torch.full((), neutral, dtype=red.dtype, device=red.device) if replica else red
+
     def shard(self, value: torch.Tensor, mesh: Mesh, device: int) -> torch.Tensor:
         return value
 
