@@ -232,7 +232,6 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
                    kwargs: dict) -> Any:
     """One rank's part of a partial-manual shard_map call (see the module docstring)."""
     from . import lax
-    from ._dist_lax import DistBody
     from .transforms import _match, _out_layout, check_output_vma, check_scalar_spec
 
     mesh = inputs.mesh
@@ -430,18 +429,17 @@ class _SubClosures(torch.overrides.TorchFunctionMode):
         if key in self.seen:
             hit = self.seen[key]
             return a if hit is None else hit[1]
+        # (a TorchFunctionMode is off inside its own handler: these calls are not intercepted)
         if isinstance(a, ShardedArray):
             if a.mesh != self.mesh:
                 return a
-            if True:  # (this mode is off inside its own handler)
-                whole = Layout(self.mesh, tuple(tuple(x for x in d if x not in self.manual) for d in a._layout.dims),
-                               tuple(p for p in a._layout.partial if p[0] not in self.manual))
-                rep = _Enter.apply(reshard(a, whole), self.sub, self.manual)
+            whole = Layout(self.mesh, tuple(tuple(x for x in d if x not in self.manual) for d in a._layout.dims),
+                           tuple(p for p in a._layout.partial if p[0] not in self.manual))
+            rep = _Enter.apply(reshard(a, whole), self.sub, self.manual)
         elif a.requires_grad and (a.grad_fn is None or a.grad_fn._sequence_nr() < self.start):
             from ._dist_lax import _Replicated
 
-            if True:
-                rep = _Replicated.apply(a, self.mesh, tuple(sorted(self.manual, key=self.mesh.axis_names.index)))
+            rep = _Replicated.apply(a, self.mesh, tuple(sorted(self.manual, key=self.mesh.axis_names.index)))
         else:
             if a.requires_grad:
                 self.seen[key] = None

@@ -28,12 +28,12 @@ import optree
 import torch
 
 from . import _per_device
+from ._dist_manual import _block_shape, _full_layout, _order_check, _sub_layout
 from .array import ShardedArray, distribute, reshard, wrap
 from .backends import backend_for
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
-from ._dist_manual import _block_shape, _full_layout, _order_check, _sub_layout
 
 
 class _Grid:
