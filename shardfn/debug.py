@@ -49,7 +49,9 @@ class CommCounter:
     """Context manager counting collectives by kind (``.counts``), the most bytes any device
     sends (``.bytes``, ring costs as in ``Plan.bytes_per_device``), and one
     :class:`CommRecord` per collective (``.records``: kind, axes, bytes, op, phase, module,
-    location). ``str(counter)`` prints the records as a tree by module.
+    location). ``str(counter)`` prints the records as a tree by module. Counted once, when the
+    collective runs eagerly in this process: traces (meta/fake values, torch.compile tracing)
+    are not counted, nor are collectives inside a compiled graph.
 
     Example::
 
