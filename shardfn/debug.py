@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import threading
 from collections import Counter
 from typing import Any
 
@@ -117,6 +118,8 @@ _BACKWARD_OF = {  # shardfn's autograd functions -> the API call whose backward 
 def _make_record(step: Step) -> CommRecord:
     backward = torch._C._current_graph_task_id() != -1
     op, location = _op_and_location()
+    if backward and location is None:  # autograd's device thread: the caller of backward() waits in the main thread
+        location = _first_user_frame(sys._current_frames().get(threading.main_thread().ident))
     if backward:
         node = torch._C._current_autograd_node()
         module = _TRACKER.module_of_node(node)
@@ -173,6 +176,14 @@ def _op_and_location() -> tuple[str | None, str | None]:
                 api = name
         frame = frame.f_back
     return op or api, None
+
+
+def _first_user_frame(frame: Any) -> str | None:
+    while frame is not None:
+        if not _is_library(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
 
 
 def _public_names() -> dict[Any, str]:
