@@ -133,7 +133,8 @@ def _make_record(step: Step) -> CommRecord:
 
 # -- which op and which user line --------------------------------------------------------------------
 
-_SHARDFN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_ROOT = __name__.split(".")[0]  # "shardfn", wherever this module sits in it
+_SHARDFN_DIR = os.path.dirname(os.path.abspath(sys.modules[_ROOT].__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 _PUBLIC: dict[Any, str] = {}
@@ -191,7 +192,7 @@ def _public_names() -> dict[Any, str]:
     code shared by several public functions (a decorator's wrapper) names none of them."""
     if _PUBLIC:
         return _PUBLIC
-    root = sys.modules.get(__package__)
+    root = sys.modules.get(_ROOT)
     if root is None:
         return _PUBLIC
     found: dict[Any, set[str]] = {}
@@ -200,7 +201,7 @@ def _public_names() -> dict[Any, str]:
     for prefix, space in spaces:
         for name in getattr(space, "__all__", None) or [n for n in dir(space) if not n.startswith("_")]:
             obj = getattr(space, name, None)
-            if isinstance(obj, type) and obj.__module__.startswith(__package__):
+            if isinstance(obj, type) and obj.__module__.startswith(_ROOT):
                 for meth, fn in vars(obj).items():
                     if not meth.startswith("_"):
                         _codes(found, f"{prefix}.{name}.{meth}", getattr(fn, "__func__", fn))
