@@ -1,5 +1,6 @@
 """shardfn: JAX-style functional sharding for PyTorch."""
 
+from . import checkpoint as checkpoint
 from . import debug as debug
 from . import lax as lax
 from . import nn as nn
