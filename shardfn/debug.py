@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from ._replicas import check_replicas as check_replicas
 from .layout import all_boxes, describe
 from .plan import COMM_KINDS, Step
 
