@@ -106,10 +106,21 @@ def create_chunk_list(x: Any) -> list:
 
 
 def get_tensor_shard(x: Any, index: Any) -> torch.Tensor:
-    """The tensor of one chunk: on save, a view of the (reduced) shard; on load, the view
-    of the fresh storage that DCP writes into."""
+    """The tensor of one chunk: on save, the (reduced) shard; on load, the view of the
+    fresh storage that DCP writes into."""
     value, layout = _readable(x)
-    return _shard_of(x, value, layout, index)
+    return _own_storage(_shard_of(x, value, layout, index))
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous CPU view) as a tensor whose storage is exactly its bytes, sharing
+    its memory: DCP's writer clones a view of a larger storage before saving it (else
+    torch.save would write the whole storage), a second pass over every byte; the local
+    backend's shards are views of one stacked buffer. Writes through the result reach ``t``."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes or t.numel() == 0:
+        return t
+    flat = torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy())  # numpy keeps t alive
+    return flat.view(t.dtype).view(t.shape)
 
 
 def mesh_device(mesh: Mesh) -> torch.device:
@@ -122,17 +133,7 @@ def mesh_device(mesh: Mesh) -> torch.device:
 def empty_value(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
     """A backend value of uninitialised shards in which devices holding the same box share
     one tensor, so filling each distinct shard once fills every replica."""
-    mesh = layout.mesh
-    device = mesh_device(mesh)
-    made: dict[Box, torch.Tensor] = {}
-
-    def make(d: int) -> torch.Tensor:
-        box = _lay.device_box(layout, shape, d)
-        if box not in made:
-            made[box] = torch.empty(tuple(_sizes(box)), dtype=dtype, device=device)
-        return made[box]
-
-    return backend_for(mesh).build(layout, shape, make)
+    return backend_for(layout.mesh).empty(layout, shape, dtype, mesh_device(layout.mesh))
 
 
 # -- pickling --------------------------------------------------------------------------------

@@ -38,3 +38,9 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
         row = next(line for line in out.splitlines() if line.startswith(config))
         assert len(row.split()) >= 7 and all(float(v.rstrip("x")) > 0 for v in row.split()[-6:])
     assert "losses equal unsharded" in out
+
+
+def test_bench_checkpoint_checks_round_trip_and_prints_ratio() -> None:
+    out = _run("bench_checkpoint.py")
+    row = out.strip().splitlines()[-1].split()
+    assert len(row) == 3 and row[-1].endswith("x") and all(float(v.rstrip("sx")) > 0 for v in row)
