@@ -11,6 +11,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from ._compat import ValueMeta
 from ._tls import ThreadStack
 from .errors import ShardingError, SimulationWarning
 
@@ -129,7 +130,7 @@ def _warn_simulation(message: str) -> None:
 
 
 @attrs.frozen(repr=False, init=False)
-class Mesh:
+class Mesh(metaclass=ValueMeta):
     """An immutable grid of devices with named axes; devices are numbered row-major.
 
     ``backend="local"`` simulates every device in this process; ``"dist"`` runs one
