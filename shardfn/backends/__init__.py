@@ -61,6 +61,11 @@ class Backend(Protocol):
         hold equal shards under ``layout`` share one call where the backend keeps one
         copy for them)."""
 
+    def empty(self, layout: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+        """A backend value of ``layout`` with uninitialised shards, in canonical form, in
+        which the held devices holding the same part share one tensor (so writing each
+        distinct shard once fills every replica: checkpoint loads write into it)."""
+
     def relabel(self, value: Any, src: Any, dst: Any) -> Any:
         """A backend value on mesh ``src`` as the same per-device shards on ``dst``, a
         mesh over the same row-major devices (``Mesh.flatten`` / ``unflatten``)."""
