@@ -2,6 +2,7 @@
 
 from . import _compat as _compat  # first: an unsupported torch fails here, clearly
 
+from . import checkpoint as checkpoint
 from . import debug as debug
 from . import lax as lax
 from . import nn as nn

@@ -40,6 +40,12 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
     assert "losses equal unsharded" in out
 
 
+def test_bench_checkpoint_checks_round_trip_and_prints_ratio() -> None:
+    out = _run("bench_checkpoint.py")
+    row = out.strip().splitlines()[-1].split()
+    assert len(row) == 3 and row[-1].endswith("x") and all(float(v.rstrip("sx")) > 0 for v in row)
+
+
 def test_bench_optim_prints_ratios_and_zero1_memory() -> None:
     out = _run("bench_optim.py")
     for run in ("torch foreach", "sf foreach", "sf fused", "sf fused zero1"):

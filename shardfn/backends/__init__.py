@@ -61,6 +61,11 @@ class Backend(Protocol):
         hold equal shards under ``layout`` share one call where the backend keeps one
         copy for them)."""
 
+    def empty(self, layout: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+        """A backend value of ``layout`` with uninitialised shards, in canonical form, in
+        which the held devices holding the same part share one tensor (so writing each
+        distinct shard once fills every replica: checkpoint loads write into it)."""
+
     def relabel(self, value: Any, src: Any, dst: Any) -> Any:
         """A backend value on mesh ``src`` as the same per-device shards on ``dst``, a
         mesh over the same row-major devices (``Mesh.flatten`` / ``unflatten``)."""
@@ -190,6 +195,9 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
 
 
 def _on_meta(value: Any) -> bool:
-    """Whether a backend value is a trace on meta/fake tensors (no data moves: not reported)."""
+    """Whether a backend value is a trace (meta/fake tensors, or torch.compile tracing): no data
+    moves, so no collective is reported."""
     t = value[0] if isinstance(value, (tuple, list)) and value else value
-    return isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ == "FakeTensor")
+    if isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ in ("FakeTensor", "FunctionalTensor")):
+        return True
+    return torch.compiler.is_compiling()

@@ -781,6 +781,9 @@ class DistBackend:
     def build(self, layout: Layout, shape: tuple[int, ...], make: Callable[[int], torch.Tensor]) -> torch.Tensor:
         return from_shards([make(rank_of(layout.mesh))], layout, shape)
 
+    def empty(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(local_shapes(layout, shape)[rank_of(layout.mesh)], dtype=dtype, device=device)
+
     def relabel(self, value: torch.Tensor, src: Mesh, dst: Mesh) -> torch.Tensor:
         return value  # device i is rank i on both meshes
 

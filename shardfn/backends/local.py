@@ -18,7 +18,7 @@ from typing import Any, Sequence, Union
 
 import torch
 
-from ..layout import Layout, is_even, local_shapes
+from ..layout import Layout, device_box, is_even, local_shapes
 from ..mesh import Mesh
 from ..plan import Step, _exchange
 from ._device_call import DeviceCall, raw_op, substitute, with_locals
@@ -800,6 +800,22 @@ class LocalBackend:
         shards = [make(mesh.device_at(c)) for c in itertools.product(*(range(n) for n in sub))]
         local = local_shapes(layout, shape)[0]
         return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
+
+    def empty(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Value:
+        """Even layouts: one stacked buffer of the canonical sizes; uneven: one tensor per
+        distinct part (box and position on the axes of pending reductions), shared by replicas."""
+        if is_even(layout, shape):
+            return torch.empty(*canonical_sizes(layout), *local_shapes(layout, shape)[0], dtype=dtype, device=device)
+        mesh = layout.mesh
+        axes = [mesh.axis_index(a) for a, _ in layout.partial]
+        made: dict = {}
+        out = []
+        for dev, local in enumerate(local_shapes(layout, shape)):
+            key = (device_box(layout, shape, dev), tuple(mesh.coords(dev)[i] for i in axes))
+            if key not in made:
+                made[key] = torch.empty(local, dtype=dtype, device=device)
+            out.append(made[key])
+        return tuple(out)
 
     def relabel(self, value: Value, src: Mesh, dst: Mesh) -> Value:
         if isinstance(value, tuple):
