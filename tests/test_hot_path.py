@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn import P, dispatch as _dispatch
-from shardfn import _inplace
+from shardfn import P
+from shardfn.arrays import dispatch as _dispatch
+from shardfn.arrays import inplace as _inplace
 
 
 @pytest.fixture
@@ -194,7 +195,7 @@ def test_non_canonical_storage_takes_the_checked_path(mesh, monkeypatch):
     """The fast path assumes op outputs' storage form (size 1 on mesh dims a value does
     not vary over). An array stored otherwise (a replicated value repeated per device)
     gets no fast key, and its results have torch's values and the canonical form."""
-    from shardfn.array import ShardedArray
+    from shardfn.arrays.array import ShardedArray
 
     t = torch.randn(3, 3)
     r = sf.distribute(t, P(), mesh=mesh)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P
-from shardfn.layout import device_box
+from shardfn.values.layout import device_box
 
 aten = torch.ops.aten
 

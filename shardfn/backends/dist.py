@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..errors import ShardingError
-from ..layout import Layout, describe, local_shapes, split_range
-from ..mesh import Mesh
-from ..plan import Step
-from ._device_call import DeviceCall, raw_op, substitute, with_locals
+from ..values.errors import ShardingError
+from ..values.layout import Layout, describe, local_shapes, split_range
+from ..values.mesh import Mesh
+from ..plans.planner import Step
+from .device_call import DeviceCall, raw_op, substitute, with_locals
 from .local import _reduce
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
@@ -731,7 +731,7 @@ class DistBackend:
     def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
         if not exchange:
             return global_shape(outs, layout, None)
-        from .._dist_lax import all_local_shapes
+        from ..transforms.shard_map.dist import all_local_shapes
         from . import local
 
         metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], layout.mesh)]
@@ -752,7 +752,7 @@ class DistBackend:
 
     def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
         """This rank's part of the body, collectives through ``_dist_lax.py``."""
-        from .. import _dist_lax
+        from ..transforms.shard_map import dist as _dist_lax
 
         return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
 

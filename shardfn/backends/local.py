@@ -18,10 +18,10 @@ from typing import Any, Sequence, Union
 
 import torch
 
-from ..layout import Layout, is_even, local_shapes
-from ..mesh import Mesh
-from ..plan import Step, _exchange
-from ._device_call import DeviceCall, raw_op, substitute, with_locals
+from ..values.layout import Layout, is_even, local_shapes
+from ..values.mesh import Mesh
+from ..plans.planner import Step, _exchange
+from .device_call import DeviceCall, raw_op, substitute, with_locals
 
 Value = Union[torch.Tensor, tuple]
 
@@ -528,7 +528,7 @@ def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence
                  check_ranks: bool = True) -> tuple[int, ...]:
     """The global shape the shards describe (or ``shape``), checked against the layout
     (every device's shard is here, so ``check_ranks`` has nothing more to check)."""
-    from ..errors import ShardingError
+    from ..values.errors import ShardingError
 
     mesh = layout.mesh
     actual = tuple(tuple(s.shape) for s in shards)
@@ -579,7 +579,7 @@ def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], pos
     stacked values when every layout is even and the call has a batched form
     (``_batching``), else once per device. ``(args, kwargs, values, symbolic) -> flat
     outputs`` (stacked values or per-device tuples, non-tensor outputs as they are)."""
-    from . import _batching
+    from . import batching as _batching
 
     per_device = PerDeviceCall(func, cand, call, out_shapes, positional)
     canon = tuple(torch.Size(canonical_sizes(v._layout)) for _, v in call.arrays)
@@ -684,7 +684,7 @@ class StackedCall:
 
 
 def _is_sharding_error(e: Exception) -> bool:
-    from ..errors import ShardingError
+    from ..values.errors import ShardingError
 
     return isinstance(e, ShardingError)
 
@@ -757,8 +757,8 @@ class LocalBackend:
         return list(shards)
 
     def unpack_local(self, local, mesh: Mesh) -> list:
-        from ..array import ShardedArray
-        from ..errors import ShardingError
+        from ..arrays.array import ShardedArray
+        from ..values.errors import ShardingError
 
         if isinstance(local, torch.Tensor) and not isinstance(local, ShardedArray):
             if local.dim() >= 1 and local.shape[0] == mesh.size:
@@ -794,7 +794,7 @@ class LocalBackend:
     def shard_map(self, f, inputs, out_specs, check_vma: bool, kwargs: dict):
         """Even inputs: the body once under vmap over the mesh (``_stacked.py``); else
         once per device in threads (``_per_device.py``)."""
-        from ..transforms import _run_per_device, _run_stacked
+        from ..transforms.shard_map.api import _run_per_device, _run_stacked
 
         run = _run_stacked if inputs.even() else _run_per_device
         return run(f, inputs, out_specs, check_vma, kwargs)

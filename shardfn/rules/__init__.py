@@ -56,7 +56,7 @@ def register(op: Any, rule: Rule) -> None:
     """Install ``rule`` for ``op`` (overload or packet), replacing any built-in one."""
     _load()
     _TABLE[op] = rule
-    from ..dispatch import _cache
+    from ..arrays.dispatch import _cache
 
     _cache.clear()
 

@@ -7,9 +7,9 @@ from typing import Any, Callable, Protocol
 import attrs
 import torch
 
-from ..layout import Layout
-from ..mesh import Mesh
-from .._schema import _schema_info, bind, replace_arg  # noqa: F401  (rules use them)
+from ..values.layout import Layout
+from ..values.mesh import Mesh
+from ..values.schema import _schema_info, bind, replace_arg  # noqa: F401  (rules use them)
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .. import _contract  # noqa: F401  (registers torch.ops.shardfn.*)
+from ..backends import custom_ops as _contract  # noqa: F401  (registers torch.ops.shardfn.*)
 from .base import Candidate, OpCall, letters
 from .dims import LINEAR_OPS, Dims, compile_dims, einsum_dims, parse_einsum
 

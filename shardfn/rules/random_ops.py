@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from .. import _counter_rng as _rng
-from .. import random as _random
-from ..array import ShardedArray, raw_reshard, wrap
-from ..factory import _box_shape, _build, _from_boxes, _shard_of
-from ..layout import Box, Layout
+from ..random import counter_rng as _rng
+from ..random import keys as _random
+from ..arrays.array import ShardedArray, raw_reshard, wrap
+from ..arrays.factories import _box_shape, _build, _from_boxes, _shard_of
+from ..values.layout import Box, Layout
 from .base import bind, replicated
 
 aten = torch.ops.aten

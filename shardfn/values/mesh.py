@@ -1,0 +1,215 @@
+"""Mesh: a named, n-dimensional grid of devices, and the current-mesh stack."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import attrs
+import torch
+
+from .context import ThreadStack
+from .errors import ShardingError
+
+_BACKENDS = ("local", "dist")
+
+
+def _check_shape(shape: object) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        shape = (shape,)
+    if not isinstance(shape, Sequence) or isinstance(shape, str):
+        raise ShardingError(f"Mesh shape must be a tuple of positive ints, got {shape!r}")
+    for i, n in enumerate(shape):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ShardingError(
+                f"Mesh shape entry {i} is {n!r}; every entry must be a positive int, "
+                f"e.g. Mesh((2, 4), ('x', 'y'))"
+            )
+    return tuple(shape)
+
+
+def _check_names(names: object, ndim: int) -> tuple[str, ...]:
+    if isinstance(names, str):
+        names = (names,)
+    if not isinstance(names, Sequence):
+        raise ShardingError(f"Mesh axis_names must be a tuple of str, got {names!r}")
+    names = tuple(names)
+    for n in names:
+        if not isinstance(n, str) or not n:
+            raise ShardingError(f"Mesh axis name {n!r} is not a non-empty str")
+    if len(names) != ndim:
+        raise ShardingError(
+            f"Mesh has {ndim} dims but {len(names)} axis_names {names!r}; give one name per dim"
+        )
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ShardingError(f"Mesh axis_names {names!r} repeat {dupes[0]!r}; names must be unique")
+    return names
+
+
+def _check_device_type(device_type: object) -> None:
+    """A device type this machine has (torch's own availability checks)."""
+    if not isinstance(device_type, str):
+        raise ShardingError(f"Mesh device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
+    try:
+        kind = torch.device(device_type)
+    except (RuntimeError, ValueError, TypeError):
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} is not a torch device type; use one of {_available_types()}"
+        ) from None
+    if kind.index is not None or kind.type != device_type:
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} must be a bare device type (no index); "
+            f"use one of {_available_types()}"
+        )
+    if kind.type not in _available_types():
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} is not available on this machine; "
+            f"available: {_available_types()}"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _available_types() -> tuple[str, ...]:
+    """The device types this machine can allocate on ("meta": shapes only, always there)."""
+    found = ["cpu", "meta"]
+    for name in ("cuda", "xpu", "mps", "mtia", "hpu"):
+        mod = getattr(torch, name, None)
+        available = getattr(mod, "is_available", None)
+        try:
+            if available is not None and available():
+                found.append(name)
+        except Exception:  # a backend's probe failing means the device is not usable
+            continue
+    return tuple(found)
+
+
+def _default_backend(size: int) -> str:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == size:
+        return "dist"
+    return "local"
+
+
+@attrs.frozen(repr=False, init=False)
+class Mesh:
+    """An immutable grid of devices with named axes; devices are numbered row-major.
+
+    ``backend="local"`` simulates every device in this process; ``"dist"`` runs one
+    process per device on torch.distributed. ``None`` picks dist when the initialised
+    world size equals the mesh size.
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    backend: str
+    device_type: str
+
+    def __init__(
+        self,
+        shape: Sequence[int] | int,
+        axis_names: Sequence[str] | str,
+        *,
+        backend: str | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        shape = _check_shape(shape)
+        names = _check_names(axis_names, len(shape))
+        size = math.prod(shape)
+        if backend is None:
+            backend = _default_backend(size)
+        if backend not in _BACKENDS:
+            raise ShardingError(f"Mesh backend {backend!r} is unknown; use one of {_BACKENDS}")
+        if device_type is None:
+            from ..backends.registry import backend_named
+
+            device_type = backend_named(backend).default_device_type()
+        _check_device_type(device_type)
+        self.__attrs_init__(shape, names, backend, device_type)
+
+    @property
+    def size(self) -> int:
+        """Number of devices in the mesh."""
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def axis_size(self, name: str) -> int:
+        """Size of the mesh axis called ``name``."""
+        return self.shape[self.axis_index(name)]
+
+    def axis_index(self, name: str) -> int:
+        """Position of axis ``name`` in ``axis_names``; a ShardingError if absent."""
+        try:
+            return self.axis_names.index(name)
+        except ValueError:
+            raise ShardingError(
+                f"axis {name!r} is not in the mesh; its axes are {self.axis_names!r}"
+            ) from None
+
+    def coords(self, device: int) -> tuple[int, ...]:
+        """Row-major coordinates of ``device`` on the mesh."""
+        return _coords(self.shape, device)
+
+    def device_at(self, coords: Sequence[int]) -> int:
+        """The device at row-major ``coords`` (the inverse of :meth:`coords`)."""
+        dev = 0
+        for n, c in zip(self.shape, coords):
+            dev = dev * n + c
+        return dev
+
+    def flatten(self, axes: Sequence[str], name: str) -> Mesh:
+        """A view of this mesh with the adjacent ``axes`` (in mesh order) merged into one
+        axis ``name``; same devices, same numbering."""
+        from .mesh_views import flatten
+
+        return flatten(self, tuple(axes), name)
+
+    def unflatten(self, axis: str, shape: Sequence[int], names: Sequence[str]) -> Mesh:
+        """A view of this mesh with ``axis`` split into axes ``names`` of sizes ``shape``."""
+        from .mesh_views import unflatten
+
+        return unflatten(self, axis, tuple(shape), tuple(names))
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        return f"Mesh({axes}, backend={self.backend!r})"
+
+    def __enter__(self) -> Mesh:
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _stack().pop()
+
+
+_coords_cache: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+
+
+def _coords(shape: tuple[int, ...], device: int) -> tuple[int, ...]:
+    key = (shape, device)
+    hit = _coords_cache.get(key)
+    if hit is None:
+        out = []
+        for n in reversed(shape):
+            device, r = divmod(device, n)
+            out.append(r)
+        hit = _coords_cache[key] = tuple(reversed(out))
+    return hit
+
+
+_entered = ThreadStack()
+
+
+def _stack() -> list[Mesh]:
+    """The meshes entered with ``with mesh:`` in this thread, innermost last."""
+    return _entered.items
+
+
+def current_mesh() -> Mesh | None:
+    """The innermost mesh entered with ``with mesh:``, or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
