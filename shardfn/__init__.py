@@ -9,7 +9,7 @@ from .arrays.array import device_put as device_put
 from .arrays.array import distribute as distribute
 from .arrays.array import gather as gather
 from .arrays.array import reshard as reshard
-from .transforms.explicit import explicit as explicit
+from .arrays.explicit import explicit as explicit
 from .values.errors import FallbackWarning as FallbackWarning
 from .values.errors import ImplicitReshardError as ImplicitReshardError
 from .values.errors import ImplicitReshardWarning as ImplicitReshardWarning
@@ -19,8 +19,8 @@ from .arrays.factories import empty as empty
 from .arrays.factories import full as full
 from .arrays.factories import make_array_from_callback as make_array_from_callback
 from .arrays.factories import ones as ones
-from .arrays.factories import rand as rand
-from .arrays.factories import randn as randn
+from .random.keys import rand as rand
+from .random.keys import randn as randn
 from .arrays.factories import zeros as zeros
 from .interop.dtensor import from_dtensor as from_dtensor
 from .values.mesh import Mesh as Mesh
@@ -37,12 +37,13 @@ from .values.spec import P as P
 from .values.spec import Partial as Partial
 from .values.spec import Replicate as Replicate
 from .values.spec import Shard as Shard
-from .transforms.shard_map.api import local_map as local_map
+from .transforms.local_map import local_map as local_map
 from .transforms.shard_map.api import shard_map as shard_map
-from .transforms.shard_map.api import with_sharding_constraint as with_sharding_constraint
+from .transforms.constraints import with_sharding_constraint as with_sharding_constraint
 
 __version__ = "0.1.0"
 
+from .arrays import dispatch as _dispatch  # noqa: E402,F401  (installs ShardedArray's op dispatcher)
 from .compile.dynamo import install as _install_dynamo  # noqa: E402
 
 _install_dynamo()  # torch.compile support, registered when torch._dynamo is imported

@@ -10,6 +10,7 @@ import torch
 import shardfn as sf
 from shardfn import P
 from shardfn.arrays import dispatch as _dispatch
+from shardfn.arrays import fragments as _fragments
 from shardfn.arrays import inplace as _inplace
 
 
@@ -142,14 +143,14 @@ def test_gradients_through_warm_calls(mesh):
 
 
 def test_fragment_table_reset_keeps_results_right(mesh, monkeypatch):
-    monkeypatch.setattr(_dispatch, "_FRAGMENTS_MAX", 4)
-    monkeypatch.setattr(_dispatch, "_fragments", {})  # earlier tests may have interned these triples
+    monkeypatch.setattr(_fragments, "_FRAGMENTS_MAX", 4)
+    monkeypatch.setattr(_fragments, "_fragments", {})  # earlier tests may have interned these triples
     for _ in range(2):
         for n in range(2, 12, 2):
             t = torch.randn(n, 4)
             x = sf.distribute(t, P("x"), mesh=mesh)
             torch.testing.assert_close((x * 3).sum(0).full_tensor(), (t * 3).sum(0))
-    assert len(_dispatch._fragments) <= 4
+    assert len(_fragments._fragments) <= 4
 
 
 def test_copies_share_the_fragment(mesh, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import math
 import threading
 from typing import Any, Callable, Sequence
@@ -12,13 +13,15 @@ import optree
 import torch
 
 from ..backends import custom_ops as _contract
-from . import functorch as _ft
-from ..values import layout as _lay
 from ..backends.registry import backend_for, execute
+from ..plans.planner import plan_layouts
+from ..values import layout as _lay
 from ..values.errors import ImmutableError, ShardingError
 from ..values.layout import Layout, describe
 from ..values.mesh import Mesh, current_mesh
-from ..plans.planner import plan_layouts
+from ..values.sharded import Sharded
+from . import functorch as _ft
+from .fragments import _fragment
 from ..values.spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
 
 
@@ -154,9 +157,9 @@ class ShardedArray(torch.Tensor):
     def to_dtensor(self) -> Any:
         """This value as a torch DTensor holding a copy of this rank's shard (dist backend only;
         a DTensor may be mutated, this array may not)."""
-        from ..interop.dtensor import to_dtensor
-
-        return to_dtensor(self)
+        if _to_dtensor is None:
+            raise ShardingError("to_dtensor needs shardfn.interop (import shardfn)")
+        return _to_dtensor(self)
 
     @classmethod
     def from_local(cls, local: Any, sharding: Sharding, *, mesh: Mesh | None = None,
@@ -241,9 +244,11 @@ class ShardedArray(torch.Tensor):
         return reshard(self, flatten_spec[0])
 
     def _stable_hash_for_caching(self) -> str:
-        from ..compile.dynamo import stable_hash
-
-        return stable_hash(self)
+        """A process-independent key for AOTAutograd's cache: layout, mesh, shape, dtype."""
+        lay = self._layout
+        key = (f"{lay.mesh.shape}|{lay.mesh.axis_names}|{lay.mesh.backend}|{lay.dims}|{lay.partial}|"
+               f"{tuple(self.shape)}|{self.dtype}|{self.requires_grad}|{isinstance(self._local, tuple)}")
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
@@ -397,17 +402,15 @@ def _named(layout: Layout) -> NamedSharding:
     return NamedSharding(layout.mesh, layout_to_spec(layout))
 
 
-def _dispatch_first(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``dispatch.dispatch``, imported on first use (dispatch imports this module); it then
-    takes this function's place, so later ops call it directly."""
-    global _dispatch_fn
-    from .dispatch import dispatch
-
-    _dispatch_fn = dispatch
-    return dispatch(func, args, kwargs)
+def _no_dispatcher(func: Any, args: tuple, kwargs: dict) -> Any:
+    raise RuntimeError("ShardedArray ops need shardfn.arrays.dispatch, which installs itself when imported")
 
 
-_dispatch_fn: Callable = _dispatch_first
+# the op dispatcher: ``dispatch.dispatch``, installed by that module (it imports this one)
+_dispatch_fn: Callable = _no_dispatcher
+# filled by the layers above when imported (an array never imports them)
+_to_dtensor: Callable | None = None  # ``shardfn.interop.dtensor.to_dtensor``
+_reshard_tree: Callable | None = None  # ``shardfn.transforms.coalesce.reshard_tree``: pytree reshard
 _NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
 
 
@@ -468,9 +471,9 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     is resharded back. ``x`` may be a pytree of arrays (``sharding`` a matching tree or a
     prefix): leaves sharing plan steps then move together (``coalesce.py``)."""
     if not isinstance(x, torch.Tensor):
-        from ..transforms.coalesce import reshard_tree
-
-        return reshard_tree(x, sharding)
+        if _reshard_tree is None:
+            raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
+        return _reshard_tree(x, sharding)
     base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
     if base is None:
         if isinstance(x, torch.Tensor):
@@ -478,7 +481,7 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
         raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
     target = _sharding_mesh(sharding)
     if target is not None and target != base.mesh and isinstance(x, ShardedArray):
-        from ..values.mesh_views import reshard_across
+        from .across_meshes import reshard_across
 
         return reshard_across(x, to_layout(sharding, x.ndim, target))
     dst = to_layout(sharding, x.ndim, base.mesh)
@@ -656,8 +659,6 @@ class _FromLocal(torch.autograd.Function):
         local = backend.from_shards([s.detach() for s in shards], layout, shape)
         if _shares_memory(local, shards):  # kept as given (uneven, dist): copied
             local = backend.from_shards([s.detach().clone() for s in shards], layout, shape)
-        from .dispatch import _fragment
-
         out = ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
         _fragment(out)  # its interned key fragment now, as an op's output has it (was: on first use)
         return out
@@ -797,6 +798,7 @@ class _BatchedArray(ShardedArray):
 
 ARRAY_TYPES = (ShardedArray, _BatchedArray)
 """The exact types of ShardedArrays (for exact-type checks that must not match wrappers)."""
+Sharded.register(ShardedArray)  # the layers below recognise it by this marker
 
 
 # -- pytree registration -------------------------------------------------------------------

@@ -19,16 +19,19 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from . import functorch as _ft
-from ..transforms import explicit as _explicit
-from . import inplace as _inplace
-from .. import rules as _rules
-from .array import ShardedArray, _BatchedArray, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
 from ..backends.registry import backend_for
+from ..plans.planner import plan_layouts
 from ..values.errors import FallbackWarning, ShardingError
 from ..values.layout import Layout, describe
-from ..plans.planner import plan_layouts
-from ..rules.base import Candidate, OpCall
+from ..values.schema import op_name as _op_name
+from . import array as _array
+from . import explicit as _explicit
+from . import functorch as _ft
+from . import inplace as _inplace
+from . import rule_table as _rules
+from .array import ShardedArray, _BatchedArray, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
+from .fragments import _fragment, fragment_of
+from .strategies import Candidate, OpCall
 
 aten = torch.ops.aten
 
@@ -277,46 +280,6 @@ def _fast_part(a: Any, t: type) -> Any:
     return _MISS
 
 
-_fragments: dict[tuple, Any] = {}
-_FRAGMENTS_MAX = 65536
-
-
-def _fragment(x: ShardedArray) -> Any:
-    """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
-    it); None while its shape is symbolic or its storage is not in the canonical form."""
-    try:
-        k = fragment_of(x._layout, tuple(x.shape), x.dtype)
-    except TypeError:  # SymInts do not hash
-        return None
-    if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
-        return None  # fast-path calls assume the canonical form (``_Entry.warm``)
-    x._kf = k
-    return k
-
-
-def fragment_of(layout: Layout, shape: tuple, dtype: torch.dtype) -> Any:
-    """A unique object per (layout, shape, dtype): fast keys hash it by identity. Never
-    reused for another triple (dropping the table only makes new objects)."""
-    k = _fragments.get((layout, shape, dtype))
-    if k is None:
-        if len(_fragments) >= _FRAGMENTS_MAX:
-            _fragments.clear()
-        k = _fragments[(layout, shape, dtype)] = _Fragment()
-    return k
-
-
-class _Fragment:
-    """An identity-hashed stand-in for one (layout, shape, dtype) in fast keys."""
-
-    __slots__ = ("__weakref__",)
-
-    def __copy__(self) -> _Fragment:
-        return self  # a copied array keeps hitting its original's entries
-
-    def __deepcopy__(self, memo: dict) -> _Fragment:
-        return self
-
-
 def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
@@ -357,10 +320,6 @@ def _to_meta(path: Any, v: Any) -> Any:
 def _describe_call(func: Any, leaves: list) -> str:
     arrays = [v for _, v in leaves if isinstance(v, ShardedArray)]
     return f"{_op_name(func)}: " + " x ".join(describe(tuple(a.shape), a.dtype, a._layout) for a in arrays)
-
-
-def _op_name(func: Any) -> str:
-    return f"aten.{func.overloadpacket.__name__}" if func.namespace == "aten" else str(func)
 
 
 # -- compilation -----------------------------------------------------------------------------------
@@ -649,7 +608,8 @@ def _scalar(func: Any, args: tuple, kwargs: dict) -> Any:
     return func(raw_full(args[0]))
 
 
-_SPECIAL: dict[Any, Callable] = {
+_SPECIAL: dict[Any, Callable] = _rules.SPECIAL  # the rule families add theirs (losses, random ops)
+_SPECIAL.update({
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.clone.default: _alias,
@@ -660,15 +620,6 @@ _SPECIAL: dict[Any, Callable] = {
     aten.equal.default: _equal,
     aten.allclose.default: _allclose,
     aten._local_scalar_dense.default: _scalar,
-}
-
-
-def _install_random_ops() -> None:
-    from ..rules.loss import SPECIAL as LOSS
-    from ..rules.random_ops import SPECIAL
-
-    _SPECIAL.update(SPECIAL)
-    _SPECIAL.update(LOSS)
-
-
-_install_random_ops()
+})
+_rules.on_change(_cache.clear)  # a registered rule replaces what cached entries chose
+_array._dispatch_fn = dispatch  # ShardedArray.__torch_dispatch__ calls it (array.py cannot import this module)

@@ -23,7 +23,7 @@ from ..values.spec import Sharding, to_layout
 ShapeLike = int | Sequence[int]
 MakeShard = Callable[[int, Box], torch.Tensor]
 
-__all__ = ["empty", "full", "make_array_from_callback", "ones", "rand", "randn", "zeros"]
+__all__ = ["empty", "full", "make_array_from_callback", "ones", "zeros"]
 
 
 # -- shapes, layouts, devices ----------------------------------------------------------
@@ -262,25 +262,3 @@ def empty(shape: ShapeLike, sharding: Sharding | None = None, *, mesh: Mesh | No
     return _allocating(shape, dtype, lambda: _build(
         shape, layout, lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device),
         dtype, requires_grad=requires_grad))
-
-
-def rand(shape: ShapeLike, sharding: Sharding | None = None, *, key: object = None, mesh: Mesh | None = None,
-         dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
-    """Uniform values in [0, 1): ``sf.random.uniform(key, shape, sharding)``.
-
-    ``key`` is a :func:`shardfn.random.key`; None draws one from torch's default
-    generator (so ``torch.manual_seed`` makes the call reproducible).
-    """
-    from ..random import keys as _random
-
-    out = _random.uniform(_random._key_or_draw(key), shape, sharding, mesh=mesh, dtype=dtype)
-    return out.requires_grad_() if requires_grad else out
-
-
-def randn(shape: ShapeLike, sharding: Sharding | None = None, *, key: object = None, mesh: Mesh | None = None,
-          dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
-    """Standard normal values: ``sf.random.normal(key, shape, sharding)`` (see :func:`rand`)."""
-    from ..random import keys as _random
-
-    out = _random.normal(_random._key_or_draw(key), shape, sharding, mesh=mesh, dtype=dtype)
-    return out.requires_grad_() if requires_grad else out

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..values.layout import Layout
+from ..values.sharded import Sharded
 
 _F = torch._C._functorch
 
@@ -35,18 +36,14 @@ def is_wrapped(x: Any) -> bool:
 
 def base_array(x: Any) -> Any:
     """The ShardedArray under ``x`` (or ``x`` itself), else None."""
-    from .array import ShardedArray
-
     base = unwrap(x)[0]
-    return base if isinstance(base, ShardedArray) else None
+    return base if isinstance(base, Sharded) else None
 
 
 def layout_of(x: Any) -> Layout | None:
     """The layout ``x`` has as seen at this functorch level, or None for a plain tensor."""
-    from .array import ShardedArray
-
     base, bdims = unwrap(x)
-    if not isinstance(base, ShardedArray):
+    if not isinstance(base, Sharded):
         return None
     layout = base._layout
     for b in reversed(bdims):

@@ -206,7 +206,7 @@ def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     """``native_batch_norm`` updates its running stats without saying so in its schema:
     with ShardedArray running stats in training it is judged as the annotated
     ``_native_batch_norm_legit`` (which writes ``running_mean(a!)``/``running_var(b!)``)."""
-    from ..rules.base import bind
+    from ..values.schema import bind
 
     b = bind(func, args, kwargs)
     stats = (b["running_mean"], b["running_var"])

@@ -29,9 +29,11 @@ import torch
 
 from . import custom_ops as _contract  # noqa: F401  (registers torch.ops.shardfn.*, whose kernels batch)
 from ..values.schema import _schema_info
+from ..values.sharded import Sharded
 from ..values.errors import ShardingError
 from ..values.layout import local_shapes
 from . import device_call as dc
+from . import stacked_matmul
 
 aten = torch.ops.aten
 
@@ -75,8 +77,6 @@ class Info:
     and each localised size argument's splits (pieces per dim) and local shape."""
 
     def __init__(self, func: Any, op: Any, cand: Any, call: Any, out_shapes: Sequence[Any]) -> None:
-        from ..arrays.array import ShardedArray
-
         self.func, self.op, self.cand = func, op, cand
         self.m = call.mesh.ndim
         self.shapes = {p: tuple(v.shape) for p, v in call.arrays}
@@ -84,7 +84,7 @@ class Info:
         self.out_shapes = list(out_shapes)
 
         def static(v: Any) -> Any:
-            if isinstance(v, ShardedArray):
+            if isinstance(v, Sharded):
                 return tuple(v.shape)
             if isinstance(v, (list, tuple)):
                 return type(v)(static(x) for x in v)
@@ -256,10 +256,8 @@ def _promotes_apart(info: Info) -> bool:
     """Whether the op, run on operands that carry mesh dims, gives other dtypes than on
     the logical ones: torch promotes a 0-d tensor below dimensioned ones (``int32 *
     tensor(3)`` is int32), which a stacked 0-d value (shape ``(1,) * m``) is not."""
-    from ..arrays.array import ShardedArray
-
     def stacked(v: Any) -> Any:
-        if isinstance(v, ShardedArray):
+        if isinstance(v, Sharded):
             return torch.empty((1,) * info.m + tuple(v.shape), dtype=v.dtype, device="meta")
         if isinstance(v, (list, tuple)):
             return type(v)(stacked(x) for x in v)
@@ -294,9 +292,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """mm/bmm of stacked operands: leading (mesh) dims on which one operand is the same
     fold into the other's rows or columns (``local.matmul``): one GEMM, no copy of a
     replicated operand."""
-    from . import local
-
-    return local.matmul(a, b)
+    return stacked_matmul.matmul(a, b)
 
 
 def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from ..values.layout import Layout, describe, local_shapes, split_range
 from ..values.mesh import Mesh
 from ..plans.planner import Step
 from .device_call import DeviceCall, raw_op, substitute, with_locals
+from .hooks import SHARD_MAP_RUNNERS
 from .local import _reduce
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
@@ -636,6 +637,14 @@ def _meta_str(row: list[int]) -> str:
     return f"{names.get(row[1], 'an unknown dtype')}{list(shape)}"
 
 
+def all_local_shapes(t: torch.Tensor, mesh: Mesh) -> list[tuple[int, ...]]:
+    """Every rank's shape of its tensor ``t`` (one small all_gather over the mesh)."""
+    mine = torch.tensor([list(t.shape)], dtype=torch.int64)
+    group = _state(mesh).groups[mesh.axis_names]
+    every = pin_in_real_trace(funcol.wait_tensor(funcol.all_gather_single(mine, 0, group.pg)))
+    return [tuple(int(n) for n in row) for row in every]
+
+
 def shard_list(value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, ...]:
     return (value,)
 
@@ -731,7 +740,6 @@ class DistBackend:
     def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
         if not exchange:
             return global_shape(outs, layout, None)
-        from ..transforms.shard_map.dist import all_local_shapes
         from . import local
 
         metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], layout.mesh)]
@@ -751,10 +759,8 @@ class DistBackend:
         return False  # plans run on concrete shard sizes
 
     def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-        """This rank's part of the body, collectives through ``_dist_lax.py``."""
-        from ..transforms.shard_map import dist as _dist_lax
-
-        return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
+        """This rank's part of the body, collectives through ``transforms/shard_map/dist.py``."""
+        return SHARD_MAP_RUNNERS["dist"](f, inputs, out_specs, check_vma, kwargs)
 
     def default_device_type(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import torch
 
 from ..plans.planner import Plan
+from .hooks import record
+from ..values.mesh import DEFAULT_DEVICE_TYPES
 
 
 class Backend(Protocol):
@@ -157,11 +159,13 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
     from their hints); a backend that can keeps them symbolic."""
     if not plan.steps:
         return value
-    from ..debug.comm import _record
-
     backend = backend_for(plan.src.mesh)
     sym = shape if shape is not None and any(isinstance(n, torch.SymInt) for n in shape) else None
     for step in plan.steps:
-        _record(step)
+        record(step)
         value = backend.run_step(step, value, plan.shape, plan.dtype, sym_shape=sym)
     return value
+
+
+for _name in ("local", "dist"):
+    DEFAULT_DEVICE_TYPES[_name] = lambda name=_name: backend_named(name).default_device_type()

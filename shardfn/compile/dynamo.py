@@ -14,52 +14,38 @@ when torch imports it (``torch.compile`` does), not when shardfn is imported.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.abc
 import importlib.util
 import sys
-import weakref
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
+from ..arrays import array
+from ..transforms import constraints
+from ..values import graph_calls
+from ..values.layout import Layout
+from ..values.mesh import Mesh
+from ..values.spec import NamedSharding, P, Partial, Replicate, Shard, _make_p
 
 _registered = False
-_pending: weakref.WeakSet = weakref.WeakSet()  # in_graph functions made before registration
-F = TypeVar("F", bound=Callable)
 
 
 def _value_types() -> tuple[type, ...]:
-    from ..values.layout import Layout
-    from ..values.mesh import Mesh
-    from ..values.spec import NamedSharding, P, Partial, Replicate, Shard
-
     return (P, NamedSharding, Shard, Replicate, Partial, Mesh, Layout)
 
 
 def _graph_functions() -> list[Callable]:
     """Functions Dynamo records as one call (their arguments: tensors, pytrees of them,
     and sharding values)."""
-    from ..arrays import array
-
-    fns: list[Callable] = [
+    return [
         array.reshard, array.distribute, array.gather,
         array.ShardedArray.full_tensor, array.ShardedArray.redistribute,
         array.ShardedArray.to_local, array.ShardedArray.from_local,
+        constraints.with_sharding_constraint,
     ]
-    try:
-        from ..transforms.shard_map import api as transforms
-
-        fns.append(transforms.with_sharding_constraint)
-    except ImportError:  # pragma: no cover - transforms not present
-        pass
-    return fns
 
 
 def _fx_repr(obj: Any) -> tuple[str, dict[str, type]]:
     """An expression that rebuilds ``obj`` in generated graph code."""
-    from ..values.layout import Layout
-    from ..values.mesh import Mesh
-    from ..values.spec import NamedSharding, P, Partial, Replicate, Shard
-
     if isinstance(obj, P):
         return repr(obj), {"P": P}
     if isinstance(obj, Mesh):
@@ -78,8 +64,6 @@ def _fx_repr(obj: Any) -> tuple[str, dict[str, type]]:
 def _p_node(p: Any, tracer: Any) -> Any:
     """A graph node that rebuilds ``p``: fx maps every tuple argument to a plain tuple,
     which would drop ``P.partial``."""
-    from ..values.spec import _make_p
-
     return tracer.create_node("call_function", _make_p, (tuple(p), dict(p._partial)), {})
 
 
@@ -97,26 +81,9 @@ def register() -> None:
             cls.__fx_create_arg__ = _p_node
         register_opaque_type(cls, typ="value")
     allow_in_graph = sys.modules["torch._dynamo"].allow_in_graph
-    for fn in [*_graph_functions(), *_pending]:
+    for fn in _graph_functions():
         allow_in_graph(fn)
-    _pending.clear()
-
-
-def in_graph(fn: F) -> F:
-    """Mark a function made at run time (e.g. by shard_map) as one graph call."""
-    if _registered:
-        sys.modules["torch._dynamo"].allow_in_graph(fn)
-    else:
-        _pending.add(fn)
-    return fn
-
-
-def stable_hash(x: Any) -> str:
-    """A process-independent key for AOTAutograd's cache: layout, mesh, shape, dtype."""
-    lay = x._layout
-    key = (f"{lay.mesh.shape}|{lay.mesh.axis_names}|{lay.mesh.backend}|{lay.dims}|{lay.partial}|"
-           f"{tuple(x.shape)}|{x.dtype}|{x.requires_grad}|{isinstance(x._local, tuple)}")
-    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    graph_calls.install(allow_in_graph)  # shard_map / local_map functions, made before and after
 
 
 class _OnDynamoImport(importlib.abc.MetaPathFinder):

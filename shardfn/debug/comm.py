@@ -5,17 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ..plans.planner import COMM_KINDS, Step
-
-_active: list["CommCounter"] = []
-
-
-def _record(step: Step) -> None:
-    if _active and step.kind in COMM_KINDS:
-        for c in _active:
-            c.counts[step.kind] += 1
-            c.bytes += step.bytes
-            c.steps.append(step)
+from ..backends.hooks import OBSERVERS
+from ..plans.planner import Step
 
 
 class CommCounter:
@@ -27,17 +18,23 @@ class CommCounter:
         self.bytes = 0
         self.steps: list[Step] = []
 
+    def record(self, step: Step) -> None:
+        """Count one communicating step (called by the backends while entered)."""
+        self.counts[step.kind] += 1
+        self.bytes += step.bytes
+        self.steps.append(step)
+
     @property
     def total(self) -> int:
         """Number of communicating steps."""
         return sum(self.counts.values())
 
     def __enter__(self) -> CommCounter:
-        _active.append(self)
+        OBSERVERS.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _active.remove(self)
+        OBSERVERS.remove(self)
 
     def __repr__(self) -> str:
         return f"CommCounter({dict(self.counts)}, bytes={self.bytes})"

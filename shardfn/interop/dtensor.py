@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..arrays import array as _array
 from ..arrays.array import ShardedArray
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
@@ -108,3 +109,5 @@ def from_dtensor(dt: Any) -> ShardedArray:
         _device_meshes[mesh] = dm
     return ShardedArray.from_local(dt.to_local(), placements, mesh=mesh, shape=tuple(dt.shape))
 
+
+_array._to_dtensor = to_dtensor  # ShardedArray.to_dtensor (arrays cannot import this package)

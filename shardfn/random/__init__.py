@@ -11,7 +11,7 @@ and to the unsharded call::
     assert torch.equal(sf.gather(w), sf.random.normal(k1, (1024, 4096)))  # plain tensor
 
 torch's own random ops on ShardedArrays (``F.dropout``, ``torch.rand_like``, ...; see
-:mod:`shardfn.rules.random_ops`) use the same generator. Each call takes a fresh key from
+:mod:`shardfn.random.torch_ops`) use the same generator. Each call takes a fresh key from
 torch's default generator (or the ``generator=`` passed), advancing it by the same amount
 on every device, so ``torch.manual_seed(s)`` makes a step reproducible. Their draws are
 the same for every mesh and sharding but differ from plain torch's unsharded draws (a
@@ -31,3 +31,4 @@ from .keys import bernoulli as bernoulli
 from .keys import dropout as dropout
 from .keys import set_seed as set_seed
 from .keys import seeded as seeded
+from . import torch_ops as torch_ops  # noqa: F401  (installs the handlers of torch's random ops)

@@ -266,3 +266,24 @@ def _next_key(generator: torch.Generator | None = None, device: torch.device | s
 
 def _key_or_draw(k: KeyLike | None) -> Key:
     return _next_key() if k is None else _check_key(k)
+
+
+# -- torch-style factories (sf.rand / sf.randn) ----------------------------------------------
+
+
+def rand(shape: ShapeLike, sharding: Sharding | None = None, *, key: object = None, mesh: Mesh | None = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """Uniform values in [0, 1): ``sf.random.uniform(key, shape, sharding)``.
+
+    ``key`` is a :func:`shardfn.random.key`; None draws one from torch's default
+    generator (so ``torch.manual_seed`` makes the call reproducible).
+    """
+    out = uniform(_key_or_draw(key), shape, sharding, mesh=mesh, dtype=dtype)
+    return out.requires_grad_() if requires_grad else out
+
+
+def randn(shape: ShapeLike, sharding: Sharding | None = None, *, key: object = None, mesh: Mesh | None = None,
+          dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """Standard normal values: ``sf.random.normal(key, shape, sharding)`` (see :func:`rand`)."""
+    out = normal(_key_or_draw(key), shape, sharding, mesh=mesh, dtype=dtype)
+    return out.requires_grad_() if requires_grad else out

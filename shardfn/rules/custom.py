@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from ..values.errors import ShardingError
 from ..values.layout import Layout
+from ..arrays import rule_table
 from .base import Candidate, OpCall, Rule
 from .dims import compile_dims, einsum_dims, parse_einsum
 
@@ -263,7 +264,5 @@ def register_sharding(op: Any, rule: Any = None) -> Any:
 
 
 def _install(ops: list, rule: Rule) -> None:
-    from . import register
-
     for o in ops:
-        register(o, rule)
+        rule_table.register(o, rule)

@@ -19,11 +19,13 @@ from typing import Any
 import optree
 import torch
 
+from ..arrays import array as _array
 from ..arrays.array import _BATCHED_NDIM, ARRAY_TYPES, ShardedArray, _BatchedArray, _make_wrapper, check_partial_dtype, reshard
-from ..arrays.dispatch import fragment_of
+from ..arrays.fragments import fragment_of
 from ..values.layout import Layout, is_even
 from ..plans.planner import PLAN_CACHES, plan_layouts
 from ..values.spec import to_layout
+from .specs import _is_spec, _match
 
 BUCKET_BYTES = 25 * 2**20
 """Largest coalesced buffer (bytes): DDP's default bucket size."""
@@ -60,8 +62,6 @@ def _tree_key(treespec: Any, leaves: list, shardings: Any) -> tuple | None:
     """What a tree plan depends on (None: not cacheable, e.g. symbolic shapes): the
     structure, each array leaf's fragment (others: tensor or not), the shardings (with
     their types: a tuple and a P may compare equal) and the bucket size."""
-    from .shard_map.api import _is_spec
-
     parts = [v._kf if type(v) in ARRAY_TYPES and v._kf is not None else _leaf_part(v) for v in leaves]
     if None in parts:
         return None
@@ -87,8 +87,6 @@ def _leaf_part(v: Any) -> Any:
 
 def _specs(tree: Any, shardings: Any) -> list:
     """One sharding per leaf of ``tree``; ``transforms._match`` raises the error."""
-    from .shard_map.api import _is_spec, _match
-
     try:
         full = optree.tree_broadcast_prefix(shardings, tree, is_leaf=_is_spec, none_is_leaf=True)
     except ValueError:
@@ -290,3 +288,6 @@ class _Coalesced(torch.autograd.Function):
         back = tuple(None if g is None else reshard(_as_sharded(g, dst), src.without_partial())
                      for g, src, dst in zip(gs, b.srcs, b.dsts))
         return (None, *back)
+
+
+_array._reshard_tree = reshard_tree  # sf.reshard of a pytree (arrays cannot import this layer)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import optree
 import torch
 
+from ..backends.hooks import OBSERVERS, record
 from ..values.context import ThreadStack
 from ..values.errors import ShardingError
 from ..values.mesh import Mesh
@@ -159,10 +160,7 @@ def _group_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 def _record(body: Collectives, kind: str, axes: tuple[str, ...], x: torch.Tensor, op: str | None = None) -> None:
     """Count a collective in any active sf.debug.CommCounter (ring costs, as plans)."""
-    from ..debug.comm import _active
-    from ..debug.comm import _record as record
-
-    if not _active or not body.leader:
+    if not OBSERVERS or not body.leader:
         return
     from ..values.layout import Layout
     from ..plans.planner import Step

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .explicit import explicit
+from ..arrays.explicit import explicit
 from ..arrays.array import ShardedArray, distribute, reshard
 from ..values.errors import ShardingError
 from ..values.mesh import current_mesh

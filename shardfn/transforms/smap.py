@@ -12,6 +12,7 @@ import torch
 from ..values.errors import ShardingError
 from ..values.mesh import Mesh
 from ..values.spec import P
+from .shard_map.api import shard_map
 
 __all__ = ["smap"]
 
@@ -33,8 +34,6 @@ def smap(f: Callable, *, in_axes: Any = 0, out_axes: Any = 0, axis_name: str, me
 
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
-        from . import shard_map
-
         in_specs = _in_specs(in_axes, args, axis_name)
         out_specs = optree.tree_map(lambda a: _spec(a, None, axis_name, "out_axes"), out_axes, none_is_leaf=True)
         return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis_name})(*args, **kwargs)

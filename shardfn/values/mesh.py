@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -13,6 +13,10 @@ from .context import ThreadStack
 from .errors import ShardingError
 
 _BACKENDS = ("local", "dist")
+
+# backend name -> the device type a mesh on it gets by default; filled by the backends
+# package when it is imported (values never import backends)
+DEFAULT_DEVICE_TYPES: dict[str, Callable[[], str]] = {}
 
 
 def _check_shape(shape: object) -> tuple[int, ...]:
@@ -122,9 +126,7 @@ class Mesh:
         if backend not in _BACKENDS:
             raise ShardingError(f"Mesh backend {backend!r} is unknown; use one of {_BACKENDS}")
         if device_type is None:
-            from ..backends.registry import backend_named
-
-            device_type = backend_named(backend).default_device_type()
+            device_type = DEFAULT_DEVICE_TYPES[backend]()
         _check_device_type(device_type)
         self.__attrs_init__(shape, names, backend, device_type)
 
@@ -164,15 +166,11 @@ class Mesh:
     def flatten(self, axes: Sequence[str], name: str) -> Mesh:
         """A view of this mesh with the adjacent ``axes`` (in mesh order) merged into one
         axis ``name``; same devices, same numbering."""
-        from .mesh_views import flatten
-
-        return flatten(self, tuple(axes), name)
+        return _flatten(self, tuple(axes), name)
 
     def unflatten(self, axis: str, shape: Sequence[int], names: Sequence[str]) -> Mesh:
         """A view of this mesh with ``axis`` split into axes ``names`` of sizes ``shape``."""
-        from .mesh_views import unflatten
-
-        return unflatten(self, axis, tuple(shape), tuple(names))
+        return _unflatten(self, axis, tuple(shape), tuple(names))
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
@@ -213,3 +211,40 @@ def current_mesh() -> Mesh | None:
     """The innermost mesh entered with ``with mesh:``, or None."""
     stack = _stack()
     return stack[-1] if stack else None
+
+
+# -- views: the same devices, other axes --------------------------------------------------------
+
+
+def _flatten(mesh: Mesh, axes: tuple[str, ...], name: str) -> Mesh:
+    axes = tuple(axes)
+    if not axes or any(a not in mesh.axis_names for a in axes):
+        raise ShardingError(f"Mesh.flatten: axes {axes!r} must be axes of {mesh!r}")
+    idx = [mesh.axis_names.index(a) for a in axes]
+    if idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ShardingError(
+            f"Mesh.flatten: axes {axes!r} must be adjacent and in mesh order {mesh.axis_names!r}; "
+            f"only such axes merge into one axis over the same devices"
+        )
+    if name in mesh.axis_names and name not in axes:
+        raise ShardingError(f"Mesh.flatten: name {name!r} is already an axis of {mesh!r}")
+    lo, hi = idx[0], idx[-1] + 1
+    shape = (*mesh.shape[:lo], math.prod(mesh.shape[lo:hi]), *mesh.shape[hi:])
+    names = (*mesh.axis_names[:lo], name, *mesh.axis_names[hi:])
+    return Mesh(shape, names, backend=mesh.backend, device_type=mesh.device_type)
+
+
+def _unflatten(mesh: Mesh, axis: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    i = mesh.axis_index(axis)
+    shape, names = tuple(shape), tuple(names)
+    if len(shape) != len(names):
+        raise ShardingError(f"Mesh.unflatten: shape {shape!r} and names {names!r} differ in length")
+    if math.prod(shape) != mesh.shape[i]:
+        raise ShardingError(
+            f"Mesh.unflatten: shape {shape!r} has {math.prod(shape)} devices but axis {axis!r} has {mesh.shape[i]}"
+        )
+    for n in names:
+        if n in mesh.axis_names and n != axis:
+            raise ShardingError(f"Mesh.unflatten: name {n!r} is already an axis of {mesh!r}")
+    return Mesh((*mesh.shape[:i], *shape, *mesh.shape[i + 1:]), (*mesh.axis_names[:i], *names, *mesh.axis_names[i + 1:]),
+                backend=mesh.backend, device_type=mesh.device_type)

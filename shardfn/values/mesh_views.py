@@ -1,7 +1,7 @@
 """Views of one mesh: ``Mesh.flatten`` / ``Mesh.unflatten`` give meshes over the same
 devices (same row-major numbering), and a ShardedArray moves between a mesh and its view
-by relabelling its layout — no data moves when the layouts agree (``P(('dp','tp'))`` on
-``(dp, tp)`` is ``P('dptp')`` on the flattened mesh).
+by relabelling its layout (``arrays/across_meshes.py``) — no data moves when the layouts
+agree (``P(('dp','tp'))`` on ``(dp, tp)`` is ``P('dptp')`` on the flattened mesh).
 
 Both meshes are factorisations of the same device count; their common refinement (the
 *fine* mesh, one axis per factor) expresses every layout of either. A move goes
@@ -11,24 +11,24 @@ destination (relabel).
 
 from __future__ import annotations
 
-import math
-from typing import Any
 
-import torch
-
-from ..backends.registry import backend_for
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
 
 
+def not_a_view(a: Mesh, b: Mesh) -> ShardingError:
+    """The error for a move from mesh ``a`` to a mesh ``b`` that is not a view of it."""
+    return ShardingError(
+        f"the value is on {a!r} but the target sharding is on a different mesh {b!r}, which is not "
+        f"a view of it (views have the same devices and backend; see Mesh.flatten / Mesh.unflatten)"
+    )
+
+
 def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
     """The fine mesh of ``a`` and ``b`` and, per axis of either, its fine axes (major first)."""
-    if a.size != b.size or backend_for(a) is not backend_for(b):
-        raise ShardingError(
-            f"the value is on {a!r} but the target sharding is on a different mesh {b!r}, which is not "
-            f"a view of it (views have the same devices and backend; see Mesh.flatten / Mesh.unflatten)"
-        )
+    if a.size != b.size:
+        raise not_a_view(a, b)
     sizes: list[int] = []
     owner: dict[str, list[str]] = {n: [] for n in (*a.axis_names, *b.axis_names)}
     ia = ib = 0
@@ -96,84 +96,3 @@ def from_fine(layout: Layout, mesh: Mesh, owner: dict) -> Layout | None:
         if a not in used and any(f in layout.axis_dim or f in ops for f in owner[a]):
             return None
     return Layout(mesh, tuple(dims), tuple(partial))
-
-
-def relabel(value: Any, src: Mesh, dst: Mesh) -> Any:
-    """The backend value of a layout on ``src`` as the same shards on ``dst``."""
-    return backend_for(src).relabel(value, src, dst)
-
-
-def reshard_across(x: Any, dst: Layout) -> Any:
-    """``x`` laid out as ``dst`` on a view of its mesh (differentiable)."""
-    return _Across.apply(x, dst)
-
-
-def _move(x: Any, dst: Layout) -> Any:
-    from ..arrays.array import ShardedArray, raw_reshard, wrap
-
-    src_mesh = x._layout.mesh
-    fine, owner = refinement(src_mesh, dst.mesh)
-    src_f = to_fine(x._layout, fine, owner)
-    dst_f = to_fine(dst, fine, owner)
-    value = relabel(x._local, src_mesh, fine)
-    on_fine = ShardedArray(value, src_f, tuple(x.shape), x.dtype)
-    value = raw_reshard(on_fine, dst_f)
-    return wrap(relabel(value, fine, dst.mesh), dst, tuple(x.shape), x.dtype)
-
-
-class _Across(torch.autograd.Function):
-    @staticmethod
-    def forward(x: Any, dst: Layout) -> Any:
-        return _move(x, dst)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.src, ctx.dst = inputs[0]._layout, inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> Any:
-        from ..arrays.array import ShardedArray
-
-        if not isinstance(g, ShardedArray):
-            return None, None
-        return reshard_across(g, ctx.src.without_partial() if ctx.src.partial else ctx.src), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Any, _: Any) -> Any:
-        from ..arrays.array import reshard
-
-        return _move(reshard(t, ctx.src), ctx.dst)
-
-
-def flatten(mesh: Mesh, axes: tuple[str, ...], name: str) -> Mesh:
-    axes = tuple(axes)
-    if not axes or any(a not in mesh.axis_names for a in axes):
-        raise ShardingError(f"Mesh.flatten: axes {axes!r} must be axes of {mesh!r}")
-    idx = [mesh.axis_names.index(a) for a in axes]
-    if idx != list(range(idx[0], idx[0] + len(idx))):
-        raise ShardingError(
-            f"Mesh.flatten: axes {axes!r} must be adjacent and in mesh order {mesh.axis_names!r}; "
-            f"only such axes merge into one axis over the same devices"
-        )
-    if name in mesh.axis_names and name not in axes:
-        raise ShardingError(f"Mesh.flatten: name {name!r} is already an axis of {mesh!r}")
-    lo, hi = idx[0], idx[-1] + 1
-    shape = (*mesh.shape[:lo], math.prod(mesh.shape[lo:hi]), *mesh.shape[hi:])
-    names = (*mesh.axis_names[:lo], name, *mesh.axis_names[hi:])
-    return Mesh(shape, names, backend=mesh.backend, device_type=mesh.device_type)
-
-
-def unflatten(mesh: Mesh, axis: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
-    i = mesh.axis_index(axis)
-    shape, names = tuple(shape), tuple(names)
-    if len(shape) != len(names):
-        raise ShardingError(f"Mesh.unflatten: shape {shape!r} and names {names!r} differ in length")
-    if math.prod(shape) != mesh.shape[i]:
-        raise ShardingError(
-            f"Mesh.unflatten: shape {shape!r} has {math.prod(shape)} devices but axis {axis!r} has {mesh.shape[i]}"
-        )
-    for n in names:
-        if n in mesh.axis_names and n != axis:
-            raise ShardingError(f"Mesh.unflatten: name {n!r} is already an axis of {mesh!r}")
-    return Mesh((*mesh.shape[:i], *shape, *mesh.shape[i + 1:]), (*mesh.axis_names[:i], *names, *mesh.axis_names[i + 1:]),
-                backend=mesh.backend, device_type=mesh.device_type)

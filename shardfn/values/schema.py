@@ -18,6 +18,11 @@ def _schema_info(func: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
 _SCHEMAS: dict[Any, tuple] = {}
 
 
+def op_name(func: Any) -> str:
+    """How messages name an op: ``aten.mm`` for an aten overload, else its full name."""
+    return f"aten.{func.overloadpacket.__name__}" if func.namespace == "aten" else str(func)
+
+
 def bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Arguments by schema name, defaults filled in."""
     names, defaults = _schema_info(func)

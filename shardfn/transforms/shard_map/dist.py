@@ -22,13 +22,18 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
-from . import boundary as B
-from . import recompute as _recompute
-from ...arrays.functorch import base_array, is_wrapped
 from ...arrays.array import ShardedArray, distribute, reshard
+from ...arrays.functorch import base_array, is_wrapped
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
+from .. import boundary as B
+from ..lax import _entered
+from ..specs import _match
+from . import recompute as _recompute
+from . import stacked as _stacked
+from .io import assemble_parts
+from .manual import _subs
 
 
 def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
@@ -120,13 +125,6 @@ def _ppermute(x: torch.Tensor, mesh: Mesh, axes: tuple, perm: tuple) -> torch.Te
     src = {d: s for s, d in perm}
     me = _rank_in(mesh, axes)
     return gathered[src[me]] if me in src else torch.zeros_like(x)
-
-
-def all_local_shapes(t: torch.Tensor, mesh: Mesh) -> list[tuple[int, ...]]:
-    """Every rank's shape of its tensor ``t`` (one small all_gather over the mesh)."""
-    mine = torch.tensor([list(t.shape)], dtype=torch.int64)
-    every = _all_gather(mine, mesh, mesh.axis_names, 0)
-    return [tuple(int(n) for n in row) for row in every]
 
 
 # -- differentiable collectives -------------------------------------------------------------------------------
@@ -267,10 +265,7 @@ class DistBody:
 
 
 def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-    """One rank's part of a shard_map call (see ``transforms._shard_map``)."""
-    from ..lax import _entered
-    from .api import _match, assemble_parts
-
+    """One rank's part of a shard_map call (see ``io._shard_map``)."""
     mesh = inputs.mesh
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
     body = DistBody(mesh)
@@ -300,8 +295,6 @@ def _local_input(v: torch.Tensor, layout: Layout) -> torch.Tensor:
 @contextlib.contextmanager
 def _reopened(body: DistBody, closures: Any) -> Iterator[None]:
     """The body's mesh, collectives and closures again, for a checkpoint recomputation."""
-    from ..lax import _entered
-
     with body.mesh, _entered(body), closures:
         yield
 
@@ -433,8 +426,6 @@ class _Closures(TorchFunctionMode):
 def _on_body_submesh(array: ShardedArray) -> bool:
     """Whether ``array`` lives on the submesh of a partial-manual body running here (the
     body's arguments and results there are ShardedArrays over its automatic axes)."""
-    from .manual import _subs
-
     return array.mesh in _subs()
 
 
@@ -471,8 +462,6 @@ def _traced_vma(f: Callable, inputs: Any, leaves: list, kwargs: dict) -> list[fr
 
 
 def _trace(f: Callable, inputs: Any, sig: tuple, leaves: list, kwargs: dict) -> list[frozenset[str]]:
-    from . import stacked as _stacked
-
     mesh = inputs.mesh
     local = Mesh(mesh.shape, mesh.axis_names, backend="local", device_type="meta")
     metas, mapped = [], []

@@ -27,13 +27,13 @@ from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
 from ...values.spec import NamedSharding, P, Replicate, _is_placements
+from ..specs import _arg_specs, _is_spec, _layout, _match
+from .io import _Inputs, _shard_map
 
 
 def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: Any, check_vma: bool,
                      axis_names: Any, args: tuple, kwargs: dict) -> Any:
     """shard_map with ``axis_names`` (or called inside another shard_map body)."""
-    from .api import _Inputs, _layout, _match, _shard_map
-
     if lax._in_shard_map():
         return _nested(f, in_specs, out_specs, axis_names, args, kwargs)
     inputs = _Inputs(in_specs, args, mesh)
@@ -57,8 +57,6 @@ def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: A
 
 
 def _is_spec_leaf(s: Any) -> bool:
-    from .api import _is_spec
-
     return _is_spec(s)
 
 
@@ -192,8 +190,6 @@ def _strip(spec: Any, auto: tuple[str, ...], mesh: Mesh) -> Any:
 
 
 def _nested(f: Callable, in_specs: Any, out_specs: Any, axis_names: Any, args: tuple, kwargs: dict) -> Any:
-    from .api import _arg_specs, _match
-
     mesh = lax._bodies()[-1].mesh
     outer = lax._manual_set(mesh)
     inner = _check_axis_names(axis_names, mesh, outer, "nested shard_map")

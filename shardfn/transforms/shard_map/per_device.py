@@ -20,8 +20,14 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ...arrays.array import ShardedArray, reshard
 from ...values.errors import ShardingError
+from ...values.layout import Layout, device_box
 from ...values.mesh import Mesh
+from .. import boundary as B
+from ..lax import _entered
+from ..specs import _match
+from .io import _Inputs, assemble_parts
 
 _VMA = "_sf_vma"
 
@@ -207,8 +213,6 @@ class DeviceBody:
 def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_closures: bool = False) -> list[Any]:
     """Call ``f(*per_device_args[d], **kwargs)`` for every device ``d`` concurrently and
     return the outputs, one per device (``traced_closures``: see :class:`_VmaMode`)."""
-    from ..lax import _entered
-
     n = mesh.size
     rv = _Rendezvous(n)
     results: list[Any] = [None] * n
@@ -236,3 +240,79 @@ def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_c
     if any(errors):
         raise next(e for e in errors if e is not None)
     return results
+
+
+# -- the local backend's runner for uneven shards -------------------------------------------
+
+
+def _device_pieces(v: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Each device's local tensor of argument ``v`` (differentiable)."""
+    if isinstance(v, ShardedArray):
+        v = reshard(v, layout)
+        return list(B.EnterParts.apply(v, B.summed_grad_layout(layout), True))
+    shape = tuple(v.shape)
+    return [v[tuple(slice(lo, hi) for lo, hi in device_box(layout, shape, d))] for d in range(layout.mesh.size)]
+
+
+def _run_per_device(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+    from torch.autograd.forward_ad import _current_level
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if get_proxy_mode() is not None:
+        raise ShardingError(
+            "shard_map with uneven shards cannot be traced by make_fx (torch.func.linearize, "
+            "torch.compile's tracing): its body runs once per device in threads the tracer does not "
+            "see; use torch.func.jvp instead of linearize, or make every sharded dim divisible by its "
+            "mesh axes"
+        )
+    if torch._C._are_functorch_transforms_active() or _current_level >= 0:
+        return _run_per_device_opaque(f, inputs, out_specs, check_vma, kwargs)
+    flat, treespec = _per_device_flat(f, inputs, inputs.leaves, out_specs, check_vma, kwargs)
+    return optree.tree_unflatten(treespec, flat)
+
+
+def _run_per_device_opaque(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+    """The per-device run as one autograd Function (``_boundary.Opaque``): its threads
+    cannot see torch.func's thread-local transform state (nor forward-AD duals), so they
+    work on plain tensors inside it; its derivatives and batching rule re-run it."""
+    where = [i for i, v in enumerate(inputs.leaves) if isinstance(v, torch.Tensor)]
+    result: dict = {}
+
+    def run(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        leaves = list(inputs.leaves)
+        for i, t in zip(where, tensors):
+            leaves[i] = t
+        result["flat"], result["spec"] = _per_device_flat(f, inputs, leaves, out_specs, check_vma, kwargs,
+                                                          traced_closures=True)
+        return [o for o in result["flat"] if isinstance(o, torch.Tensor)]
+
+    outs = iter(B.Opaque.apply(run, *[inputs.leaves[i] for i in where]))
+    flat = [next(outs) if isinstance(o, torch.Tensor) else o for o in result["flat"]]
+    return optree.tree_unflatten(result["spec"], flat)
+
+
+def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any, check_vma: bool,
+                     kwargs: dict, traced_closures: bool = False) -> tuple[list, Any]:
+    mesh = inputs.mesh
+    columns = []
+    for v, l in zip(leaves, inputs.layouts):
+        if l is None:
+            columns.append([v] * mesh.size)
+            continue
+        vma = frozenset(l.axis_dim)
+        columns.append([tag(p, vma) for p in _device_pieces(v, l)])
+    per_device = [inputs.rebuild([col[d] for col in columns]) for d in range(mesh.size)]
+    outs = run(mesh, f, per_device, kwargs, traced_closures)
+    flats = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
+    treespec = flats[0][1]
+    if any(t != treespec for _, t in flats):
+        raise ShardingError(
+            f"shard_map devices returned differently structured outputs: {[t for _, t in flats]}"
+        )
+    out_tree = optree.tree_unflatten(treespec, list(range(treespec.num_leaves)))
+    paths, idx, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
+    results = [
+        assemble_parts(p, [flat[i] for flat, _ in flats], s, mesh, check_vma, vma_of)
+        for p, i, s in zip(paths, idx, specs)
+    ]
+    return results, treespec

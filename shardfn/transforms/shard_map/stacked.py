@@ -15,16 +15,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import optree
 import torch
 import torch._C._functorch as _ft
 from torch._functorch.vmap import vmap_increment_nesting
 
-from . import recompute as _recompute
+from ...arrays.array import ShardedArray, reshard
 from ...values.errors import ShardingError
+from ...values.layout import Layout
 from ...values.mesh import Mesh
+from .. import boundary as B
+from ..lax import _entered
+from ..specs import _match
+from . import recompute as _recompute
+from .io import _Inputs, _out_layout, check_output_vma, check_scalar_spec
 
 # Random ops draw the same numbers on every device, as torch.manual_seed'ed ranks do.
 _RANDOMNESS = "same"
@@ -176,8 +183,6 @@ def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwa
     """
     import optree
 
-    from ..lax import _entered
-
     body = StackedBody(mesh, leader=leader)
     with body.levels_entered(), _entered(body), _recompute.body_context(
             functools.partial(_reopened, body, list(body.levels)) if leader else contextlib.nullcontext):
@@ -191,8 +196,6 @@ def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwa
 @contextlib.contextmanager
 def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
     """The body's vmap levels and collectives again, for a checkpoint recomputation."""
-    from ..lax import _entered
-
     with body.levels_entered():
         if body.levels != levels:
             raise ShardingError(
@@ -202,3 +205,65 @@ def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
             )
         with _entered(body):
             yield
+
+
+# -- the local backend's runner for even shards ---------------------------------------------
+
+
+def _to_canonical(v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Canonical form (see ``_stacked``) of argument ``v`` laid out as ``layout``."""
+    if isinstance(v, ShardedArray):
+        v = reshard(v, layout)
+        used = B.used_axes(layout)
+        dims = tuple(n if a in used else 1 for a, n in zip(layout.mesh.axis_names, layout.mesh.shape))
+        return B.EnterStacked.apply(v, B.stacked_modes(layout, dims))
+    return _split_full(v, layout)
+
+
+def _split_full(x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Canonical form of a full tensor, by reshape and permute (plain autograd)."""
+    mesh = layout.mesh
+    sizes: list[int] = []
+    pos: dict[str, int] = {}
+    local: list[int] = []
+    for n, axes in zip(x.shape, layout.dims):
+        for a in axes:
+            pos[a] = len(sizes)
+            sizes.append(mesh.axis_size(a))
+        local.append(len(sizes))
+        sizes.append(n // max(1, math.prod(mesh.axis_size(a) for a in axes)))
+    for a in mesh.axis_names:
+        if a not in pos:
+            pos[a] = len(sizes)
+            sizes.append(1)
+    return x.reshape(sizes).permute([pos[a] for a in mesh.axis_names] + local)
+
+
+def _run_stacked(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+    mesh = inputs.mesh
+    mapped = [l is not None for l in inputs.layouts]
+    leaves = [_to_canonical(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
+    flat, treespec = run(mesh, f, leaves, mapped, inputs.rebuild, kwargs)
+    out_tree = optree.tree_unflatten(treespec, flat)
+    paths, outs, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
+    results = [_assemble_stacked(p, c, s, mesh, check_vma) for p, c, s in zip(paths, outs, specs)]
+    return optree.tree_unflatten(treespec, results)
+
+
+def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool) -> Any:
+    if not isinstance(c, torch.Tensor):
+        check_scalar_spec(path, c, spec, "out_specs")
+        return c
+    m = mesh.ndim
+    layout = _out_layout(path, spec, c.dim() - m, mesh)
+    varying = {a for k, a in enumerate(mesh.axis_names) if c.shape[k] > 1}
+    if check_vma:
+        check_output_vma(path, spec, layout, varying)
+    used = B.used_axes(layout)
+    for k, a in enumerate(mesh.axis_names):
+        if a in varying and a not in used:
+            c = c.narrow(k, 0, 1)
+    shape = tuple(
+        n * math.prod(mesh.axis_size(a) for a in axes) for n, axes in zip(c.shape[m:], layout.dims)
+    )
+    return B.ExitStacked.apply(c, layout, shape)

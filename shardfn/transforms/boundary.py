@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch._C._functorch as _ft
 
-from ...arrays.array import ShardedArray, raw_reshard, wrap
-from ...backends.registry import backend_for
-from ...backends.local import full, settle
-from ...values.layout import Layout, local_shapes
-from ...values.mesh import Mesh
+from ..arrays.array import ShardedArray, raw_reshard, wrap
+from ..backends.registry import backend_for
+from ..backends.local import full, settle
+from ..values.layout import Layout, local_shapes
+from ..values.mesh import Mesh
 
 aten = torch.ops.aten
 
@@ -54,7 +54,7 @@ def unwrapped(t: Any) -> Any:
 
 def grad_value(ct: Any, layout: Layout) -> Any:
     """The backend value of cotangent ``ct`` (a ShardedArray or a full tensor) in ``layout``."""
-    from ...arrays.array import raw_distribute
+    from ..arrays.array import raw_distribute
 
     ct = unwrapped(ct)
     if isinstance(ct, ShardedArray):
@@ -120,8 +120,8 @@ def _sum_partial(layout: Layout, modes: tuple[str, ...]) -> Layout:
 
 def _as_sharded(t: Any, layout: Layout) -> Any:
     """A cotangent or tangent as an array in ``layout`` (plain tensors are full values)."""
-    from ...arrays.functorch import base_array
-    from ...arrays.array import distribute, reshard
+    from ..arrays.functorch import base_array
+    from ..arrays.array import distribute, reshard
 
     if not isinstance(t, ShardedArray) and base_array(t) is None:
         t = distribute(t, Layout(layout.mesh, ((),) * t.dim()))
@@ -146,7 +146,7 @@ class EnterStacked(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        from ...arrays.functorch import layout_of
+        from ..arrays.functorch import layout_of
 
         x, modes = inputs
         ctx.meta = (layout_of(x), tuple(x.shape), modes)
@@ -165,8 +165,8 @@ class EnterStacked(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: Any, modes: tuple[str, ...]) -> tuple:
-        from ...arrays.functorch import layout_of
-        from ...arrays.array import reshard
+        from ..arrays.functorch import layout_of
+        from ..arrays.array import reshard
 
         b = in_dims[0]
         if b is None:
@@ -205,7 +205,7 @@ class ExitStacked(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, c: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> tuple:
-        from ...arrays.functorch import insert_dim
+        from ..arrays.functorch import insert_dim
 
         b = in_dims[0]
         if b is None:
@@ -232,7 +232,7 @@ class EnterParts(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        from ...arrays.functorch import layout_of
+        from ..arrays.functorch import layout_of
 
         x, grad_layout, resolve = inputs
         ctx.meta = (layout_of(x), grad_layout, resolve, tuple(x.shape), x.dtype)
@@ -241,7 +241,7 @@ class EnterParts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: Any) -> Any:
-        from ...arrays.array import reshard
+        from ..arrays.array import reshard
 
         layout, grad_layout, resolve, shape, dtype = ctx.meta
         shapes = local_shapes(grad_layout, shape)
@@ -258,8 +258,8 @@ class EnterParts(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: Any, grad_layout: Layout, resolve: bool) -> tuple:
-        from ...arrays.functorch import insert_dim, layout_of
-        from ...arrays.array import reshard
+        from ..arrays.functorch import insert_dim, layout_of
+        from ..arrays.array import reshard
 
         b = in_dims[0]
         if b is None:
@@ -317,7 +317,7 @@ class ExitParts(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, layout: Layout, shape: tuple, first_only: bool, *outs: torch.Tensor) -> tuple:
-        from ...arrays.functorch import insert_dim
+        from ..arrays.functorch import insert_dim
 
         if all(b is None for b in in_dims[3:]):
             return ExitParts.apply(layout, shape, first_only, *outs), None

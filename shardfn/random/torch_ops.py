@@ -1,6 +1,6 @@
 """torch's random ops on ShardedArrays: sharding-invariant draws from torch's generator.
 
-Each op takes one fresh key (:func:`shardfn.random._next_key`: two words from the
+Each op takes one fresh key (:func:`shardfn.random.keys._next_key`: two words from the
 ``generator=`` passed, else from torch's default generator, or from the
 ``sf.random.set_seed`` key), then every device computes only its own shard with the
 counter-based generator, so an element's draw depends on its global index and the
@@ -8,12 +8,13 @@ generator state alone: replicas draw identical numbers, shards different ones, a
 gathered result is the same for every mesh and sharding. Every process takes exactly
 one key per op, so all devices advance the generator in step.
 
-These are special-case handlers (``SPECIAL``, installed by ``dispatch``) rather than
-rules: the op itself is replaced, not just its layouts.
+These are special-case handlers (``SPECIAL``, installed in the dispatcher's rule table
+when this module is imported) rather than rules: the op itself is replaced, not just its
+layouts.
 
 CPU ``F.dropout`` decomposes into ``empty_like`` + ``bernoulli_`` + ``div_`` + ``mul``:
 the in-place fills of that private temporary reach the functional forms here through the
-in-place policy (``shardfn/_inplace.py``); on an array the user holds they raise
+in-place policy (``shardfn/arrays/inplace.py``); on an array the user holds they raise
 :class:`~shardfn.ImmutableError`.
 """
 
@@ -24,16 +25,15 @@ from typing import Any
 
 import torch
 
-from ..random import counter_rng as _rng
-from ..random import keys as _random
+from ..arrays import rule_table
 from ..arrays.array import ShardedArray, raw_reshard, wrap
 from ..arrays.factories import _box_shape, _build, _from_boxes, _shard_of
+from ..rules.base import bind, replicated
 from ..values.layout import Box, Layout
-from .base import bind, replicated
+from . import counter_rng as _rng
+from . import keys as _random
 
 aten = torch.ops.aten
-
-TABLE: dict = {}
 
 _FLOAT_DIGITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 _INT_MAX = {torch.uint8: 2**8 - 1, torch.int8: 2**7 - 1, torch.int16: 2**15 - 1, torch.int32: 2**31 - 1,
@@ -245,3 +245,5 @@ SPECIAL: dict[Any, Callable] = {
     aten.new_empty.default: _new_empty,
     aten.normal_functional.default: _normal_fill,
 }
+
+rule_table.SPECIAL.update(SPECIAL)

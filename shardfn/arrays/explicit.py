@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from ..plans.planner import COMM_KINDS, plan_layouts
 from ..values.errors import ImplicitReshardError, ImplicitReshardWarning, ShardingError
 from ..values.layout import Layout, describe
-from ..plans.planner import COMM_KINDS, plan_layouts
+from ..values.schema import op_name
+from .array import ShardedArray
 
 __all__ = ["explicit"]
 
@@ -66,8 +68,6 @@ def check(func: Any, entry: Any, leaves: list) -> None:
     mode = current_mode()
     if mode == "off" or _in_backward():
         return
-    from ..arrays.array import ShardedArray
-
     arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
     hit = _moves.get(id(entry))
     if hit is None or hit[0] is not entry:  # keyed by id, the entry kept alive with it
@@ -75,9 +75,7 @@ def check(func: Any, entry: Any, leaves: list) -> None:
     moves = hit[1]
     if not moves:
         return
-    from ..arrays.dispatch import _op_name
-
-    name = _op_name(func)
+    name = op_name(func)
     if mode == "raise":
         raise ImplicitReshardError(_message(name, entry, moves))
     key = (name, tuple((v._layout, tuple(v.shape)) for _, v in arrays))
