@@ -15,6 +15,7 @@ from .values.errors import ImplicitReshardError as ImplicitReshardError
 from .values.errors import ImplicitReshardWarning as ImplicitReshardWarning
 from .values.errors import ImmutableError as ImmutableError
 from .values.errors import ShardingError as ShardingError
+from .values.errors import SimulationWarning as SimulationWarning
 from .arrays.factories import empty as empty
 from .arrays.factories import full as full
 from .arrays.factories import make_array_from_callback as make_array_from_callback

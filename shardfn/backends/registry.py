@@ -95,6 +95,12 @@ class Backend(Protocol):
     def all_true(self, flags: Sequence[bool], mesh: Any) -> bool:
         """Whether ``flags`` hold on every process."""
 
+    def check_replicas(self, mesh: Any, t: torch.Tensor, over: Sequence[str], what: str) -> None:
+        """``t``, which this process passed as a value claimed the same on the devices that
+        differ only along mesh axes ``over``, agrees with the other processes' (checked
+        replicas, ``values/replica_checks.py``): a ShardingError on every process naming ``what`` and the
+        processes that differ. Nothing to check when one process holds every device."""
+
     # -- autograd and tracing ---------------------------------------------------------------
     def zero_cotangent(self, like: torch.Tensor) -> torch.Tensor | None:
         """The cotangent of a held device's output that receives none: None where

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...arrays.array import ShardedArray, distribute, reshard
 from ...arrays.functorch import base_array, is_wrapped
+from ...values import replica_checks as _replicas
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
@@ -267,6 +268,12 @@ class DistBody:
 def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
     """One rank's part of a shard_map call (see ``io._shard_map``)."""
     mesh = inputs.mesh
+    if _replicas.checking():
+        for p, v, l in zip(inputs.paths, inputs.leaves, inputs.layouts):
+            if l is not None and isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+                from ...backends.dist import check_replicas
+
+                check_replicas(mesh, v, mesh.axis_names, f"shard_map: {p}, a plain tensor argument,")
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
     body = DistBody(mesh)
     # closures matter only to gradients (values are right without the mode)
