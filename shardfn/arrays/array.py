@@ -55,7 +55,7 @@ _TF_SPECIAL = _WRITING_METHODS | _contract.FUNCS
 
 
 def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-    """Batched matmul / einsum / rms_norm run as one op (``_contract``: torch's composite
+    """Batched matmul / einsum / rms_norm run as one op (``backends/custom_ops.py``: torch's composite
     would fold the batch dims into one); an in-place method's ``self`` is packed into a
     new argument tuple here, one reference more than torch's C++ path makes, which the
     in-place policy discounts (``_inplace._observed``; an id, which holds no reference)."""
@@ -75,7 +75,7 @@ def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | N
 class ShardedArray(torch.Tensor):
     """A global tensor laid out over a mesh. Its ``shape``/``dtype`` are global; the
     shards live in ``_local`` (the mesh backend's storage). Immutable: in-place ops raise
-    :class:`~shardfn.ImmutableError` (the policy: ``shardfn/_inplace.py``), and no tensor
+    :class:`~shardfn.ImmutableError` (the policy: ``shardfn/arrays/inplace.py``), and no tensor
     handed in (``distribute``, ``from_local``) or out (``full_tensor``, ``to_local``,
     ``local_shards``) shares memory with the shards."""
 
@@ -796,7 +796,7 @@ _BATCHED_NDIM = 3
 
 class _BatchedArray(ShardedArray):
     """A ShardedArray of three or more dims. Its torch-function hook runs batched
-    ``matmul`` / ``einsum`` and ``rms_norm`` as single ops (``_contract``: torch's
+    ``matmul`` / ``einsum`` and ``rms_norm`` as single ops (``backends/custom_ops.py``: torch's
     composites would fold several sharded batch dims into one and gather them, and reduce
     an RMSNorm gradient twice); every other call keeps torch's behaviour. Lower-rank
     arrays skip the hook and its cost: a 2-d einsum or rms_norm on them runs torch's

@@ -2,7 +2,7 @@
 
 A stacked value has the mesh dims in front: ``(d_0, ..., d_{m-1}, *local_shape)``. Most
 ops batch over leading dims once their dim arguments name the same logical dims: this
-module turns a strategy's local call (``_device_call``: the op or ``local_op``, localised
+module turns a strategy's local call (``device_call``: the op or ``local_op``, localised
 sizes, dense inputs) into a call on stacked values, computed once per cache entry:
 
 - *schema-driven dim arguments*: a non-negative ``dim``/``dims``/``dim0``/``dim1``/

@@ -4,7 +4,7 @@ A rule's :class:`~shardfn.rules.base.Candidate` describes the local call in logi
 terms: the op itself or ``local_op`` with ``local_args``, size arguments to localise
 (``local_sizes``), a ``local_fn`` with the shard facts it needs, dense inputs. Here that
 becomes a call on one device's shards (the dist backend's own rank, or each device of
-the local backend's per-device path). ``_batching`` runs the same description once for
+the local backend's per-device path). ``batching`` runs the same description once for
 every device of the local backend.
 """
 

@@ -493,7 +493,7 @@ def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
 def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], positional: tuple | None) -> Any:
     """The local computation of one strategy on this backend's values: one call on the
     stacked values when every layout is even and the call has a batched form
-    (``_batching``), else once per device. ``(args, kwargs, values, symbolic) -> flat
+    (``batching``), else once per device. ``(args, kwargs, values, symbolic) -> flat
     outputs`` (stacked values or per-device tuples, non-tensor outputs as they are)."""
     from . import batching as _batching
 

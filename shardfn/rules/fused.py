@@ -1,4 +1,4 @@
-"""Rules for shardfn's own ops (``shardfn/_contract.py``): torch composites that
+"""Rules for shardfn's own ops (``shardfn/backends/custom_ops.py``): torch composites that
 ``_BatchedArray.__torch_function__`` runs as one op so that their sharding survives.
 
 - ``shardfn::contract(equation, a, b)``: the equation is the rule, so every batch letter

@@ -86,7 +86,7 @@ def _leaf_part(v: Any) -> Any:
 
 
 def _specs(tree: Any, shardings: Any) -> list:
-    """One sharding per leaf of ``tree``; ``transforms._match`` raises the error."""
+    """One sharding per leaf of ``tree``; ``specs._match`` raises the error."""
     try:
         full = optree.tree_broadcast_prefix(shardings, tree, is_leaf=_is_spec, none_is_leaf=True)
     except ValueError:

@@ -3,12 +3,12 @@
 Each public function checks its arguments, finds the enclosing shard_map and hands the
 work to that shard_map's implementation of the small :class:`Collectives` protocol:
 
-- local backend, even shards: ``_stacked.StackedBody`` — one vmap level per mesh axis;
+- local backend, even shards: ``shard_map/stacked.StackedBody`` — one vmap level per mesh axis;
   a collective is a reduce / permute / index over the physical mesh dims, and "varying
   over an axis" is exactly "batched at that axis's vmap level".
-- local backend, uneven shards: ``_per_device.DeviceBody`` — the body runs once per
+- local backend, uneven shards: ``shard_map/per_device.DeviceBody`` — the body runs once per
   device (one thread each); collectives meet at a barrier.
-- dist backend: ``_dist_lax.DistBody`` — torch functional collectives on per-axis
+- dist backend: ``shard_map/dist.DistBody`` — torch functional collectives on per-axis
   process groups (hook: ``backends.dist.axis_group``).
 
 The protocol only covers the tiled forms; the untiled forms (and pmean) are built on

@@ -10,7 +10,7 @@ class ShardingError(ValueError):
 class ImmutableError(TypeError):
     """An in-place operation was applied to an immutable ShardedArray.
 
-    The rule (``shardfn/_inplace.py``): an in-place or ``out=`` op raises when the array it
+    The rule (``shardfn/arrays/inplace.py``): an in-place or ``out=`` op raises when the array it
     writes is observable -- held by Python code (a variable, a container, a module), or a
     view of such an array. An array only C++ holds (a temporary of a torch composite or an
     autograd formula) is updated by running the op's functional form under torch's

@@ -1,5 +1,5 @@
 """Shardings: PartitionSpec ``P``, DTensor-style placements, NamedSharding, and
-their conversion to the canonical :class:`~shardfn.layout.Layout`."""
+their conversion to the canonical :class:`~shardfn.values.layout.Layout`."""
 
 from __future__ import annotations
 

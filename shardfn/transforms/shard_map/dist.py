@@ -4,7 +4,7 @@ Collectives are torch functional collectives on the per-axis process groups that
 ``backends/dist.py`` creates (``_group_of`` is the hook). Each is an autograd Function
 whose backward is its transpose over the group (psum <-> psum, all_gather <->
 psum_scatter, all_to_all <-> all_to_all, ppermute <-> inverse ppermute); with the
-boundary conventions of ``_boundary`` this makes gradients those of the unsharded
+boundary conventions of ``transforms/boundary.py`` this makes gradients those of the unsharded
 computation. No tensor subclass is active in the body; one TorchFunctionMode
 (:class:`_Closures`) finds the values the body closes over, whose gradients must be summed
 over ranks (one Python call per op, plain torch otherwise). ``check_vma`` is inferred once

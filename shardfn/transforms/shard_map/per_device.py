@@ -44,7 +44,7 @@ def tag(t: torch.Tensor, vma: frozenset[str]) -> torch.Tensor:
 
 class _VmaMode(TorchFunctionMode):
     """Tags every op's tensor outputs with the union of its inputs' varying axes. With
-    ``traced_closures`` (the run inside ``_boundary.Opaque`` under torch.func or forward
+    ``traced_closures`` (the run inside ``boundary.Opaque`` under torch.func or forward
     AD, whose arguments arrive as plain tensors) a tensor an enclosing transform tracks
     can only be a closure, which the device threads cannot differentiate: it raises."""
 
@@ -272,7 +272,7 @@ def _run_per_device(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: boo
 
 
 def _run_per_device_opaque(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-    """The per-device run as one autograd Function (``_boundary.Opaque``): its threads
+    """The per-device run as one autograd Function (``boundary.Opaque``): its threads
     cannot see torch.func's thread-local transform state (nor forward-AD duals), so they
     work on plain tensors inside it; its derivatives and batching rule re-run it."""
     where = [i for i, v in enumerate(inputs.leaves) if isinstance(v, torch.Tensor)]

@@ -211,7 +211,7 @@ def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
 
 
 def _to_canonical(v: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Canonical form (see ``_stacked``) of argument ``v`` laid out as ``layout``."""
+    """Canonical form (see ``stacked``) of argument ``v`` laid out as ``layout``."""
     if isinstance(v, ShardedArray):
         v = reshard(v, layout)
         used = B.used_axes(layout)
