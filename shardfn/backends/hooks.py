@@ -1,28 +1,37 @@
 """What the layers above plug into the backends (which never import them): observers of
-the communication that runs (``sf.debug.CommCounter``) and the shard_map runners."""
+the collectives that run (``sf.debug.CommCounter`` subscribes; the backends and ``sf.lax``
+report each one, with no observer the cost is one list test per plan) and the shard_map
+runners."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from ..plans.planner import COMM_KINDS, Step
+OBSERVERS: list[Callable[[Any], None]] = []
+"""Called with each communicating :class:`~shardfn.plans.planner.Step` as it runs (in this process)."""
 
-
-class CommObserver(Protocol):
-    def record(self, step: Step) -> None:
-        """Note one communicating step."""
-
-
-OBSERVERS: list[CommObserver] = []  # entered observers, innermost last
+_quiet = threading.local()
 
 
-def record(step: Step) -> None:
-    """Show ``step`` (a plan step, or an ``sf.lax`` collective) to every entered observer
-    if it communicates."""
-    if OBSERVERS and step.kind in COMM_KINDS:
-        for o in OBSERVERS:
-            o.record(step)
+def notify(step: Any) -> None:
+    """Report ``step`` (a plan step about to run) to every observer, unless reports are muted."""
+    if OBSERVERS and not getattr(_quiet, "on", False):
+        for observer in tuple(OBSERVERS):
+            observer(step)
+
+
+@contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """Do not report collectives run inside (traces on meta/fake values that move no data)."""
+    old = getattr(_quiet, "on", False)
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = old
 
 
 # backend name -> ``run(f, inputs, out_specs, check_vma, kwargs)``: how a shard_map body

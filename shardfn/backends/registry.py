@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..plans.planner import Plan
-from .hooks import record
+from ..plans.planner import COMM_KINDS, Plan
+from .hooks import OBSERVERS, notify
 from ..values.mesh import DEFAULT_DEVICE_TYPES
 
 
@@ -167,10 +167,18 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
         return value
     backend = backend_for(plan.src.mesh)
     sym = shape if shape is not None and any(isinstance(n, torch.SymInt) for n in shape) else None
+    observed = bool(OBSERVERS) and not _on_meta(value)
     for step in plan.steps:
-        record(step)
+        if observed and step.kind in COMM_KINDS:
+            notify(step)
         value = backend.run_step(step, value, plan.shape, plan.dtype, sym_shape=sym)
     return value
+
+
+def _on_meta(value: Any) -> bool:
+    """Whether a backend value is a trace on meta/fake tensors (no data moves: not reported)."""
+    t = value[0] if isinstance(value, (tuple, list)) and value else value
+    return isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ == "FakeTensor")
 
 
 for _name in ("local", "dist"):

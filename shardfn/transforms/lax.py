@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import optree
 import torch
 
-from ..backends.hooks import OBSERVERS, record
+from ..backends.hooks import OBSERVERS, notify
 from ..values.context import ThreadStack
 from ..values.errors import ShardingError
 from ..values.mesh import Mesh
@@ -175,7 +175,7 @@ def _record(body: Collectives, kind: str, axes: tuple[str, ...], x: torch.Tensor
         "permute": n,
     }[kind]
     here = Layout(body.mesh, ((),) * x.dim())
-    record(Step(kind, axes if len(axes) > 1 else axes[0], here, here, cost, g, op=op))
+    notify(Step(kind, axes if len(axes) > 1 else axes[0], here, here, cost, g, op=op))
 
 
 def _tensor(fn: str, x: Any) -> torch.Tensor:
