@@ -21,6 +21,7 @@ from ..values.errors import ImmutableError, ShardingError
 from ..values.layout import Layout
 from ..values.mesh import Mesh, current_mesh
 from ..values.sharded import Sharded
+from . import checkpointable as _checkpointable
 from . import functorch as _ft
 from .fragments import _fragment
 from ..values.spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
@@ -256,10 +257,23 @@ class ShardedArray(torch.Tensor):
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
+        """Pickling (``torch.save``, multiprocessing) keeps mesh, sharding and values where
+        this process holds every shard (local backend); a TypeError naming
+        ``sf.checkpoint.save`` elsewhere."""
+        return _checkpointable.reduce_array(self)
 
     def __reduce__(self) -> Any:
         return self.__reduce_ex__(2)
+
+    # DCP's checkpointable-tensor protocol (as DTensor's): dcp.save / dcp.load of state dicts
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        return _checkpointable.create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list:
+        return _checkpointable.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return _checkpointable.get_tensor_shard(self, index)
 
     def __copy__(self) -> ShardedArray:
         """``copy.copy``: a new array with the same value and layout (as ``copy.deepcopy``)."""

@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from .context import ThreadStack
+from .torch_compat import ValueMeta
 from .errors import ShardingError, SimulationWarning
 
 _BACKENDS = ("local", "dist")
@@ -133,7 +134,7 @@ def _warn_simulation(message: str) -> None:
 
 
 @attrs.frozen(repr=False, init=False)
-class Mesh:
+class Mesh(metaclass=ValueMeta):
     """An immutable grid of devices with named axes; devices are numbered row-major.
 
     ``backend="local"`` simulates every device in this process; ``"dist"`` runs one
@@ -208,6 +209,11 @@ class Mesh:
         """A view of this mesh with ``axis`` split into axes ``names`` of sizes ``shape``."""
         return _unflatten(self, axis, tuple(shape), tuple(names))
 
+    def __reduce__(self) -> tuple:
+        """Pickles as its constructor's arguments (``torch.load(weights_only=True)`` allows
+        the rebuild function)."""
+        return _rebuild_mesh, (self.shape, self.axis_names, self.backend, self.device_type)
+
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"Mesh({axes}, backend={self.backend!r})"
@@ -219,6 +225,12 @@ class Mesh:
     def __exit__(self, *exc: object) -> None:
         _stack().pop()
 
+
+def _rebuild_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...], backend: str, device_type: str) -> Mesh:
+    return Mesh(shape, axis_names, backend=backend, device_type=device_type)
+
+
+torch.serialization.add_safe_globals([_rebuild_mesh])
 
 _coords_cache: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 

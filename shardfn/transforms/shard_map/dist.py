@@ -28,6 +28,7 @@ from ...values import replica_checks as _replicas
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
+from ...values.torch_compat import funcol_gather_scatter
 from .. import boundary as B
 from ..lax import _entered
 from ..specs import _match
@@ -35,6 +36,8 @@ from . import recompute as _recompute
 from . import stacked as _stacked
 from .io import assemble_parts
 from .manual import _subs
+
+_all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
 
 
 def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
@@ -97,13 +100,13 @@ def _all_reduce(x: torch.Tensor, mesh: Mesh, axes: tuple, op: str) -> torch.Tens
 
 def _all_gather(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
     pg, order = _group_of(mesh, axes)
-    y = _wait(funcol.all_gather_single(x.contiguous(), dim, pg))
+    y = _wait(_all_gather_single(x.contiguous(), dim, pg))
     return _chunks_to(y, dim, order, inverse=True)
 
 
 def _reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
     pg, order = _group_of(mesh, axes)
-    return _wait(funcol.reduce_scatter_single(_chunks_to(x, dim, order).contiguous(), "sum", dim, pg))
+    return _wait(_reduce_scatter_single(_chunks_to(x, dim, order).contiguous(), "sum", dim, pg))
 
 
 def _all_to_all(x: torch.Tensor, mesh: Mesh, axes: tuple, split: int, concat: int) -> torch.Tensor:
