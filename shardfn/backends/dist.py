@@ -855,7 +855,7 @@ class DistBackend:
         return SHARD_MAP_RUNNERS["dist"](f, inputs, out_specs, check_vma, kwargs)
 
     def submesh(self, mesh: Mesh, axes: Sequence[str]) -> Mesh:
-        from ..mesh import submesh
+        from ..values.mesh import submesh
 
         coords = _state(mesh).coords
         fixed = tuple((a, coords[i]) for i, a in enumerate(mesh.axis_names) if a not in axes)

@@ -169,7 +169,7 @@ class _RunBody(_per_device.DeviceBody):
 def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_specs: Any, check_vma: bool,
         kwargs: dict) -> Any:
     """A partial-manual shard_map call on the simulated mesh (see the module docstring)."""
-    from ... import _comm_hooks
+    from ...backends import hooks as _comm_hooks
     from .. import lax
     from ..specs import _match
     from .io import _out_layout, check_output_vma, check_scalar_spec
