@@ -286,7 +286,7 @@ def _global_shape(o: ShardedArray, layout: Layout, manual: frozenset, even: bool
         return tuple(
             n * math.prod(mesh.axis_size(a) for a in axes if a in manual) for n, axes in zip(block, layout.dims)
         )
-    from .dist import all_local_shapes
+    from ...backends.dist import all_local_shapes
 
     blocks = all_local_shapes(torch.empty(block, device="meta"), mesh)  # the blocks' shapes, per rank
     shape = []
