@@ -195,6 +195,9 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
 
 
 def _on_meta(value: Any) -> bool:
-    """Whether a backend value is a trace on meta/fake tensors (no data moves: not reported)."""
+    """Whether a backend value is a trace (meta/fake tensors, or torch.compile tracing): no data
+    moves, so no collective is reported."""
     t = value[0] if isinstance(value, (tuple, list)) and value else value
-    return isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ == "FakeTensor")
+    if isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ in ("FakeTensor", "FunctionalTensor")):
+        return True
+    return torch.compiler.is_compiling()
