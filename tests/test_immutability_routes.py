@@ -372,10 +372,12 @@ def test_route_leaves_the_array_unchanged(source, route):
     _guarded(x, base, ROUTES_UNCHANGED[route], must_raise=False)
 
 
-def test_pickle_refuses():
+def test_pickle_copies():
+    """On the local backend an array pickles (issue 22): the copy holds its own shards."""
     x = sf.distribute(_t(4, 4), P("x"), mesh=MESH)
-    with pytest.raises(TypeError, match="full_tensor"):
-        pickle.dumps(x)
+    y = pickle.loads(pickle.dumps(x))
+    assert y.sharding == x.sharding and torch.equal(y.full_tensor(), x.full_tensor())
+    assert x._local.untyped_storage().data_ptr() != y._local.untyped_storage().data_ptr()
 
 
 def test_storage_routes_refuse():

@@ -36,12 +36,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..errors import ShardingError
-from ..layout import Layout, describe, local_shapes, split_range
-from ..mesh import Mesh
-from ..plan import Step
-from ._device_call import DeviceCall, raw_op, substitute, with_locals
+from ..values.errors import ShardingError
+from ..values.torch_compat import funcol_gather_scatter
+from ..values.layout import Layout, describe, local_shapes, split_range
+from ..values.mesh import Mesh
+from ..plans.planner import Step
+from .device_call import DeviceCall, raw_op, substitute, with_locals
+from .hooks import SHARD_MAP_RUNNERS
 from .local import _reduce
+
+_all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
 _WIRE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -277,7 +281,7 @@ def _bytes(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     wire, _ = _bytes(x)
-    return run_collective("all_gather", group, funcol.all_gather_single, wire, dim).view(x.dtype)
+    return run_collective("all_gather", group, _all_gather_single, wire, dim).view(x.dtype)
 
 
 def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
@@ -296,7 +300,7 @@ def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | No
     if scatter_dim is None:
         y = run_collective("all_reduce", group, funcol.all_reduce, wire.contiguous(), wire_op)
     else:
-        y = run_collective("reduce_scatter", group, funcol.reduce_scatter_single, wire.contiguous(), wire_op,
+        y = run_collective("reduce_scatter", group, _reduce_scatter_single, wire.contiguous(), wire_op,
                            scatter_dim)
     y = torch.view_as_complex(y) if x.is_complex() else y.to(x.dtype)
     if op != "avg":
@@ -608,7 +612,7 @@ def check_same_meta(mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: 
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     rows = run_collective(
-        f"{what} metadata check", st.groups[mesh.axis_names], funcol.all_gather_single, mine, 0
+        f"{what} metadata check", st.groups[mesh.axis_names], _all_gather_single, mine, 0
     ).view(mesh.size, -1).tolist()
     if error is not None:
         raise ShardingError(error)
@@ -644,7 +648,7 @@ def check_replicas(mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) 
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     mine = torch.tensor(_fingerprint(t), dtype=torch.int64, device=device)
     rows = run_collective(
-        f"{what} replica check", st.groups[mesh.axis_names], funcol.all_gather_single, mine, 0
+        f"{what} replica check", st.groups[mesh.axis_names], _all_gather_single, mine, 0
     ).view(mesh.size, -1).tolist()
     pos = [mesh.axis_index(a) for a in over]
     first: dict[tuple, int] = {}
@@ -665,7 +669,7 @@ def check_replicas(mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) 
 
 
 def _replica_env() -> str:
-    from .._replicas import ENV
+    from ..values.replica_checks import ENV
 
     return ENV
 
@@ -680,6 +684,14 @@ def _meta_str(row: list[int]) -> str:
     ndim = row[2]
     shape = tuple(row[3:3 + min(ndim, _META_DIMS)]) + (("...",) if ndim > _META_DIMS else ())
     return f"{names.get(row[1], 'an unknown dtype')}{list(shape)}"
+
+
+def all_local_shapes(t: torch.Tensor, mesh: Mesh) -> list[tuple[int, ...]]:
+    """Every rank's shape of its tensor ``t`` (one small all_gather over the mesh)."""
+    mine = torch.tensor([list(t.shape)], dtype=torch.int64)
+    group = _state(mesh).groups[mesh.axis_names]
+    every = pin_in_real_trace(funcol.wait_tensor(_all_gather_single(mine, 0, group.pg)))
+    return [tuple(int(n) for n in row) for row in every]
 
 
 def shard_list(value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, ...]:
@@ -778,6 +790,9 @@ class DistBackend:
     def build(self, layout: Layout, shape: tuple[int, ...], make: Callable[[int], torch.Tensor]) -> torch.Tensor:
         return from_shards([make(rank_of(layout.mesh))], layout, shape)
 
+    def empty(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(local_shapes(layout, shape)[rank_of(layout.mesh)], dtype=dtype, device=device)
+
     def relabel(self, value: torch.Tensor, src: Mesh, dst: Mesh) -> torch.Tensor:
         return value  # device i is rank i on both meshes
 
@@ -792,7 +807,6 @@ class DistBackend:
     def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
         if not exchange:
             return global_shape(outs, layout, None)
-        from .._dist_lax import all_local_shapes
         from . import local
 
         metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], layout.mesh)]
@@ -812,10 +826,8 @@ class DistBackend:
         return False  # plans run on concrete shard sizes
 
     def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-        """This rank's part of the body, collectives through ``_dist_lax.py``."""
-        from .. import _dist_lax
-
-        return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
+        """This rank's part of the body, collectives through ``transforms/shard_map/dist.py``."""
+        return SHARD_MAP_RUNNERS["dist"](f, inputs, out_specs, check_vma, kwargs)
 
     def default_device_type(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
