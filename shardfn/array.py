@@ -18,7 +18,7 @@ from . import layout as _lay
 from .backends import backend_for, execute
 from .errors import ImmutableError, ShardingError
 from .layout import Layout
-from .mesh import Mesh, current_mesh
+from .mesh import Mesh, current_mesh, to_mesh_device
 from .plan import plan_layouts
 from .spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
 
@@ -474,6 +474,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
+    tensor = to_mesh_device(tensor, layout.mesh)  # the mesh owns the device
     backend = backend_for(layout.mesh)
     backend.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     if _replicas.checking():
@@ -731,6 +732,7 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
     ndim = shards[0].dim()
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
+    shards = [to_mesh_device(t, layout.mesh) for t in shards]  # the mesh owns the device
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
     checked = _replicas.checking()

@@ -368,7 +368,12 @@ def _to_meta(path: Any, v: Any) -> Any:
         return torch.empty(v.shape, dtype=v.dtype, device="meta")
     if isinstance(v, torch.Tensor):
         return v.to("meta")
+    if path == "device" and v is not None:  # _to_copy(device=...), factories: the metadata stays on meta
+        return _META
     return v
+
+
+_META = torch.device("meta")
 
 
 def _describe_call(func: Any, leaves: list) -> str:
