@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .._compat import funcol_gather_scatter
-from ..errors import ShardingError
-from ..layout import Layout, describe, local_shapes, split_range
-from ..mesh import Mesh
-from ..plan import Step
-from ._device_call import DeviceCall, raw_op, substitute, with_locals
+from ..values.errors import ShardingError
+from ..values.torch_compat import funcol_gather_scatter
+from ..values.layout import Layout, describe, local_shapes, split_range
+from ..values.mesh import Mesh
+from ..plans.planner import Step
+from .device_call import DeviceCall, raw_op, substitute, with_locals
+from .hooks import SHARD_MAP_RUNNERS
 from .local import _reduce
 
 _all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
@@ -172,6 +173,8 @@ def _check_world(mesh: Mesh) -> int:
 
 def _make_state(mesh: Mesh) -> _State:
     """Create the groups of every non-empty set of mesh axes; collective over all ranks."""
+    if mesh.within is not None:
+        return _view_state(mesh)
     rank = _check_world(mesh)
     timeout = _default_timeout()
     groups = {}
@@ -179,6 +182,29 @@ def _make_state(mesh: Mesh) -> _State:
         for axes in itertools.combinations(mesh.axis_names, k):
             groups[axes] = _make_group(mesh, axes, rank, timeout)
     return _State(mesh, rank, mesh.coords(rank), groups)
+
+
+def _view_state(mesh: Mesh) -> _State:
+    """A sub-mesh view (``mesh.submesh``): this rank's place in it, and the parent's groups
+    over its axes with members renumbered as the view's devices (no new process group)."""
+    parent, fixed = mesh.within
+    pst = _state(parent)
+    for a, c in fixed:
+        if pst.coords[parent.axis_index(a)] != c:
+            raise ShardingError(
+                f"{mesh!r} is a view at {a}={c}, but this rank (coords {pst.coords} on {parent!r}) is not in it"
+            )
+    pos = [parent.axis_index(a) for a in mesh.axis_names]
+
+    def device(r: int) -> int:
+        c = parent.coords(r)
+        return mesh.device_at(tuple(c[i] for i in pos))
+
+    groups = {
+        axes: Group(axes, tuple(device(r) for r in g.ranks), g.pg, g.timeout)
+        for axes, g in pst.groups.items() if all(a in mesh.axis_names for a in axes)
+    }
+    return _State(mesh, device(pst.rank), tuple(pst.coords[i] for i in pos), groups)
 
 
 def _make_group(mesh: Mesh, axes: tuple[str, ...], rank: int, timeout: datetime.timedelta | None) -> Group:
@@ -668,7 +694,7 @@ def check_replicas(mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) 
 
 
 def _replica_env() -> str:
-    from .._replicas import ENV
+    from ..values.replica_checks import ENV
 
     return ENV
 
@@ -683,6 +709,14 @@ def _meta_str(row: list[int]) -> str:
     ndim = row[2]
     shape = tuple(row[3:3 + min(ndim, _META_DIMS)]) + (("...",) if ndim > _META_DIMS else ())
     return f"{names.get(row[1], 'an unknown dtype')}{list(shape)}"
+
+
+def all_local_shapes(t: torch.Tensor, mesh: Mesh) -> list[tuple[int, ...]]:
+    """Every rank's shape of its tensor ``t`` (one small all_gather over the mesh)."""
+    mine = torch.tensor([list(t.shape)], dtype=torch.int64)
+    group = _state(mesh).groups[mesh.axis_names]
+    every = pin_in_real_trace(funcol.wait_tensor(_all_gather_single(mine, 0, group.pg)))
+    return [tuple(int(n) for n in row) for row in every]
 
 
 def shard_list(value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, ...]:
@@ -798,7 +832,6 @@ class DistBackend:
     def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
         if not exchange:
             return global_shape(outs, layout, None)
-        from .._dist_lax import all_local_shapes
         from . import local
 
         metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], layout.mesh)]
@@ -818,10 +851,15 @@ class DistBackend:
         return False  # plans run on concrete shard sizes
 
     def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-        """This rank's part of the body, collectives through ``_dist_lax.py``."""
-        from .. import _dist_lax
+        """This rank's part of the body, collectives through ``transforms/shard_map/dist.py``."""
+        return SHARD_MAP_RUNNERS["dist"](f, inputs, out_specs, check_vma, kwargs)
 
-        return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
+    def submesh(self, mesh: Mesh, axes: Sequence[str]) -> Mesh:
+        from ..values.mesh import submesh
+
+        coords = _state(mesh).coords
+        fixed = tuple((a, coords[i]) for i, a in enumerate(mesh.axis_names) if a not in axes)
+        return submesh(mesh, axes, fixed)
 
     def default_device_type(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

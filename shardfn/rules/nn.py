@@ -14,7 +14,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ..layout import local_shapes
+from ..values.layout import local_shapes
 from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters, replicated
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .loss import ClassSharded

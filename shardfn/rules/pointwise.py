@@ -12,8 +12,8 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import ShardingError
-from ..layout import Layout
+from ..values.errors import ShardingError
+from ..values.layout import Layout
 from .base import Candidate, OpCall
 
 aten = torch.ops.aten
@@ -152,9 +152,10 @@ class ToCopy:
             )
         return POINTWISE.candidates(call)
 
+
 # Elementwise ops that torch does not tag as pointwise.
 _UNTAGGED = (
-    "_to_copy", "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
+    "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
     "softplus_backward", "hardswish_backward", "hardsigmoid_backward", "log_sigmoid_backward",
     "mish_backward", "rrelu_with_noise_backward", "conj_physical", "resolve_conj",
     "resolve_neg", "relu6", "rsub", "floor_divide", "log_sigmoid_forward",

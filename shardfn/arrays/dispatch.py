@@ -1,0 +1,242 @@
+"""Sharding propagation for every aten op on ShardedArrays.
+
+``dispatch`` is called from ``ShardedArray.__torch_dispatch__``. The hot path is one cache
+lookup keyed on the op, the input layouts/shapes/dtypes and the static arguments (floats
+excluded, so a new scalar each step still hits): a warm call builds ``_fast_key`` from
+each array's cached, identity-hashed key fragment; ``_dispatch`` (misses, special cases)
+uses the full ``_key`` and files the entry under both. On a miss (``entries.py``) the rule table proposes
+candidate strategies, each costed by the bytes its input redistributions move; the
+cheapest is compiled into an :class:`_Entry` that reshards inputs, runs the backend's
+local call (``compile_call``), and wraps the outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import array as _array
+from . import explicit as _explicit
+from . import functorch as _ft
+from . import inplace as _inplace
+from . import rule_table as _rules
+from . import special_ops
+from .array import ShardedArray, _BatchedArray
+from .fragments import _fragment
+from .entries import _BakedSizes, _compile, _Entry
+from .op_calls import _leaves, _lift_plain, _replace
+
+aten = torch.ops.aten
+
+_cache: dict[tuple, "_Entry"] = {}
+_CACHE_MAX = 4096  # entries; the oldest is dropped first (keys hold int arguments' values)
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on ShardedArrays: a warm call is one fast key, one dict lookup, the
+    entry's run; anything else (a miss, explicit mode, plain tensors, symbolic sizes,
+    special and in-place ops) takes ``_dispatch``."""
+    fkey = _fast_key(func, args, kwargs)
+    if fkey is not None and not _explicit._stack:
+        entry = _cache.get(fkey)
+        if entry is not None:
+            out = entry.warm(args, kwargs)
+            if fkey[0] in _VIEWS:
+                _inplace.note_views(func, args, kwargs, out)
+            return out
+    out = _dispatch(func, args, kwargs, fkey)
+    if _inplace.is_view(func):
+        _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
+    return out
+
+
+# the ops seen to return an alias of an input (``_inplace.is_view``), by id (fast keys hold
+# ids); holding the op keeps its id from being reused
+_VIEWS: dict[int, Any] = {}
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
+    special = _SPECIAL.get(func)
+    if special is not None:
+        out = special(func, args, kwargs)
+        if out is not NotImplemented:  # a handler may leave a call to the rule table
+            return out
+    if func._schema.is_mutable:
+        return _inplace.run_mutating(func, args, kwargs)
+    if func is aten.native_batch_norm.default:
+        out = _inplace.unannotated_batch_norm(func, args, kwargs)
+        if out is not None:
+            return out
+    leaves = _leaves(args, kwargs)
+    if any(isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) for _, v in leaves):
+        args, kwargs = _lift_plain(func, args, kwargs, leaves)
+        leaves = _leaves(args, kwargs)
+    key = _key(func, leaves)
+    try:
+        entry = _cache.get(key)
+    except TypeError:  # symbolic sizes (SymInts do not hash): torch.compile with dynamic shapes
+        if _any_symbolic(leaves):
+            return _dispatch_symbolic(func, args, kwargs, leaves)
+        raise
+    if entry is None:
+        entry = _remember(key, _compile(func, args, kwargs, leaves))
+    if (fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default
+            and _cache.get(fkey) is not entry):
+        if _inplace.is_view(func):
+            _VIEWS[id(func)] = func
+        _remember(fkey, entry)  # the next such call takes dispatch's fast path
+    if _explicit._stack:
+        _explicit.check(func, entry, leaves)
+    return entry.run(args, kwargs, leaves)
+
+
+def _remember(key: tuple, entry: Any) -> Any:
+    """Cache ``entry``, dropping the oldest entries beyond ``_CACHE_MAX`` (a miss only:
+    hits cost nothing extra)."""
+    while len(_cache) >= _CACHE_MAX:
+        del _cache[next(iter(_cache))]
+    _cache[key] = entry
+    return entry
+
+
+# -- symbolic (dynamic) shapes under torch.compile ----------------------------------------------
+
+
+def _any_symbolic(leaves: list) -> bool:
+    return any(
+        isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape))
+        for _, v in leaves
+    )
+
+
+def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
+    """A call with symbolic sizes: the strategy is chosen (and cached) on the sizes'
+    hints, by the same code as concrete calls; the local op then runs on the symbolic
+    stacked shards, and output global sizes are read off the local outputs, so nothing is
+    specialised. Only the stacked path (every layout even) keeps sizes symbolic."""
+
+    def hinted(path: Any, v: Any) -> Any:
+        if isinstance(v, ShardedArray):
+            return ShardedArray(v._local, v._layout, _ft.hint_shape(v.shape), v.dtype)
+        if isinstance(v, torch.SymInt):
+            return _ft.hint_int(v)
+        return v
+
+    hargs, hkwargs = _replace(args, kwargs, hinted)
+    hleaves = _leaves(hargs, hkwargs)
+    key = _key(func, hleaves)
+    entry = _cache.get(key)
+    if entry is None:
+        entry = _remember(key, _compile(func, hargs, hkwargs, hleaves))
+    if _explicit._stack:
+        _explicit.check(func, entry, hleaves)
+    if not isinstance(entry, _Entry) or not entry.stacked:
+        # uneven shards or the replicate fallback: sizes cannot stay symbolic, so
+        # specialise them (a guard; a dim marked dynamic is then reported by Dynamo)
+        return dispatch(func, *_replace(args, kwargs, _specialised))
+    try:
+        return entry.run(args, kwargs, leaves, symbolic=True)
+    except _BakedSizes:
+        return dispatch(func, *_replace(args, kwargs, _specialised))
+
+
+def _specialised(path: Any, v: Any) -> Any:
+    """``v`` with its symbolic sizes specialised to their values (guarded)."""
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    if isinstance(v, ShardedArray) and _ft.is_symbolic(v.shape):
+        from ..values.layout import local_shapes
+
+        shape = tuple(int(n) for n in v.shape)
+        local = v._local
+        if isinstance(local, torch.Tensor):
+            local = local.view(*local.shape[:v.mesh.ndim], *local_shapes(v._layout, shape)[0])
+        return ShardedArray(local, v._layout, shape, v.dtype, requires_grad=v.requires_grad)
+    if isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape):
+        return v.view(tuple(int(n) for n in v.shape))
+    return v
+
+
+_FAST = object()  # marks a fast key (``_key``s never hold it)
+_KW = object()  # separates a fast key's keyword arguments from its positional ones
+_TRUE, _FALSE = object(), object()  # bools keyed apart from ints (True == 1 promotes differently)
+_MISS = object()
+_AS_IS = frozenset({int, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+
+
+def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """The warm-path cache key: the op's id (OpOverload hashes in Python; an entry holds
+    its op, so the id stays unique while the key is cached), then per argument its array's interned (layout,
+    shape, dtype) fragment, or its value (ints, strings, None, dtypes, devices), or just
+    its type (floats, complex), or a bool marker; lists and tuples as tuples of those.
+    None (take ``_dispatch``) for anything else: plain tensors, SymInts, symbolic shapes."""
+    parts = [id(func), _FAST]
+    for a in args:
+        t = type(a)
+        if t is ShardedArray or t is _BatchedArray:
+            k = a._kf
+            if k is None:
+                k = _fragment(a)
+                if k is None:
+                    return None
+            parts.append(k)
+        elif t is int or a is None:
+            parts.append(a)
+        else:
+            k = _fast_part(a, t)
+            if k is _MISS:
+                return None
+            parts.append(k)
+    if kwargs:
+        parts.append(_KW)
+        for name, a in kwargs.items():
+            k = _fast_part(a, type(a))
+            if k is _MISS:
+                return None
+            parts.append(name)
+            parts.append(k)
+    return tuple(parts)
+
+
+def _fast_part(a: Any, t: type) -> Any:
+    """One argument's part of a fast key (``_MISS`` if it has none)."""
+    if t is ShardedArray or t is _BatchedArray:
+        k = a._kf
+        return k if k is not None else (_fragment(a) or _MISS)
+    if t in _AS_IS:
+        return a
+    if t is float:
+        return float
+    if t is bool:
+        return _TRUE if a else _FALSE
+    if t is list or t is tuple:
+        out = tuple(_fast_part(b, type(b)) for b in a)
+        return _MISS if _MISS in out else out
+    if t is complex:
+        return complex
+    return _MISS
+
+
+def _key(func: Any, leaves: list) -> tuple:
+    parts: list[Any] = [func]
+    for path, v in leaves:
+        if isinstance(v, ShardedArray):
+            parts.append((path, v._layout, v.shape, v.dtype))
+        elif isinstance(v, torch.Tensor):
+            parts.append((path, "T", v.shape, v.dtype, v.device))
+        elif isinstance(v, float):
+            parts.append((path, "f"))
+        elif isinstance(v, complex):
+            parts.append((path, "c"))
+        elif v is True or v is False:  # True == 1 as a dict key, but promotes differently
+            parts.append((path, "b", v))
+        else:
+            parts.append((path, v))
+    return tuple(parts)
+
+
+_SPECIAL: dict[Any, Callable] = _rules.SPECIAL  # the rule families add theirs (losses, random ops)
+_SPECIAL.update(special_ops.HANDLERS)
+_rules.on_change(_cache.clear)  # a registered rule replaces what cached entries chose
+_array._dispatch_fn = dispatch  # ShardedArray.__torch_dispatch__ calls it (array.py cannot import this module)
