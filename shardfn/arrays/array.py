@@ -19,7 +19,7 @@ from ..values import layout as _lay
 from ..values import replica_checks as _replicas
 from ..values.errors import ImmutableError, ShardingError
 from ..values.layout import Layout
-from ..values.mesh import Mesh, current_mesh
+from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from ..values.sharded import Sharded
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
@@ -478,6 +478,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
+    tensor = to_mesh_device(tensor, layout.mesh)  # the mesh owns the device
     backend = backend_for(layout.mesh)
     backend.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     if _replicas.checking():
@@ -733,6 +734,7 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
     ndim = shards[0].dim()
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
+    shards = [to_mesh_device(t, layout.mesh) for t in shards]  # the mesh owns the device
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
     checked = _replicas.checking()

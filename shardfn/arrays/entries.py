@@ -28,6 +28,18 @@ from .strategies import Candidate, OpCall
 _warned: set[str] = set()
 
 
+def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op on meta tensors of the global shapes: the outputs' global metadata. A
+    ``device=`` argument (``.to(device)``, a cast's backward, factories) is read as meta too:
+    the shards' device is the mesh's business, the output's shape and dtype are not (on a
+    real device it raised here and was read as a data-dependent shape: a silent fallback)."""
+    with torch.no_grad():
+        margs, mkwargs = _replace(args, kwargs, _to_meta)
+        if isinstance(mkwargs.get("device"), (torch.device, str)):
+            mkwargs["device"] = "meta"
+        return func(*margs, **mkwargs)
+
+
 def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
     meshes = {v.mesh for _, v in arrays}
@@ -38,9 +50,7 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
         )
     mesh = next(iter(meshes))
     try:
-        with torch.no_grad():
-            margs, mkwargs = _replace(args, kwargs, _to_meta)
-            out_meta = func(*margs, **mkwargs)
+        out_meta = _meta_run(func, args, kwargs)
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
@@ -198,9 +208,7 @@ def _check_static_output(func: Any, args: tuple, kwargs: dict, i: int, shape: tu
     """A call with symbolic inputs gave an output of concrete sizes: fine when the op's
     output really has those sizes; a rule that baked hint sizes in would silently bake
     them into the graph, so the call is redone with its sizes specialised (guarded)."""
-    with torch.no_grad():
-        margs, mkwargs = _replace(args, kwargs, _to_meta)
-        outs, _ = _flat_outputs(func(*margs, **mkwargs))
+    outs, _ = _flat_outputs(_meta_run(func, args, kwargs))
     want = tuple(outs[i].shape)
     if _ft.is_symbolic(want):
         raise _BakedSizes(f"{_op_name(func)}: {want}")

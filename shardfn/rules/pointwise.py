@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import torch
 
+from ..values.errors import ShardingError
 from ..values.layout import Layout
 from .base import Candidate, OpCall
 
@@ -133,9 +134,28 @@ class Materialised:
 POINTWISE = Pointwise()
 LIKE = Like()
 
+
+@attrs.frozen
+class ToCopy:
+    """``_to_copy`` (``.to``, ``.type``, casts): dtype, layout and memory format change
+    shard by shard; the device type is the mesh's (the mesh owns the device), so a move to
+    another device type is a ShardingError naming the ways to get there."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        dev = call.kwargs.get("device")
+        if dev is not None and torch.device(dev).type != call.mesh.device_type:
+            kind = torch.device(dev).type
+            raise ShardingError(
+                f"_to_copy(device={str(dev)!r}): the ShardedArray lives on its mesh's device type "
+                f"{call.mesh.device_type!r} (the mesh owns the device); for a plain tensor there use "
+                f"x.full_tensor().to({kind!r}), or distribute onto a Mesh(..., device_type={kind!r})"
+            )
+        return POINTWISE.candidates(call)
+
+
 # Elementwise ops that torch does not tag as pointwise.
 _UNTAGGED = (
-    "_to_copy", "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
+    "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
     "softplus_backward", "hardswish_backward", "hardsigmoid_backward", "log_sigmoid_backward",
     "mish_backward", "rrelu_with_noise_backward", "conj_physical", "resolve_conj",
     "resolve_neg", "relu6", "rsub", "floor_divide", "log_sigmoid_forward",
@@ -146,6 +166,7 @@ _UNTAGGED = (
 
 TABLE = {
     **{getattr(aten, n): POINTWISE for n in _UNTAGGED if hasattr(aten, n)},
+    aten._to_copy: ToCopy(),
     aten._conj: Materialised(POINTWISE, aten.conj_physical.default),
     aten._neg_view: Materialised(POINTWISE, aten.neg.default),
     aten.zeros_like: LIKE,
