@@ -196,10 +196,19 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict, leaves: list) -> tuple[tup
         slot = path[0] if isinstance(path, tuple) else path
         if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) and slot in slots:
             layout = Layout(mesh, ((),) * v.dim())
-            return wrap(raw_distribute(v, layout), layout, v.shape, v.dtype)
+            return wrap(raw_distribute(_materialized(v), layout), layout, v.shape, v.dtype)
         return v
 
     return _replace(args, kwargs, lift)
+
+
+def _materialized(v: torch.Tensor) -> torch.Tensor:
+    """``v`` without lazy flags: a ZeroTensor (forward AD's zero tangent) as real zeros, conj/neg
+    views resolved. Inside ``__torch_dispatch__`` those dispatch keys are skipped, so the local
+    kernels would read a ZeroTensor's missing storage or ignore the flag."""
+    if v._is_zerotensor():
+        return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    return v.resolve_conj().resolve_neg() if v.is_conj() or v.is_neg() else v
 
 
 _SLOTS: dict[Any, frozenset] = {}

@@ -124,9 +124,10 @@ class Attention:
             cands = [c for c in rule.candidates(call)
                      if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
         # the CPU kernel misreads grouped-query heads from transposed strides (which gathers
-        # produce): those calls need dense inputs; other layouts it reads as they are
+        # produce): those calls need dense inputs; others need a last dim of stride 1 (which
+        # torch's front-end checks before picking the kernel; a gathered shard may lack it)
         grouped = q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
-        return [attrs.evolve(c, dense=grouped, local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
+        return [attrs.evolve(c, dense=True if grouped else "last", local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
 
 
 def _no_heads_somewhere(call: OpCall, c: Candidate) -> bool:
