@@ -1,0 +1,91 @@
+"""Regressions from the differential fuzzing campaign (issue 25): each test compares with
+plain torch (values, errors) on the smallest case that showed the bug."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfn as sf
+from shardfn import P
+
+
+def _close(a, b, **kw):
+    a = a.full_tensor() if isinstance(a, sf.ShardedArray) else a
+    torch.testing.assert_close(a, b, **kw)
+
+
+# -- lazy flags (ZeroTensor tangents, conj/neg views) ------------------------------------------
+
+
+@pytest.mark.parametrize("op", [torch.dot, torch.inner, torch.matmul, torch.vdot])
+@pytest.mark.parametrize("n", [1, 4])
+def test_forward_ad_through_dot_products(op, n):
+    mesh = sf.Mesh((n,), ("x",))
+    a, b, ta = (torch.randn(8, dtype=torch.float64) for _ in range(3))
+    A, B, TA = (sf.distribute(t, P("x"), mesh=mesh) for t in (a, b, ta))
+    out, tan = torch.func.jvp(lambda x: op(x, B), (A,), (TA,))
+    ref, rtan = torch.func.jvp(lambda x: op(x, b), (a,), (ta,))
+    _close(out, ref)
+    _close(tan, rtan)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        o = op(fwAD.make_dual(A, TA), B)
+        _close(fwAD.unpack_dual(o).tangent, rtan)
+
+
+@pytest.mark.parametrize("shape", [8, 6])
+def test_complex_dot_products_conjugate(shape):
+    mesh = sf.Mesh((4,), ("x",))
+    a, b = (torch.randn(shape, dtype=torch.complex128) for _ in range(2))
+    A, B = (sf.distribute(t, P("x"), mesh=mesh) for t in (a, b))
+    _close(torch.vdot(A, B), torch.vdot(a, b))
+    _close(torch.linalg.vecdot(A, B), torch.linalg.vecdot(a, b))
+    _close(A @ B.conj(), a @ b.conj())
+    _close(torch.dot(A.conj(), B), torch.dot(a.conj(), b))
+
+
+# -- fused kernels on gathered shards of uneven nested splits ---------------------------------
+
+
+@pytest.mark.parametrize("e", [2, 3, 4])
+def test_sdpa_head_dim_split_unevenly_over_two_axes(e):
+    mesh = sf.Mesh((2, 2), ("a", "b"))
+    q, k, v = (torch.randn(1, 2, 3, e, dtype=torch.float64) for _ in range(3))
+    Q, K, V = (sf.distribute(t, P(None, None, None, ("a", "b")), mesh=mesh) for t in (q, k, v))
+    _close(F.scaled_dot_product_attention(Q, K, V), F.scaled_dot_product_attention(q, k, v))
+
+
+# -- bounds of indices into a sharded dim -------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [6, 9, -1])
+def test_vocab_sharded_embedding_out_of_range_raises(bad):
+    mesh = sf.Mesh((4,), ("x",))
+    W = sf.distribute(torch.randn(6, 3), P("x"), mesh=mesh)
+    idx = sf.distribute(torch.tensor([1, bad]), P(), mesh=mesh)
+    with pytest.raises(IndexError):
+        F.embedding(torch.tensor([1, bad]), torch.randn(6, 3))
+    with pytest.raises(IndexError):
+        F.embedding(idx, W)
+    _close(F.embedding(sf.distribute(torch.tensor([1, 5]), P(), mesh=mesh), W), F.embedding(torch.tensor([1, 5]), W.full_tensor()))
+
+
+@pytest.mark.parametrize("loss", [F.cross_entropy, F.nll_loss])
+@pytest.mark.parametrize("bad", [9, -3, 6])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_class_sharded_loss_out_of_range_target_raises(loss, bad, reduction):
+    mesh = sf.Mesh((4,), ("x",))
+    x = torch.randn(3, 6)
+    X = sf.distribute(x, P(None, "x"), mesh=mesh)
+    t = torch.tensor([1, bad, 0])
+    with pytest.raises(IndexError):
+        loss(x, t, reduction=reduction)
+    with pytest.raises(IndexError):
+        loss(X, sf.distribute(t, P(), mesh=mesh), reduction=reduction)
+    ok = torch.tensor([1, 5, -100])
+    _close(loss(X, sf.distribute(ok, P(), mesh=mesh), reduction=reduction), loss(x, ok, reduction=reduction))
