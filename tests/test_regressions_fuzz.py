@@ -89,3 +89,40 @@ def test_class_sharded_loss_out_of_range_target_raises(loss, bad, reduction):
         loss(X, sf.distribute(t, P(), mesh=mesh), reduction=reduction)
     ok = torch.tensor([1, 5, -100])
     _close(loss(X, sf.distribute(ok, P(), mesh=mesh), reduction=reduction), loss(x, ok, reduction=reduction))
+
+
+# -- pending sums in narrow dtypes, through widening or non-linear-at-zero ops ------------------
+
+
+def test_int8_pending_sum_wraps_before_widening_sum():
+    mesh = sf.Mesh((4,), ("x",))
+    a = torch.full((2, 8), 100, dtype=torch.int8)
+    b = torch.full((8, 2), 100, dtype=torch.int8)
+    A, B = sf.distribute(a, P(None, "x"), mesh=mesh), sf.distribute(b, P("x"), mesh=mesh)
+    _close((A @ B).sum(), (a @ b).sum())
+    _close((A @ B).sum(0), (a @ b).sum(0))
+    _close((A @ B).to(torch.int64), (a @ b).to(torch.int64))
+
+
+def test_float16_pending_sum_overflows_like_its_total():
+    mesh = sf.Mesh((4,), ("x",))
+    parts = [torch.tensor([30000.0, 1.0], dtype=torch.float16)] * 4
+    p = sf.ShardedArray.from_local(parts, P(partial=("x",)), mesh=mesh)
+    full = p.full_tensor()
+    _close(p.mean(), full.mean())
+    _close(p.sum(), full.sum())
+    _close(p * 0.5, full * 0.5)
+
+
+@pytest.mark.parametrize("div", ["scalar", "tensor", "inf"])
+def test_pending_sum_divided_by_zero_is_signed_inf(div):
+    mesh = sf.Mesh((4,), ("x",))
+    parts = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([-1.0, 1.0, 0.0]), torch.tensor([1.0, 0.0, 0.0]), torch.zeros(3)]
+    p = sf.ShardedArray.from_local(parts, P(partial=("x",)), mesh=mesh)
+    full = p.full_tensor()
+    if div == "scalar":
+        _close(p / 0, full / 0)
+    elif div == "tensor":
+        _close(p / sf.distribute(torch.zeros(3), P(), mesh=mesh), full / torch.zeros(3))
+    else:
+        _close(p * float("inf"), full * float("inf"))

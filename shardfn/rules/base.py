@@ -130,3 +130,13 @@ def out_of_range(index: torch.Tensor, size: int, allowed: int | None = None) -> 
     if not bad.any():
         return None
     return index[bad].flatten()[0].item()
+
+
+def sum_passes(call: OpCall, src: torch.dtype) -> bool:
+    """Whether a pending sum in dtype ``src`` may pass through ``call`` unresolved. Not
+    when the op widens the dtype (int8 ``(a @ b).sum()`` wraps the product's total in int8
+    first, the parts would not), nor in float16, whose total may overflow to inf where
+    the parts do not (the parts are summed in the dtype only when resolved)."""
+    if src == torch.float16:
+        return False
+    return all(m.dtype == src for m in call.out_metas if isinstance(m, torch.Tensor))
