@@ -363,6 +363,18 @@ def _to_meta(path: Any, v: Any) -> Any:
     return v
 
 
+def _check_empty(func: Any, args: tuple, kwargs: dict) -> None:
+    """Run ``func`` on real empty tensors of the global shapes, for torch's own errors
+    (``max()`` of an empty tensor raises; its meta kernel does not check). Empty tensors
+    hold no data, so this costs no copy; a call that raises is never cached."""
+    def empty(path: Any, v: Any) -> Any:
+        return torch.empty(v.shape, dtype=v.dtype) if isinstance(v, ShardedArray) else v
+
+    with torch.no_grad():
+        eargs, ekwargs = _replace(args, kwargs, empty)
+        func(*eargs, **ekwargs)
+
+
 def _describe_call(func: Any, leaves: list) -> str:
     arrays = [v for _, v in leaves if isinstance(v, ShardedArray)]
     return f"{_op_name(func)}: " + " x ".join(describe(tuple(a.shape), a.dtype, a._layout) for a in arrays)
@@ -384,6 +396,8 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
             f"{sorted(map(repr, meshes))}; reshard them onto one mesh first"
         )
     mesh = next(iter(meshes))
+    if all(v.numel() == 0 for _, v in arrays):
+        _check_empty(func, args, kwargs)
     try:
         with torch.no_grad():
             margs, mkwargs = _replace(args, kwargs, _to_meta)

@@ -126,3 +126,36 @@ def test_pending_sum_divided_by_zero_is_signed_inf(div):
         _close(p / sf.distribute(torch.zeros(3), P(), mesh=mesh), full / torch.zeros(3))
     else:
         _close(p * float("inf"), full * float("inf"))
+
+
+# -- empty arrays: torch's shape errors -------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [torch.max, torch.min, torch.argmax, lambda v: v.amax(0)])
+def test_empty_reductions_raise_like_torch(op):
+    mesh = sf.Mesh((4,), ("x",))
+    x = torch.randn(0, 3)
+    with pytest.raises((RuntimeError, IndexError)) as ref:
+        op(x)
+    for _ in range(2):  # and again, from the cache
+        with pytest.raises(type(ref.value)):
+            op(sf.distribute(x, P("x"), mesh=mesh))
+    _close(torch.amax(sf.distribute(x, P("x"), mesh=mesh), 1), torch.amax(x, 1))
+
+
+# -- view(dtype) ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int64, torch.uint8])
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x"), P(("x", "y"))])
+def test_view_dtype(dtype, spec):
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.randn(4, 6)
+    X = sf.distribute(x, spec, mesh=mesh)
+    if dtype == torch.int64:
+        with pytest.raises(RuntimeError):
+            torch.randn(4, 5).view(dtype)
+        with pytest.raises(RuntimeError):
+            sf.distribute(torch.randn(4, 5), spec, mesh=mesh).view(dtype)
+    _close(X.view(dtype), x.view(dtype))
+    _close(X.t().contiguous().view(dtype), x.t().contiguous().view(dtype))
