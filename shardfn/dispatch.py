@@ -23,7 +23,7 @@ from . import _functorch as _ft
 from . import _explicit
 from . import _inplace
 from . import rules as _rules
-from .array import ShardedArray, _BatchedArray, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
+from .array import ShardedArray, _BatchedArray, _contiguous_strides, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
 from .backends import backend_for
 from .errors import FallbackWarning, ShardingError
 from .layout import Layout, describe
@@ -294,7 +294,8 @@ def _fragment(x: ShardedArray) -> Any:
     """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
     it); None while its shape is symbolic or its storage is not in the canonical form."""
     try:
-        k = fragment_of(x._layout, tuple(x.shape), x.dtype)
+        shape = tuple(x.shape)
+        k = fragment_of(x._layout, shape, x.dtype, _odd_stride(shape, x.stride(), x.storage_offset()))
     except TypeError:  # SymInts do not hash
         return None
     if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
@@ -303,15 +304,25 @@ def _fragment(x: ShardedArray) -> Any:
     return k
 
 
-def fragment_of(layout: Layout, shape: tuple, dtype: torch.dtype) -> Any:
-    """A unique object per (layout, shape, dtype): fast keys hash it by identity. Never
-    reused for another triple (dropping the table only makes new objects)."""
-    k = _fragments.get((layout, shape, dtype))
+def fragment_of(layout: Layout, shape: tuple, dtype: torch.dtype, stride: tuple | None = None) -> Any:
+    """A unique object per (layout, shape, dtype, stride; None: contiguous): fast keys hash it
+    by identity. Never reused for another tuple (dropping the table only makes new objects)."""
+    key = (layout, shape, dtype) if stride is None else (layout, shape, dtype, stride)
+    k = _fragments.get(key)
     if k is None:
         if len(_fragments) >= _FRAGMENTS_MAX:
             _fragments.clear()
-        k = _fragments[(layout, shape, dtype)] = _Fragment()
+        k = _fragments[key] = _Fragment()
     return k
+
+
+def _odd_stride(shape: tuple, stride: tuple, offset: int = 0) -> tuple | None:
+    """``(stride, storage offset)`` unless they are the contiguous ones of ``shape`` (None
+    then). An array reports the strides and offset torch would give the same op on a plain
+    tensor (the meta run's), so ``x.t().is_contiguous()`` is False and autograd's
+    ``as_strided`` on views reads the right elements; shards are stored however the backend
+    likes."""
+    return None if not offset and stride == _contiguous_strides(shape) else (tuple(stride), offset)
 
 
 class _Fragment:
@@ -330,7 +341,7 @@ def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
         if isinstance(v, ShardedArray):
-            parts.append((path, v._layout, v.shape, v.dtype))
+            parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset()))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
         elif isinstance(v, float):
@@ -356,8 +367,10 @@ def _replace(args: tuple, kwargs: dict, fn: Callable[[Any, Any], Any]) -> tuple[
 
 
 def _to_meta(path: Any, v: Any) -> Any:
-    if isinstance(v, ShardedArray):
-        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    if isinstance(v, ShardedArray):  # with the array's strides: outputs get torch's strides
+        meta = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        off = v.storage_offset()
+        return meta.as_strided(v.shape, v.stride(), off) if off else meta
     if isinstance(v, torch.Tensor):
         return v.to("meta")
     return v
@@ -453,6 +466,7 @@ class _Entry:
     cand: Candidate
     out_shapes: list = attrs.field(init=False)
     out_dtypes: list = attrs.field(init=False)
+    out_strides: list = attrs.field(init=False)  # None: contiguous
     rebuild: Callable = attrs.field(init=False)
     stacked: bool = attrs.field(init=False)  # the local call keeps symbolic sizes symbolic
     # hot-path precomputations: where the sharded args sit, which inputs need
@@ -470,6 +484,8 @@ class _Entry:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
         self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
+        self.out_strides = [None if not isinstance(m, torch.Tensor) or _ft.is_symbolic(m.shape)
+                            else _odd_stride(tuple(m.shape), m.stride(), m.storage_offset()) for m in metas]
         # the key holds the input layouts and shapes, so which inputs need resharding is fixed
         self.moves = [
             v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
@@ -494,12 +510,12 @@ class _Entry:
             if l is not None and l.partial:
                 check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
         self.out_fragments = [
-            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
-            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d, st)
+            for l, s, d, st in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_strides)
         ]
         single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
         self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
-                       self.out_fragments[0]) if single else None
+                       self.out_fragments[0], self.out_strides[0]) if single else None
 
     def warm(self, args: tuple, kwargs: dict) -> Any:
         """``run`` for dispatch's fast path, whose arrays are stored canonically (``_fragment``):
@@ -527,9 +543,9 @@ class _Entry:
         if self.single is not None:  # one tensor output (most ops): no lists, no rebuild
             return _wrap_output(locals_[0], *self.single)
         return self.rebuild([
-            local if layout is None else _wrap_output(local, layout, shape, dtype, frag)
-            for local, layout, shape, dtype, frag in zip(
-                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments)
+            local if layout is None else _wrap_output(local, layout, shape, dtype, frag, stride)
+            for local, layout, shape, dtype, frag, stride in zip(
+                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments, self.out_strides)
         ])
 
     def _wrap_symbolic(self, args: tuple, kwargs: dict, locals_: list) -> list:
@@ -594,15 +610,31 @@ def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
     return _Fallback(func, call.mesh)
 
 
+def _as_reported(v: ShardedArray) -> torch.Tensor:
+    """``v``'s full value in memory laid out with its reported strides and storage offset
+    (contiguous where those overlap)."""
+    full = raw_full(v)
+    shape, stride, off = tuple(v.shape), v.stride(), v.storage_offset()
+    if full.numel() == 0 or _odd_stride(shape, stride, off) is None or 0 in stride:
+        return full.contiguous()
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    out = torch.empty(off + extent, dtype=full.dtype, device=full.device).as_strided(shape, stride, off)
+    try:
+        out.copy_(full)
+    except RuntimeError:  # overlapping strides
+        return full.contiguous()
+    return out
+
+
 @attrs.define
 class _Fallback:
     func: Any
     mesh: Any
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
-        # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
-        # trust a contiguous-looking argument; a replicated value is an expanded view)
-        a, k = _replace(args, kwargs, lambda p, v: raw_full(v).contiguous() if isinstance(v, ShardedArray) else v)
+        # laid out as the wrapper says (kernels such as native_group_norm_backward trust the
+        # strides; as_strided reads the storage; a replicated value is an expanded view)
+        a, k = _replace(args, kwargs, lambda p, v: _as_reported(v) if isinstance(v, ShardedArray) else v)
         out = self.func(*a, **k)
         backend = backend_for(self.mesh)
         outs, rebuild = _flat_outputs(out)

@@ -159,3 +159,40 @@ def test_view_dtype(dtype, spec):
             sf.distribute(torch.randn(4, 5), spec, mesh=mesh).view(dtype)
     _close(X.view(dtype), x.view(dtype))
     _close(X.t().contiguous().view(dtype), x.t().contiguous().view(dtype))
+
+
+# -- per-thread context ---------------------------------------------------------------------------
+
+
+def test_seeded_and_explicit_do_not_leak_into_other_threads():
+    mesh = sf.Mesh((2,), ("x",))
+    z = sf.distribute(torch.zeros(6), P("x"), mesh=mesh)
+    torch.manual_seed(0)
+    before = torch.rand_like(z).full_tensor()
+    entered, done = threading.Event(), threading.Event()
+
+    def inside():
+        with sf.random.seeded(3), sf.explicit():
+            entered.set()
+            done.wait(10)
+
+    t = threading.Thread(target=inside)
+    t.start()
+    entered.wait(10)
+    try:
+        mode = sf._explicit.current_mode()
+        torch.manual_seed(0)
+        during = torch.rand_like(z).full_tensor()  # torch's generator, not the other thread's key
+        a = sf.distribute(torch.randn(4), P("x"), mesh=mesh)
+        b = sf.distribute(torch.randn(4), P(), mesh=mesh)
+        total = (a * b).sum().full_tensor()  # implicit moves: fine outside explicit()
+    finally:
+        done.set()
+        t.join()
+    assert mode == "off"
+    torch.testing.assert_close(during, before)
+    assert total.shape == ()
+    with sf.random.seeded(3):
+        one = torch.rand_like(z).full_tensor()
+    with sf.random.seeded(3):
+        torch.testing.assert_close(torch.rand_like(z).full_tensor(), one)

@@ -156,7 +156,7 @@ class Ctx:
             return Aux(t, t, repr(t))
         if self.ch.chance(0.25):
             return Aux(t, t, f"plain {tuple(t.shape)}")
-        spec = draw_spec(self.ch, self.mesh, t.dim(), partial and t.dtype != torch.bool)
+        spec = draw_spec(self.ch, self.mesh, t.dim(), partial and t.dtype in (torch.float64, torch.complex128, torch.int64))
         return Aux(t, lay_out(t, spec, self.mesh, self.gen), f"{_dt(t.dtype)}{list(t.shape)} {spec}")
 
 
@@ -439,7 +439,8 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     shape = tuple(ch.choice(SIZES) for _ in range(ndim))
     dtype = ch.choice(DTYPES)
     x = make_tensor(shape, dtype, gen)
-    spec = draw_spec(ch, mesh, ndim, partial=dtype != torch.bool and ch.chance(0.3))
+    # pending sums of random parts: in 16-bit floats the parts' rounding alone exceeds any tolerance
+    spec = draw_spec(ch, mesh, ndim, partial=dtype not in (torch.bool, torch.float16, torch.bfloat16) and ch.chance(0.3))
     ctx = Ctx(ch, mesh, gen)
     steps: list[Step] = []
     meta = x
