@@ -17,7 +17,8 @@ sys.modules["shardfn_fuzz"] = fuzz  # dataclasses look their module up
 _spec.loader.exec_module(fuzz)
 
 
-@settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+# derandomized: the suite sees the same programs every run (tools/fuzz.py explores)
+@settings(max_examples=30, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_random_programs_match_torch(data):
     case = fuzz.draw_case(fuzz.Chooser(data=data), seed=0)
