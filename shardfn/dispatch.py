@@ -405,6 +405,24 @@ def _check_empty(func: Any, args: tuple, kwargs: dict) -> None:
         func(*eargs, **ekwargs)
 
 
+def _empty_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op's output metadata from a run on real tensors holding no data: empty ones, and
+    an expanded zero for the others."""
+    def empty(path: Any, v: Any) -> Any:
+        if not isinstance(v, ShardedArray):
+            return v
+        if v.numel():
+            return torch.zeros((), dtype=v.dtype).expand(v.shape)
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+
+    with torch.no_grad():
+        eargs, ekwargs = _replace(args, kwargs, empty)
+        out = func(*eargs, **ekwargs)
+    outs, rebuild = _flat_outputs(out)
+    return rebuild([torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta")
+                    if isinstance(o, torch.Tensor) else o for o in outs])
+
+
 def _describe_call(func: Any, leaves: list) -> str:
     arrays = [v for _, v in leaves if isinstance(v, ShardedArray)]
     return f"{_op_name(func)}: " + " x ".join(describe(tuple(a.shape), a.dtype, a._layout) for a in arrays)
@@ -426,12 +444,15 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
             f"{sorted(map(repr, meshes))}; reshard them onto one mesh first"
         )
     mesh = next(iter(meshes))
-    if all(v.numel() == 0 for _, v in arrays):
+    empty = all(v.numel() == 0 for _, v in arrays)
+    if empty:
         _check_empty(func, args, kwargs)
     try:
         with torch.no_grad():
             margs, mkwargs = _replace(args, kwargs, _to_meta)
             out_meta = func(*margs, **mkwargs)
+    except ZeroDivisionError:  # a Python meta kernel dividing by numel() of empty inputs
+        out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:

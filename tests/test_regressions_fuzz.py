@@ -196,3 +196,37 @@ def test_seeded_and_explicit_do_not_leak_into_other_threads():
         one = torch.rand_like(z).full_tensor()
     with sf.random.seeded(3):
         torch.testing.assert_close(torch.rand_like(z).full_tensor(), one)
+
+
+# -- torch.compile with dynamic sizes --------------------------------------------------------------
+
+
+def test_compile_dynamic_and_recompile_on_a_sharding_change():
+    import warnings
+
+    mesh = sf.Mesh((4,), ("x",))
+    x, p = torch.randn(8, 6), torch.randn(6)
+    f = torch.compile(lambda v, q: torch.maximum(v, q).sum(0) * 2, backend="aot_eager", dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for spec in (P("x"), P(None, "x"), P()):
+            _close(f(sf.distribute(x, spec, mesh=mesh), p), torch.maximum(x, p).sum(0) * 2)
+
+
+# -- errors that name the problem ----------------------------------------------------------------
+
+
+def test_sf_einsum_bad_equation_is_a_sharding_error():
+    mesh = sf.Mesh((4,), ("x",))
+    x = sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh)
+    with pytest.raises(sf.ShardingError, match="ij,jk"):
+        sf.einsum("ij,jk->", x, x)
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
+def test_empty_loss_backward_matches_torch():
+    mesh = sf.Mesh((2,), ("x",))
+    for spec in (P(), P("x")):
+        x = torch.randn(0, 3, dtype=torch.float64, requires_grad=True)
+        F.mse_loss(sf.distribute(x, spec, mesh=mesh), torch.zeros(0, 3, dtype=torch.float64)).backward()
+        assert x.grad is not None and x.grad.shape == (0, 3)
