@@ -56,7 +56,7 @@ def _log_softmax_classes(func: Any, args: tuple, kwargs: dict) -> Any:
     """log_softmax over a sharded dim: max and sum-of-exp all_reduces of the other dims."""
     b = bind(func, args, kwargs)
     x, dim = b["self"], b["dim"]
-    if not _sharded(x) or x.dim() == 0 or not x._layout.dims[dim % x.dim()]:
+    if not _sharded(x) or x.dim() == 0 or not x._layout.dims[dim % x.dim()] or x.numel() == 0:
         return NotImplemented
     with torch.no_grad():
         if b["half_to_float"]:
