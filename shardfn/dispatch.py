@@ -24,7 +24,8 @@ from . import _explicit
 from . import _inplace
 from . import _replicas
 from . import rules as _rules
-from .array import ShardedArray, _BatchedArray, _contiguous_strides, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
+from .array import (ShardedArray, _BatchedArray, _contiguous_strides, _wrap_output, check_partial_dtype, raw_full,
+                    raw_reshard, wrap)
 from .backends import backend_for
 from .errors import FallbackWarning, ShardingError
 from .layout import Layout, describe

@@ -72,7 +72,8 @@ def test_vocab_sharded_embedding_out_of_range_raises(bad):
         F.embedding(torch.tensor([1, bad]), torch.randn(6, 3))
     with pytest.raises(IndexError):
         F.embedding(idx, W)
-    _close(F.embedding(sf.distribute(torch.tensor([1, 5]), P(), mesh=mesh), W), F.embedding(torch.tensor([1, 5]), W.full_tensor()))
+    ok = torch.tensor([1, 5])
+    _close(F.embedding(sf.distribute(ok, P(), mesh=mesh), W), F.embedding(ok, W.full_tensor()))
 
 
 @pytest.mark.parametrize("loss", [F.cross_entropy, F.nll_loss])

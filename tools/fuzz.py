@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import random
 import sys
 import time
@@ -193,24 +192,48 @@ def _pw(name: str, f: Callable, ok: Callable[[torch.dtype], bool] = lambda d: Tr
 
 
 for _n, _f, _ok in [
-    ("neg", torch.neg, _num), ("abs", torch.abs, lambda d: True), ("exp", torch.exp, lambda d: d.is_floating_point or d.is_complex),
-    ("sin", torch.sin, lambda d: d.is_floating_point), ("tanh", torch.tanh, lambda d: d.is_floating_point),
-    ("sigmoid", torch.sigmoid, _real), ("relu", torch.relu, lambda d: _real(d) or d in (torch.int64, torch.int32)),
-    ("sqrt", torch.sqrt, _real), ("log", torch.log, _real), ("reciprocal", torch.reciprocal, _real),
-    ("square", torch.square, _num), ("sign", torch.sign, lambda d: not d.is_complex and _num(d)),
-    ("conj", torch.conj, lambda d: True), ("real", torch.real, lambda d: d.is_complex), ("imag", torch.imag, lambda d: d.is_complex),
-    ("angle", torch.angle, lambda d: d.is_complex or _real(d)), ("isnan", torch.isnan, lambda d: True),
-    ("logical_not", torch.logical_not, lambda d: True), ("bitwise_not", torch.bitwise_not, lambda d: not d.is_floating_point and not d.is_complex),
-    ("gelu", F.gelu, _real), ("silu", F.silu, _real), ("softplus", F.softplus, _real),
-    ("x*2", lambda v: v * 2, _num), ("x+1", lambda v: v + 1, _num), ("x/2", lambda v: v / 2, _num),
-    ("x/0", lambda v: v / 0, _num), ("x//2", lambda v: v // 2, lambda d: _num(d) and not d.is_complex),
-    ("x*0.5j", lambda v: v * 0.5j, _num), ("pow2", lambda v: v ** 2, _num), ("x>0", lambda v: v > 0, lambda d: not d.is_complex),
-    ("float", lambda v: v.float(), lambda d: not d.is_complex), ("to_int8", lambda v: v.to(torch.int8), lambda d: not d.is_complex),
-    ("double", lambda v: v.double(), lambda d: not d.is_complex), ("half", lambda v: v.half(), lambda d: not d.is_complex),
-    ("to_cfloat", lambda v: v.to(torch.complex64), lambda d: True), ("long", lambda v: v.long(), lambda d: not d.is_complex),
-    ("clamp", lambda v: v.clamp(-1, 1), lambda d: _num(d) and not d.is_complex), ("nan_to_num", torch.nan_to_num, lambda d: True),
-    ("detach", lambda v: v.detach(), lambda d: True), ("clone", lambda v: v.clone(), lambda d: True),
-    ("contiguous", lambda v: v.contiguous(), lambda d: True), ("cumsum-1", lambda v: v.cumsum(-1), lambda d: True),
+    ("neg", torch.neg, _num),
+    ("abs", torch.abs, lambda d: True),
+    ("exp", torch.exp, lambda d: d.is_floating_point or d.is_complex),
+    ("sin", torch.sin, lambda d: d.is_floating_point),
+    ("tanh", torch.tanh, lambda d: d.is_floating_point),
+    ("sigmoid", torch.sigmoid, _real),
+    ("relu", torch.relu, lambda d: _real(d) or d in (torch.int64, torch.int32)),
+    ("sqrt", torch.sqrt, _real),
+    ("log", torch.log, _real),
+    ("reciprocal", torch.reciprocal, _real),
+    ("square", torch.square, _num),
+    ("sign", torch.sign, lambda d: not d.is_complex and _num(d)),
+    ("conj", torch.conj, lambda d: True),
+    ("real", torch.real, lambda d: d.is_complex),
+    ("imag", torch.imag, lambda d: d.is_complex),
+    ("angle", torch.angle, lambda d: d.is_complex or _real(d)),
+    ("isnan", torch.isnan, lambda d: True),
+    ("logical_not", torch.logical_not, lambda d: True),
+    ("bitwise_not", torch.bitwise_not, lambda d: not d.is_floating_point and not d.is_complex),
+    ("gelu", F.gelu, _real),
+    ("silu", F.silu, _real),
+    ("softplus", F.softplus, _real),
+    ("x*2", lambda v: v * 2, _num),
+    ("x+1", lambda v: v + 1, _num),
+    ("x/2", lambda v: v / 2, _num),
+    ("x/0", lambda v: v / 0, _num),
+    ("x//2", lambda v: v // 2, lambda d: _num(d) and not d.is_complex),
+    ("x*0.5j", lambda v: v * 0.5j, _num),
+    ("pow2", lambda v: v**2, _num),
+    ("x>0", lambda v: v > 0, lambda d: not d.is_complex),
+    ("float", lambda v: v.float(), lambda d: not d.is_complex),
+    ("to_int8", lambda v: v.to(torch.int8), lambda d: not d.is_complex),
+    ("double", lambda v: v.double(), lambda d: not d.is_complex),
+    ("half", lambda v: v.half(), lambda d: not d.is_complex),
+    ("to_cfloat", lambda v: v.to(torch.complex64), lambda d: True),
+    ("long", lambda v: v.long(), lambda d: not d.is_complex),
+    ("clamp", lambda v: v.clamp(-1, 1), lambda d: _num(d) and not d.is_complex),
+    ("nan_to_num", torch.nan_to_num, lambda d: True),
+    ("detach", lambda v: v.detach(), lambda d: True),
+    ("clone", lambda v: v.clone(), lambda d: True),
+    ("contiguous", lambda v: v.contiguous(), lambda d: True),
+    ("cumsum-1", lambda v: v.cumsum(-1), lambda d: True),
 ]:
     _pw(_n, _f, _ok)
 
@@ -219,15 +242,32 @@ for _n, _f, _ok in [
 def binary(c: Ctx, x: torch.Tensor) -> Step | None:
     shape = list(x.shape)
     if shape and c.ch.chance(0.3):  # broadcast: drop leading dims or make some 1
-        shape = [1 if c.ch.chance(0.5) else n for n in shape][c.ch.integer(0, len(shape)):]
+        shape = [1 if c.ch.chance(0.5) else n for n in shape][c.ch.integer(0, len(shape)) :]
     dt = c.ch.choice([x.dtype, x.dtype, torch.float64, torch.int64, torch.float32, torch.bool, torch.complex64])
     o = c.aux(make_tensor(shape, dt, c.gen), partial=c.ch.chance(0.3))
-    name, f = c.ch.choice([("add", torch.add), ("sub", torch.sub), ("mul", torch.mul), ("div", torch.div),
-                           ("maximum", torch.maximum), ("where", None), ("eq", torch.eq), ("atan2", torch.atan2),
-                           ("rdiv", lambda a, b: b / a), ("pow", torch.pow), ("logical_and", torch.logical_and)])
+    name, f = c.ch.choice(
+        [
+            ("add", torch.add),
+            ("sub", torch.sub),
+            ("mul", torch.mul),
+            ("div", torch.div),
+            ("maximum", torch.maximum),
+            ("where", None),
+            ("eq", torch.eq),
+            ("atan2", torch.atan2),
+            ("rdiv", lambda a, b: b / a),
+            ("pow", torch.pow),
+            ("logical_and", torch.logical_and),
+        ]
+    )
     if name == "where":
-        return Step(name, lambda v, A: torch.where(A(o) > 0 if o.plain.dtype != torch.bool and not o.plain.dtype.is_complex
-                                                    else A(o).bool(), v, A(o)), f"where(o>0, x, o) o={o.desc}")
+        return Step(
+            name,
+            lambda v, A: torch.where(
+                A(o) > 0 if o.plain.dtype != torch.bool and not o.plain.dtype.is_complex else A(o).bool(), v, A(o)
+            ),
+            f"where(o>0, x, o) o={o.desc}",
+        )
     return Step(name, lambda v, A: f(v, A(o)), f"{name}(x, o) o={o.desc}")
 
 
@@ -239,16 +279,51 @@ def _dim(c: Ctx, x: torch.Tensor) -> int | None:
 def reduction(c: Ctx, x: torch.Tensor) -> Step | None:
     d = _dim(c, x)
     kd = c.ch.chance(0.3)
-    name = c.ch.choice(["sum", "sum_dim", "mean", "mean_dim", "amax", "max", "min", "max_dim", "prod", "argmax", "std",
-                        "var", "norm", "logsumexp", "all", "any", "count_nonzero", "cumprod", "aminmax", "nansum"])
+    name = c.ch.choice(
+        [
+            "sum",
+            "sum_dim",
+            "mean",
+            "mean_dim",
+            "amax",
+            "max",
+            "min",
+            "max_dim",
+            "prod",
+            "argmax",
+            "std",
+            "var",
+            "norm",
+            "logsumexp",
+            "all",
+            "any",
+            "count_nonzero",
+            "cumprod",
+            "aminmax",
+            "nansum",
+        ]
+    )
     fns: dict[str, Callable] = {
-        "sum": lambda v: v.sum(), "sum_dim": lambda v: v.sum(d, keepdim=kd), "mean": lambda v: v.mean(),
-        "mean_dim": lambda v: v.mean(d, keepdim=kd), "amax": lambda v: v.amax(d, keepdim=kd), "max": lambda v: v.max(),
-        "min": lambda v: v.min(), "max_dim": lambda v: v.max(d, keepdim=kd)[0], "prod": lambda v: v.prod(d) if d is not None else v.prod(),
-        "argmax": lambda v: v.argmax(d), "std": lambda v: v.std(d), "var": lambda v: v.var(), "norm": lambda v: torch.linalg.vector_norm(v),
-        "logsumexp": lambda v: torch.logsumexp(v, d if d is not None else 0), "all": lambda v: v.all(), "any": lambda v: v.any(d) if d is not None else v.any(),
-        "count_nonzero": lambda v: torch.count_nonzero(v), "cumprod": lambda v: v.cumprod(d if d is not None else 0),
-        "aminmax": lambda v: torch.aminmax(v)[1], "nansum": lambda v: v.nansum(),
+        "sum": lambda v: v.sum(),
+        "sum_dim": lambda v: v.sum(d, keepdim=kd),
+        "mean": lambda v: v.mean(),
+        "mean_dim": lambda v: v.mean(d, keepdim=kd),
+        "amax": lambda v: v.amax(d, keepdim=kd),
+        "max": lambda v: v.max(),
+        "min": lambda v: v.min(),
+        "max_dim": lambda v: v.max(d, keepdim=kd)[0],
+        "prod": lambda v: v.prod(d) if d is not None else v.prod(),
+        "argmax": lambda v: v.argmax(d),
+        "std": lambda v: v.std(d),
+        "var": lambda v: v.var(),
+        "norm": lambda v: torch.linalg.vector_norm(v),
+        "logsumexp": lambda v: torch.logsumexp(v, d if d is not None else 0),
+        "all": lambda v: v.all(),
+        "any": lambda v: v.any(d) if d is not None else v.any(),
+        "count_nonzero": lambda v: torch.count_nonzero(v),
+        "cumprod": lambda v: v.cumprod(d if d is not None else 0),
+        "aminmax": lambda v: torch.aminmax(v)[1],
+        "nansum": lambda v: v.nansum(),
     }
     f = fns[name]
     return Step(name, lambda v, A: f(v), f"{name}(dim={d}, keepdim={kd})")
@@ -263,21 +338,73 @@ def view(c: Ctx, x: torch.Tensor) -> Step | None:
         j = c.ch.integer(0, i)
         perm[i], perm[j] = perm[j], perm[i]
     k = c.ch.integer(0, 3)
-    name = c.ch.choice(["t", "transpose", "permute", "reshape-1", "flatten", "unsqueeze", "squeeze", "slice", "narrow", "select",
-                        "expand", "view_as_real", "mT", "flip", "roll", "repeat", "cat", "stack", "chunk0", "view-1", "unflatten",
-                        "diagonal", "tril", "movedim", "index_step", "view_dtype", "as_strided", "unfold", "is_contiguous"])
+    name = c.ch.choice(
+        [
+            "t",
+            "transpose",
+            "permute",
+            "reshape-1",
+            "flatten",
+            "unsqueeze",
+            "squeeze",
+            "slice",
+            "narrow",
+            "select",
+            "expand",
+            "view_as_real",
+            "mT",
+            "flip",
+            "roll",
+            "repeat",
+            "cat",
+            "stack",
+            "chunk0",
+            "view-1",
+            "unflatten",
+            "diagonal",
+            "tril",
+            "movedim",
+            "index_step",
+            "view_dtype",
+            "as_strided",
+            "unfold",
+            "is_contiguous",
+        ]
+    )
     fns: dict[str, Callable] = {
-        "t": lambda v: v.t(), "transpose": lambda v: v.transpose(d0, d1), "permute": lambda v: v.permute(perm),
-        "reshape-1": lambda v: v.reshape(-1), "flatten": lambda v: v.flatten(), "unsqueeze": lambda v: v.unsqueeze(k % (n + 1)),
-        "squeeze": lambda v: v.squeeze(), "slice": lambda v: v[..., k:], "narrow": lambda v: v.narrow(d0, 0, min(k, v.shape[d0])),
-        "select": lambda v: v.select(d0, k - 2), "expand": lambda v: v.unsqueeze(0).expand(2, *v.shape),
-        "view_as_real": torch.view_as_real, "mT": lambda v: v.mT, "flip": lambda v: v.flip(d0), "roll": lambda v: v.roll(k, d0),
-        "repeat": lambda v: v.repeat(*([2] + [1] * (n - 1))), "cat": lambda v: torch.cat([v, v], d0),
-        "stack": lambda v: torch.stack([v, v], k % (n + 1)), "chunk0": lambda v: v.chunk(2, d0)[0], "view-1": lambda v: v.view(-1),
-        "unflatten": lambda v: v.unflatten(d0, (1, v.shape[d0])), "diagonal": lambda v: v.diagonal(), "tril": lambda v: v.tril(),
-        "movedim": lambda v: v.movedim(d0, d1), "index_step": lambda v: v[::2], "view_dtype": lambda v: v.view(torch.int32 if v.element_size() == 4 else torch.int64 if v.element_size() == 8 else torch.uint8),
-        "as_strided": lambda v: v.as_strided((2, 2), (1, 2)), "unfold": lambda v: v.unfold(d0, 2, 1),
-        "is_contiguous": lambda v: torch.tensor([v.t().is_contiguous(), v.is_contiguous(), v.mT.is_contiguous()]) if n == 2 else torch.tensor(v.stride()),
+        "t": lambda v: v.t(),
+        "transpose": lambda v: v.transpose(d0, d1),
+        "permute": lambda v: v.permute(perm),
+        "reshape-1": lambda v: v.reshape(-1),
+        "flatten": lambda v: v.flatten(),
+        "unsqueeze": lambda v: v.unsqueeze(k % (n + 1)),
+        "squeeze": lambda v: v.squeeze(),
+        "slice": lambda v: v[..., k:],
+        "narrow": lambda v: v.narrow(d0, 0, min(k, v.shape[d0])),
+        "select": lambda v: v.select(d0, k - 2),
+        "expand": lambda v: v.unsqueeze(0).expand(2, *v.shape),
+        "view_as_real": torch.view_as_real,
+        "mT": lambda v: v.mT,
+        "flip": lambda v: v.flip(d0),
+        "roll": lambda v: v.roll(k, d0),
+        "repeat": lambda v: v.repeat(*([2] + [1] * (n - 1))),
+        "cat": lambda v: torch.cat([v, v], d0),
+        "stack": lambda v: torch.stack([v, v], k % (n + 1)),
+        "chunk0": lambda v: v.chunk(2, d0)[0],
+        "view-1": lambda v: v.view(-1),
+        "unflatten": lambda v: v.unflatten(d0, (1, v.shape[d0])),
+        "diagonal": lambda v: v.diagonal(),
+        "tril": lambda v: v.tril(),
+        "movedim": lambda v: v.movedim(d0, d1),
+        "index_step": lambda v: v[::2],
+        "view_dtype": lambda v: v.view(
+            torch.int32 if v.element_size() == 4 else torch.int64 if v.element_size() == 8 else torch.uint8
+        ),
+        "as_strided": lambda v: v.as_strided((2, 2), (1, 2)),
+        "unfold": lambda v: v.unfold(d0, 2, 1),
+        "is_contiguous": lambda v: (
+            torch.tensor([v.t().is_contiguous(), v.is_contiguous(), v.mT.is_contiguous()]) if n == 2 else torch.tensor(v.stride())
+        ),
     }
     f = fns[name]
     return Step(name, lambda v, A: f(v), f"{name}(d0={d0}, d1={d1}, k={k}, perm={perm})")
@@ -292,10 +419,17 @@ def matmul(c: Ctx, x: torch.Tensor) -> Step | None:
     m = x.shape[-1] if n else 1
     w = c.aux(make_tensor((m, c.ch.choice([0, 1, 3, 4])), x.dtype, c.gen), partial=c.ch.chance(0.2))
     fns: dict[str, Callable] = {
-        "xxT": lambda v, A: v @ v.mT, "x@w": lambda v, A: v @ A(w), "einsum": lambda v, A: torch.einsum("...j,jk->...k", v, A(w)),
-        "dot": lambda v, A: torch.dot(v, v.conj()), "vdot": lambda v, A: torch.vdot(v, v * 2), "inner": lambda v, A: torch.inner(v, v),
-        "outer": lambda v, A: torch.outer(v, v), "mv": lambda v, A: torch.mv(v, v[0]), "tensordot": lambda v, A: torch.tensordot(v, v, dims=1),
-        "vecdot": lambda v, A: torch.linalg.vecdot(v, v), "sf.einsum": lambda v, A: _sf_einsum(v, A(w)),
+        "xxT": lambda v, A: v @ v.mT,
+        "x@w": lambda v, A: v @ A(w),
+        "einsum": lambda v, A: torch.einsum("...j,jk->...k", v, A(w)),
+        "dot": lambda v, A: torch.dot(v, v.conj()),
+        "vdot": lambda v, A: torch.vdot(v, v * 2),
+        "inner": lambda v, A: torch.inner(v, v),
+        "outer": lambda v, A: torch.outer(v, v),
+        "mv": lambda v, A: torch.mv(v, v[0]),
+        "tensordot": lambda v, A: torch.tensordot(v, v, dims=1),
+        "vecdot": lambda v, A: torch.linalg.vecdot(v, v),
+        "sf.einsum": lambda v, A: _sf_einsum(v, A(w)),
     }
     f = fns[name]
     return Step(name, f, f"{name} w={w.desc}")
@@ -316,7 +450,9 @@ def indexing(c: Ctx, x: torch.Tensor) -> Step | None:
     lo = -size if c.ch.chance(0.2) else 0
     idx_shape = [c.ch.choice([0, 1, 2, 3])]
     idx = c.aux(torch.randint(lo, hi, idx_shape, generator=c.gen))
-    name = c.ch.choice(["index_select", "getitem", "gather", "take", "index_add", "scatter", "masked_fill", "embedding", "nonzero_like"])
+    name = c.ch.choice(
+        ["index_select", "getitem", "gather", "take", "index_add", "scatter", "masked_fill", "embedding", "nonzero_like"]
+    )
     if name == "index_select":
         return Step(name, lambda v, A: v.index_select(d, A(idx)), f"index_select(d={d}, idx={idx.plain.tolist()} {idx.desc})")
     if name == "getitem":
@@ -327,8 +463,10 @@ def indexing(c: Ctx, x: torch.Tensor) -> Step | None:
     if name == "take":
         return Step(name, lambda v, A: torch.take(v, A(idx)), f"take(idx={idx.plain.tolist()} {idx.desc})")
     if name == "index_add":
-        src = c.aux(make_tensor([*x.shape[:d % x.dim()], idx_shape[0], *x.shape[d % x.dim() + 1:]], x.dtype, c.gen))
-        return Step(name, lambda v, A: v.index_add(d, A(idx), A(src)), f"index_add(d={d}, idx={idx.plain.tolist()}, src={src.desc})")
+        src = c.aux(make_tensor([*x.shape[: d % x.dim()], idx_shape[0], *x.shape[d % x.dim() + 1 :]], x.dtype, c.gen))
+        return Step(
+            name, lambda v, A: v.index_add(d, A(idx), A(src)), f"index_add(d={d}, idx={idx.plain.tolist()}, src={src.desc})"
+        )
     if name == "scatter":
         gi = c.aux(torch.randint(lo, hi, tuple(x.shape), generator=c.gen))
         return Step(name, lambda v, A: v.scatter(d, A(gi), 1), f"scatter(d={d}, {gi.desc})")
@@ -349,8 +487,26 @@ def nn(c: Ctx, x: torch.Tensor) -> Step | None:
         return None
     n = x.dim()
     d = _dim(c, x)
-    name = c.ch.choice(["softmax", "log_softmax", "layer_norm", "rms_norm", "pad_const", "pad_circ", "pad_reflect", "avg_pool1d",
-                        "max_pool1d", "group_norm", "dropout0", "linear", "conv1d", "sdpa", "normalize", "adaptive_avg_pool1d"])
+    name = c.ch.choice(
+        [
+            "softmax",
+            "log_softmax",
+            "layer_norm",
+            "rms_norm",
+            "pad_const",
+            "pad_circ",
+            "pad_reflect",
+            "avg_pool1d",
+            "max_pool1d",
+            "group_norm",
+            "dropout0",
+            "linear",
+            "conv1d",
+            "sdpa",
+            "normalize",
+            "adaptive_avg_pool1d",
+        ]
+    )
     if name in ("softmax", "log_softmax") and n:
         f = getattr(F, name)
         return Step(name, lambda v, A: f(v, d), f"{name}(dim={d})")
@@ -364,8 +520,11 @@ def nn(c: Ctx, x: torch.Tensor) -> Step | None:
         mode = "circular" if name == "pad_circ" else "reflect"
         return Step(name, lambda v, A: F.pad(v, (1, 1), mode=mode), name)
     if name in ("avg_pool1d", "max_pool1d", "adaptive_avg_pool1d") and n in (2, 3):
-        f = {"avg_pool1d": lambda v: F.avg_pool1d(v, 2), "max_pool1d": lambda v: F.max_pool1d(v, 2),
-             "adaptive_avg_pool1d": lambda v: F.adaptive_avg_pool1d(v, 2)}[name]
+        f = {
+            "avg_pool1d": lambda v: F.avg_pool1d(v, 2),
+            "max_pool1d": lambda v: F.max_pool1d(v, 2),
+            "adaptive_avg_pool1d": lambda v: F.adaptive_avg_pool1d(v, 2),
+        }[name]
         return Step(name, lambda v, A: f(v), name)
     if name == "group_norm" and n >= 2:
         return Step(name, lambda v, A: F.group_norm(v, 1), name)
@@ -403,10 +562,17 @@ def loss(c: Ctx, x: torch.Tensor) -> Step | None:
         return Step(name, lambda v, A: f(v, A(t), reduction=red), f"{name}(target={t.plain.tolist()} {t.desc}, reduction={red})")
     y = c.aux(make_tensor(tuple(x.shape), x.dtype, c.gen, positive=name == "kl_div"))
     if name == "ce_probs" and x.dim() >= 1:
-        return Step(name, lambda v, A: F.cross_entropy(v, A(y).softmax(1 if v.dim() > 1 else 0), reduction=red), f"ce_probs y={y.desc}")
-    fns = {"mse": F.mse_loss, "l1": F.l1_loss, "smooth_l1": F.smooth_l1_loss, "huber": F.huber_loss,
-           "kl_div": lambda a, b, reduction: F.kl_div(a, b, reduction=reduction), "bce_logits": lambda a, b, reduction:
-           F.binary_cross_entropy_with_logits(a, b.sigmoid(), reduction=reduction)}
+        return Step(
+            name, lambda v, A: F.cross_entropy(v, A(y).softmax(1 if v.dim() > 1 else 0), reduction=red), f"ce_probs y={y.desc}"
+        )
+    fns = {
+        "mse": F.mse_loss,
+        "l1": F.l1_loss,
+        "smooth_l1": F.smooth_l1_loss,
+        "huber": F.huber_loss,
+        "kl_div": lambda a, b, reduction: F.kl_div(a, b, reduction=reduction),
+        "bce_logits": lambda a, b, reduction: F.binary_cross_entropy_with_logits(a, b.sigmoid(), reduction=reduction),
+    }
     f = fns.get(name)
     if f is None:
         return None
@@ -541,7 +707,12 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         except Exception as e:  # noqa: BLE001
             return f"laying out the input raised {type(e).__name__}: {e}"
         run = case.mode
-        if ref_err is not None or not isinstance(ref, torch.Tensor) or not ref.dtype.is_floating_point and run in ("grad", "func_grad"):
+        if (
+            ref_err is not None
+            or not isinstance(ref, torch.Tensor)
+            or not ref.dtype.is_floating_point
+            and run in ("grad", "func_grad")
+        ):
             run = "value" if run in ("grad", "func_grad") else run
         rg = None
         try:  # torch's gradient first: where torch cannot differentiate, compare values only

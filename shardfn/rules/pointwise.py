@@ -40,7 +40,7 @@ def _keeps_partial(call: OpCall, partial: tuple) -> set[int]:
         return set()
     if not all(sum_passes(call, v.dtype) for _, v in call.arrays if v._layout.partial):
         return set()
-    if func is aten.div.Tensor and not _nonzero_number(call.args[1]) or func is aten.div.Scalar and not _nonzero_number(call.args[1]):
+    if func in (aten.div.Tensor, aten.div.Scalar) and not _nonzero_number(call.args[1]):
         return set()  # parts / 0 are ±inf or nan, whose sum need not be the total's ±inf
     if func in (aten.mul.Tensor, aten.mul.Scalar) and any(
             isinstance(a, float) and not math.isfinite(a) for a in call.args[:2]):
