@@ -59,7 +59,7 @@ def test_bench_comm_models_counts_hf_llama_beside_megatron() -> None:
     out = _run("bench_comm_models.py")
     rows = {" ".join(line.split()[:3]): line for line in out.splitlines() if line.startswith("llama ")}
     assert set(rows) == {"llama tp fwd", "llama seq fwd"}, out
-    assert "all_reduce 2 all_reduce 2" in " ".join(rows["llama tp fwd"].split())
+    assert "all_reduce" in rows["llama tp fwd"] and "all_gather" not in rows["llama tp fwd"]
     assert "all_gather 2, reduce_scatter 2 all_gather 2, reduce_scatter 2" in " ".join(rows["llama seq fwd"].split())
     assert "values and gradients equal unsharded" in out
     assert "model.layers.0" in out and "FORWARD: all_reduce 2" in out  # the records tree
@@ -77,4 +77,5 @@ def test_gpu_check_runs_every_section_on_cpu() -> None:
     assert "FAIL" not in out
     values = [line for line in out.splitlines() if "worst rel err" in line]
     assert len(values) >= 8 and all(line.rstrip().endswith(("ok", ")")) for line in values)
-    assert "distinct ops that fell back:" in out and "[compiled aot_eager, quick size] dp x tp (2, 4)" in out
+    assert "distinct ops that fell back: 0;" in out  # the CUDA kernels have rules
+    assert "[compiled aot_eager, quick size] dp x tp (2, 4)" in out

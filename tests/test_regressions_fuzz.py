@@ -181,7 +181,9 @@ def test_seeded_and_explicit_do_not_leak_into_other_threads():
     t.start()
     entered.wait(10)
     try:
-        mode = sf._explicit.current_mode()
+        from shardfn.arrays.explicit import current_mode
+
+        mode = current_mode()
         torch.manual_seed(0)
         during = torch.rand_like(z).full_tensor()  # torch's generator, not the other thread's key
         a = sf.distribute(torch.randn(4), P("x"), mesh=mesh)

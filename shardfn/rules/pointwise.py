@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..layout import Layout
+from ..values.layout import Layout
 from .base import Candidate, OpCall, sum_passes
 
 aten = torch.ops.aten

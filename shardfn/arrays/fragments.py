@@ -1,0 +1,70 @@
+"""Key fragments: one interned, identity-hashed object per (layout, shape, dtype), kept on
+each ShardedArray, from which dispatch builds its fast cache keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..backends.registry import backend_for
+from ..values.layout import Layout
+
+
+_fragments: dict[tuple, Any] = {}
+_FRAGMENTS_MAX = 65536
+
+
+def _fragment(x: Any) -> Any:
+    """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
+    it); None while its shape is symbolic or its storage is not in the canonical form."""
+    try:
+        shape = tuple(x.shape)
+        k = fragment_of(x._layout, shape, x.dtype, _odd_stride(shape, x.stride(), x.storage_offset()))
+    except TypeError:  # SymInts do not hash
+        return None
+    if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
+        return None  # fast-path calls assume the canonical form (``_Entry.warm``)
+    x._kf = k
+    return k
+
+
+def fragment_of(layout: Layout, shape: tuple, dtype: torch.dtype, stride: tuple | None = None) -> Any:
+    """A unique object per (layout, shape, dtype, stride; None: contiguous): fast keys hash it
+    by identity. Never reused for another tuple (dropping the table only makes new objects)."""
+    key = (layout, shape, dtype) if stride is None else (layout, shape, dtype, stride)
+    k = _fragments.get(key)
+    if k is None:
+        if len(_fragments) >= _FRAGMENTS_MAX:
+            _fragments.clear()
+        k = _fragments[key] = _Fragment()
+    return k
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _odd_stride(shape: tuple, stride: tuple, offset: int = 0) -> tuple | None:
+    """``(stride, storage offset)`` unless they are the contiguous ones of ``shape`` (None
+    then). An array reports the strides and offset torch would give the same op on a plain
+    tensor (the meta run's), so ``x.t().is_contiguous()`` is False and autograd's
+    ``as_strided`` on views reads the right elements; shards are stored however the backend
+    likes."""
+    return None if not offset and stride == _contiguous_strides(shape) else (tuple(stride), offset)
+
+
+class _Fragment:
+    """An identity-hashed stand-in for one (layout, shape, dtype) in fast keys."""
+
+    __slots__ = ("__weakref__",)
+
+    def __copy__(self) -> _Fragment:
+        return self  # a copied array keeps hitting its original's entries
+
+    def __deepcopy__(self, memo: dict) -> _Fragment:
+        return self
