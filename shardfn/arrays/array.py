@@ -436,12 +436,15 @@ _NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
-def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any) -> ShardedArray:
-    """``ShardedArray(local, layout, shape, dtype)`` (contiguous) for an op output whose
-    layout, shape and dtype dispatch has checked once; ``frag`` is its fast-key fragment."""
+def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any,
+                 stride: tuple | None = None) -> ShardedArray:
+    """``ShardedArray(local, layout, shape, dtype)`` for an op output whose layout, shape and
+    dtype dispatch has checked once; ``frag`` is its fast-key fragment; ``stride`` the strides
+    and storage offset torch gives the op's output (None: contiguous)."""
     # positional (cls, size, strides, storage_offset, memory_format, dtype, layout, device):
     # parsed faster than keywords
-    r = _make_wrapper(ShardedArray if len(shape) < _BATCHED_NDIM else _BatchedArray, shape, None, None, None,
+    r = _make_wrapper(ShardedArray if len(shape) < _BATCHED_NDIM else _BatchedArray, shape,
+                      *(stride if stride is not None else (None, None)), None,
                       dtype, torch.strided,
                       (local[0] if type(local) is tuple else local).device)
     r._local = local

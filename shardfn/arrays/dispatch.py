@@ -222,7 +222,7 @@ def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
         if isinstance(v, ShardedArray):
-            parts.append((path, v._layout, v.shape, v.dtype))
+            parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset()))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
         elif isinstance(v, float):

@@ -7,6 +7,8 @@ reduces first.
 
 from __future__ import annotations
 
+import cmath
+import math
 from typing import Any
 
 import attrs
@@ -14,7 +16,7 @@ import torch
 
 from ..values.errors import ShardingError
 from ..values.layout import Layout
-from .base import Candidate, OpCall
+from .base import Candidate, OpCall, sum_passes
 
 aten = torch.ops.aten
 
@@ -37,6 +39,13 @@ def _keeps_partial(call: OpCall, partial: tuple) -> set[int]:
     func = call.func
     if not partial or any(op not in _LINEAR_PARTIAL_OPS for _, op in partial):
         return set()
+    if not all(sum_passes(call, v.dtype) for _, v in call.arrays if v._layout.partial):
+        return set()
+    if func in (aten.div.Tensor, aten.div.Scalar) and not _nonzero_number(call.args[1]):
+        return set()  # parts / 0 are ±inf or nan, whose sum need not be the total's ±inf
+    if func in (aten.mul.Tensor, aten.mul.Scalar) and any(
+            isinstance(a, float) and not math.isfinite(a) for a in call.args[:2]):
+        return set()  # parts * inf have mixed signs where the total's does not
     n = len(call.arrays)
     if func in _LINEAR:
         if call.kwargs.get("alpha", 1) is not None and n == sum(
@@ -50,6 +59,11 @@ def _keeps_partial(call: OpCall, partial: tuple) -> set[int]:
         allowed = [i for i, p in enumerate(paths) if only is None or p == only]
         return set(allowed[:1]) if allowed else set()
     return set()
+
+
+def _nonzero_number(v: Any) -> bool:
+    """A finite nonzero Python number (a divisor a pending sum may pass)."""
+    return isinstance(v, (int, float, complex)) and not isinstance(v, bool) and v != 0 and cmath.isfinite(v)
 
 
 def _scalar_operands(call: OpCall) -> bool:
