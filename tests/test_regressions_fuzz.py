@@ -280,3 +280,55 @@ def test_circular_pad_under_jvp():
 
     X = sf.distribute(x, P(), mesh=mesh)
     _close(torch.func.jvp(f, (X,), (X,))[1], torch.func.jvp(f, (x,), (x,))[1])
+
+
+# -- memory: an uneven gather holds one copy per distinct value ----------------------------------
+
+
+class _NewStorage(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every distinct storage that a non-view op returns and ``known`` does not hold
+    (each storage kept alive, so a freed buffer's address is never counted twice)."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.seen = {s.untyped_storage().data_ptr() for s in known}
+        self.kept = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in torch.utils._pytree.tree_leaves(out):
+                if type(t) is torch.Tensor and t.untyped_storage().data_ptr() not in self.seen:
+                    self.seen.add(t.untyped_storage().data_ptr())
+                    self.kept.append(t.untyped_storage())
+        return out
+
+    @property
+    def bytes(self):
+        return sum(s.nbytes() for s in self.kept)
+
+
+
+
+def _storages(x):
+    local = x._local
+    return list(local) if isinstance(local, tuple) else [local]
+
+
+@pytest.mark.parametrize("how", ["full_tensor", "reshard"])
+@pytest.mark.parametrize("mesh_shape, spec", [((4, 4), P(("a", "b"))), ((4, 4), P("a", "b")), ((2, 2, 2), P(("a", "c"), "b"))])
+def test_uneven_gather_holds_one_copy_per_distinct_value(how, mesh_shape, spec):
+    mesh = sf.Mesh(mesh_shape, ("a", "b", "c")[: len(mesh_shape)])
+    run = (lambda a: a.full_tensor()) if how == "full_tensor" else (lambda a: sf.reshard(a, P()))
+    figures = []
+    for rows in (64, 67):  # even, uneven (some shards one row longer, some shorter)
+        t = torch.randn(rows, 40, dtype=torch.float64)
+        a = sf.distribute(t, spec, mesh=mesh)
+        rec = _NewStorage(_storages(a))
+        with rec:
+            out = run(a)
+        _close(out, t)
+        figures.append(rec.bytes / t.nbytes)
+    even, uneven = figures
+    assert even <= 1.01, figures  # one copy of the value (and a few scalars)
+    assert uneven <= 1.1 * max(even, 1.0), figures

@@ -777,6 +777,12 @@ class DistBackend:
                  sym_shape: tuple | None = None) -> torch.Tensor:
         return run_step(step, value, shape, dtype)  # symbolic shard sizes are specialised there
 
+    def run_steps(self, steps: Any, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *,
+                  sym_shape: tuple | None = None) -> torch.Tensor:
+        for step in steps:  # every collective runs: the other ranks take the same steps
+            value = run_step(step, value, shape, dtype)
+        return value
+
     # the module's functions where they are the method (no wrapper on the hot path)
     rank_of = staticmethod(rank_of)  # not in the protocol: this process's device index
     shard_list = staticmethod(shard_list)
