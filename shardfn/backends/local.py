@@ -1,17 +1,10 @@
 """The local backend: every device of the mesh simulated in this process.
 
-A value is either *stacked*, one tensor of shape ``(d_0, ..., d_{m-1}, *local_shape)``
-when every shard has the same shape, or a tuple of per-device shards (row-major) for
-uneven layouts. In a stacked value ``d_k`` is the size of mesh axis k, or 1 where the
-layout does not vary over axis k (the axis shards no dim and is not pending a reduction):
-each distinct shard is stored once, and an op on stacked values runs once, broadcasting
-over the mesh dims, so a computation replicated over an axis costs what it costs once.
-``local_values.full`` expands the size-1 mesh dims (a view) for code that needs every device's
-shard; ``local_values.compact`` cuts them back to size 1.
-
-The implementation: ``local_values`` (the two forms and conversions between them),
-``local_steps`` (plan steps), ``local_calls`` (an op's local call); this module is the
-:class:`LocalBackend` protocol on top of them.
+A value is stacked (one tensor, the mesh dims in front, each distinct shard stored once)
+when every shard has the same shape, else a tuple of per-device shards; ``local_values``
+describes both forms and converts between them. ``local_steps`` runs plan steps on them,
+``local_calls`` an op's local call; this module is the :class:`LocalBackend` protocol on
+top of them.
 """
 
 from __future__ import annotations
