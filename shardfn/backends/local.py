@@ -9,7 +9,6 @@ top of them.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any, Sequence
 
