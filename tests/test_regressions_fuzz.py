@@ -332,3 +332,32 @@ def test_uneven_gather_holds_one_copy_per_distinct_value(how, mesh_shape, spec):
     even, uneven = figures
     assert even <= 1.01, figures  # one copy of the value (and a few scalars)
     assert uneven <= 1.1 * max(even, 1.0), figures
+
+
+# -- as_strided reads the storage torch keeps (the view's base), bounds-checked like torch's -----
+
+
+def _outcome(f, t):
+    try:
+        r = f(t)
+    except Exception as e:  # noqa: BLE001 - the error type is what is compared
+        return type(e)
+    return r.full_tensor() if isinstance(r, sf.ShardedArray) else r
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")  # as_strided replicates
+@pytest.mark.parametrize("view", ["id", "rows", "cols", "t", "expand", "view_dtype"])
+@pytest.mark.parametrize("args", [((2, 2), (1, 2)), ((2, 2), (1, 2), 0), ((16,), (1,), 0), ((15,), (1,), 0),
+                                  ((4,), (4,), 3), ((2,), (5,))])
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "x")])
+def test_as_strided_reads_the_base_storage_and_checks_its_bounds(view, args, spec):
+    views = {"id": lambda t: t, "rows": lambda t: t[1:], "cols": lambda t: t[:, 1:], "t": lambda t: t.t()[1:],
+             "expand": lambda t: t[:1].expand(5, 3), "view_dtype": lambda t: t.view(torch.int64)}
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.arange(15.0, dtype=torch.float64).reshape(5, 3)
+    f = lambda t: views[view](t).as_strided(*args)  # noqa: E731
+    want, got = _outcome(f, x), _outcome(f, sf.distribute(x, spec, mesh=mesh))
+    if isinstance(want, type):
+        assert got is want
+    else:
+        assert torch.equal(got, want)
