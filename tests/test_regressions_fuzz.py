@@ -268,18 +268,27 @@ def test_circular_pad_under_torch_func(n):
                torch.func.vmap(torch.func.grad(f))(x.unsqueeze(0).expand(2, 4, 6)))
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="known: forward AD's view check sees a tangent laid out unlike the primal (circular pad's as_strided)")
-@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
-def test_circular_pad_under_jvp():
-    mesh = sf.Mesh((1,), ("x",))
-    x = torch.randn(4, 6, dtype=torch.float64)
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")  # slice_scatter/as_strided replicate
+@pytest.mark.parametrize("n", [1, 2])
+def test_circular_pad_under_jvp(n):
+    # a replicated fallback's view output reports torch's strides and storage offset, so forward
+    # AD finds a view's tangent laid out like its primal
+    mesh = sf.Mesh((n,), ("x",))
+    x, tx = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
 
     def f(t):
-        return F.pad(t.reshape(1, 1, 4, 6), (1, 2, 1, 1), mode="circular")
+        return F.pad(t.reshape(1, 1, 4, 6), (1, 2, 1, 1), mode="circular").pow(2)
 
-    X = sf.distribute(x, P(), mesh=mesh)
-    _close(torch.func.jvp(f, (X,), (X,))[1], torch.func.jvp(f, (x,), (x,))[1])
+    ref, rtan = torch.func.jvp(f, (x,), (tx,))
+    for spec in (P(), P("x")):
+        X, TX = sf.distribute(x, spec, mesh=mesh), sf.distribute(tx, spec, mesh=mesh)
+        out, tan = torch.func.jvp(f, (X,), (TX,))
+        _close(out, ref)
+        _close(tan, rtan)
+        import torch.autograd.forward_ad as fwAD
+
+        with fwAD.dual_level():
+            _close(fwAD.unpack_dual(f(fwAD.make_dual(X, TX))).tangent, rtan)
 
 
 # -- memory: an uneven gather holds one copy per distinct value ----------------------------------

@@ -339,7 +339,10 @@ class _Fallback:
         for o in outs:
             if isinstance(o, torch.Tensor):
                 layout = Layout(self.mesh, ((),) * o.dim())
-                res.append(wrap(backend.replicated(o, self.mesh), layout, o.shape, o.dtype))
+                # reported as torch lays the output out (a view's strides and storage offset:
+                # forward AD checks that a view's tangent is laid out like its primal)
+                res.append(_wrap_output(backend.replicated(o, self.mesh), layout, tuple(o.shape), o.dtype, None,
+                                        (tuple(o.stride()), o.storage_offset())))
             else:
                 res.append(o)
         return rebuild(res)
