@@ -216,6 +216,17 @@ def test_compile_dynamic_and_recompile_on_a_sharding_change():
             _close(f(sf.distribute(x, spec, mesh=mesh), p), torch.maximum(x, p).sum(0) * 2)
 
 
+@pytest.mark.parametrize("fn", [torch.cov, torch.corrcoef])
+def test_compile_after_a_graph_break_runs_dispatch_eagerly(fn):
+    # torch.cov breaks the graph (a data-dependent aten.equal); the ops then run eagerly under
+    # Dynamo's frame hook, which must not trace shardfn's dispatch (was: AttributeError _local)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(3, 8, dtype=torch.float64)
+    f = torch.compile(fn, backend="aot_eager")
+    for spec in (P(), P(None, "x"), P("x")):
+        _close(f(sf.distribute(x, spec, mesh=mesh)), fn(x))
+
+
 # -- errors that name the problem ----------------------------------------------------------------
 
 
