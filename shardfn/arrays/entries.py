@@ -18,7 +18,7 @@ from ..values.layout import Layout
 from ..values.schema import op_name as _op_name
 from . import functorch as _ft
 from . import rule_table as _rules
-from .array import ShardedArray, _wrap_output, check_partial_dtype, wrap
+from .array import ShardedArray, _wrap_output, check_partial_dtype
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _replace, _to_meta
 from .array import raw_full, raw_reshard
