@@ -237,6 +237,48 @@ def test_sf_einsum_bad_equation_is_a_sharding_error():
         sf.einsum("ij,jk->", x, x)
 
 
+_TORCH_REJECTS = {
+    "add": lambda a, b: a + b,
+    "matmul": lambda a, b: a @ b,
+    "sum_dim": lambda a, b: a.sum(5),
+    "transpose_dim": lambda a, b: a.transpose(0, -4),
+    "cat_ranks": lambda a, b: torch.cat([a, b.reshape(-1)]),
+    "view": lambda a, b: a.view(7),
+    "index_select": lambda a, b: a.index_select(3, torch.tensor([0])),
+    "gather_dtype": lambda a, b: torch.gather(a, 0, torch.zeros(2, 2)),
+    "expand": lambda a, b: a.expand(3, 4, 5),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_TORCH_REJECTS))
+def test_torch_invalid_arguments_raise_what_torch_raises(op):
+    # a ShardingError that is also the type torch raises: `except RuntimeError` (IndexError, ...)
+    # written for plain tensors still catches it
+    f = _TORCH_REJECTS[op]
+    a, b = torch.randn(4, 6), torch.randn(4, 5)
+    with pytest.raises(Exception) as ref:
+        f(a, b)
+    mesh = sf.Mesh((2,), ("x",))
+    A, B = sf.distribute(a, P("x"), mesh=mesh), sf.distribute(b, P(None, "x"), mesh=mesh)
+    with pytest.raises(sf.ShardingError) as got:
+        f(A, B)
+    base = next(t for t in (IndexError, TypeError, RuntimeError, ValueError) if isinstance(ref.value, t))
+    assert isinstance(got.value, base), (type(ref.value), type(got.value))
+
+
+def test_sf_einsum_and_full_raise_what_torch_raises():
+    mesh = sf.Mesh((4,), ("x",))
+    x = sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh)
+    with pytest.raises(RuntimeError):
+        torch.einsum("ij,jk->", torch.randn(4, 6), torch.randn(4, 6))
+    with pytest.raises(sf.ShardingRuntimeError, match="ij,jk"):
+        sf.einsum("ij,jk->", x, x)
+    with pytest.raises(RuntimeError):
+        torch.full((2,), 300, dtype=torch.int8)
+    with pytest.raises(sf.ShardingRuntimeError, match="300"):
+        sf.full((4,), 300, dtype=torch.int8, sharding=P("x"), mesh=mesh)
+
+
 @pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
 def test_empty_loss_backward_matches_torch():
     mesh = sf.Mesh((2,), ("x",))
@@ -381,3 +423,19 @@ def test_as_strided_reads_the_base_storage_and_checks_its_bounds(view, args, spe
         assert got is want
     else:
         assert torch.equal(got, want)
+
+
+def test_data_ptr_is_null_as_for_torch_wrapper_subclasses():
+    # torch's convention for wrapper subclasses (DTensor too): 0, never a pointer; the storage's
+    # pointer raises; torch's deepcopy/pickle rely on the 0
+    import copy
+    import pickle
+
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 3)
+    X = sf.distribute(x, P("x"), mesh=mesh)
+    assert X.data_ptr() == 0
+    with pytest.raises(RuntimeError):
+        X.untyped_storage().data_ptr()
+    _close(copy.deepcopy(X), x)
+    _close(pickle.loads(pickle.dumps(X)), x)

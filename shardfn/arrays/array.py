@@ -304,7 +304,9 @@ class ShardedArray(torch.Tensor):
             "use an out-of-place op and rebind the result"
         )
 
-    # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it
+    # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it.
+    # data_ptr() stays torch's 0 (the null pointer: no single buffer): torch's __deepcopy__,
+    # pickling, autograd graph hooks and Dynamo recognise a wrapper subclass by it
     def storage(self) -> Any:
         raise TypeError(
             "a ShardedArray has no single storage (its shards live on the mesh's devices); "

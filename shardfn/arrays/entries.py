@@ -13,7 +13,7 @@ import torch
 
 from ..backends.registry import backend_for
 from ..plans.planner import plan_layouts
-from ..values.errors import FallbackWarning, ShardingError
+from ..values.errors import FallbackWarning, ShardingError, like_torch
 from ..values.layout import Layout
 from ..values.schema import op_name as _op_name
 from . import functorch as _ft
@@ -64,7 +64,7 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
-        raise ShardingError(
+        raise like_torch(e)(
             f"{_describe_call(func, leaves)}: shape mismatch or invalid arguments (the op rejects "
             f"these global shapes, whatever the sharding): {e}"
         ) from None
