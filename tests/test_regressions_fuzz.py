@@ -439,3 +439,19 @@ def test_data_ptr_is_null_as_for_torch_wrapper_subclasses():
         X.untyped_storage().data_ptr()
     _close(copy.deepcopy(X), x)
     _close(pickle.loads(pickle.dumps(X)), x)
+
+
+@pytest.mark.parametrize("rows", [4, 5])  # even (stacked body) and uneven (per-device body)
+@pytest.mark.parametrize("body, out_specs, where", [
+    (lambda x: "hello", P("x"), "output"),
+    (lambda x: "hello", P(), "output"),
+    (lambda x: (x, "s"), (P("x"), P()), r"output\[1\]"),
+    (lambda x: {"a": x, "b": object()}, {"a": P("x"), "b": P()}, r"output\['b'\]"),
+])
+def test_shard_map_non_tensor_output_is_a_sharding_error(rows, body, out_specs, where):
+    mesh = sf.Mesh((2,), ("x",))
+    X = sf.distribute(torch.randn(rows, 3), P("x"), mesh=mesh)
+    with pytest.raises(sf.ShardingError, match=f"{where} is a .*must be tensors, or Python numbers"):
+        sf.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_specs)(X)
+    # Python numbers stay valid outputs (a rank-0 value, the same on every device)
+    assert sf.shard_map(lambda x: (x, 3), mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P()))(X)[1] == 3

@@ -233,7 +233,7 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
     """One rank's part of a partial-manual shard_map call (see the module docstring)."""
     from .. import lax
     from ..specs import _match
-    from .io import _out_layout, check_output_vma, check_scalar_spec
+    from .io import _out_layout, check_output_vma, check_scalar_output
 
     mesh = inputs.mesh
     leaves = []
@@ -256,7 +256,7 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
     for p, i, s in zip(paths, idx, specs):
         o = flat[i]
         if not isinstance(o, torch.Tensor):
-            check_scalar_spec(p, o, s, "out_specs")
+            check_scalar_output(p, o, s)
             results.append(o)
             continue
         layout = _out_layout(p, s, o.dim(), mesh)

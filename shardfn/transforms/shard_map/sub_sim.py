@@ -172,7 +172,7 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
     from ...backends import hooks as _comm_hooks
     from .. import lax
     from ..specs import _match
-    from .io import _out_layout, check_output_vma, check_scalar_spec
+    from .io import _out_layout, check_output_vma, check_scalar_output
 
     mesh = inputs.mesh
     sub = Mesh(tuple(mesh.axis_size(a) for a in auto), auto, backend=mesh.backend, device_type=mesh.device_type)
@@ -225,7 +225,7 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
         column = [flat[i] for flat, _ in flats]
         o = column[0]
         if not isinstance(o, torch.Tensor):
-            check_scalar_spec(p, o, s, "out_specs")
+            check_scalar_output(p, o, s)
             joined.append(o)
             continue
         layout = _out_layout(p, s, o.dim(), mesh)
