@@ -455,3 +455,17 @@ def test_shard_map_non_tensor_output_is_a_sharding_error(rows, body, out_specs, 
         sf.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=out_specs)(X)
     # Python numbers stay valid outputs (a rank-0 value, the same on every device)
     assert sf.shard_map(lambda x: (x, 3), mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P()))(X)[1] == 3
+
+
+@pytest.mark.parametrize("devices", [("cpu", "meta"), ("meta", "cpu"), ("meta", "meta")])
+def test_from_local_shards_without_data_name_their_devices(devices):
+    mesh = sf.Mesh((2,), ("x",))
+    shards = [torch.randn(2, 3, device=d) for d in devices]
+    bad = [i for i, d in enumerate(devices) if d == "meta"]
+    pattern = ", ".join(f"the shard of device {i} is on meta" for i in bad) + r".*device_type 'cpu'"
+    for spec in (P("x"), P()):
+        with pytest.raises(sf.ShardingError, match=pattern):
+            sf.ShardedArray.from_local(shards, spec, mesh=mesh)
+    # a meta mesh takes them (a cpu shard is copied to meta)
+    meta = sf.Mesh((2,), ("x",), device_type="meta")
+    assert sf.ShardedArray.from_local(shards, P("x"), mesh=meta).shape == (4, 3)
