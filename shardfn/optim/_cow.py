@@ -55,24 +55,30 @@ class BufferPool:
         key = (tuple(shape), dtype, device)
         bufs = self._bufs.setdefault(key, [])
         self._taken[key] = self._taken.get(key, 0) + 1
-        for buf in bufs:
+        for k, buf in enumerate(bufs):  # least recently handed out first: usually free
             if _use_count(buf) == _LONE:
+                bufs.append(bufs.pop(k))
                 return buf.detach()  # an alias: from now on the storage has a user
         buf = torch.empty(shape, dtype=dtype, device=device)
         bufs.append(buf)
         return buf.detach()
 
     def end_step(self) -> None:
-        """Keep, per shape, as many buffers as this step took plus as many still in use
-        (they may come free for the next step); let the rest go."""
+        """Per shape, keep at most as many free buffers as this step took, and at most three
+        times that in all (buffers in use may come free for the next step)."""
         for key, bufs in list(self._bufs.items()):
             need = self._taken.get(key, 0)
             if not need:
                 del self._bufs[key]
-                continue
-            free = [b for b in bufs if _use_count(b) == _LONE]
-            busy = [b for b in bufs if _use_count(b) != _LONE]
-            self._bufs[key] = busy[: 2 * need] + free[:need]
+            elif len(bufs) > 2 * need:
+                extra = sum(_use_count(b) == _LONE for b in bufs) - need
+                kept = []
+                for b in bufs:  # oldest first
+                    if extra > 0 and _use_count(b) == _LONE:
+                        extra -= 1
+                    else:
+                        kept.append(b)
+                self._bufs[key] = kept[-3 * need:]
         self._taken.clear()
 
 
