@@ -80,11 +80,12 @@ def test_unreferenced_outputs_are_recycled() -> None:
     params = [sf.distribute(torch.randn(256, 256), P("x"), mesh=mesh)]
     state = opt.init(params)
     ptrs = set()
-    for _ in range(6):
+    for _ in range(10):
         params, state = opt.step(params, [torch.randn(256, 256)], state)
         gc.collect()
         ptrs.add(params[0].local_shards()[0].data_ptr())
-    assert len(ptrs) <= 3  # two generations alive at a time, then reuse
+    # parameters and momentum share one shape: two generations of both alive at a time, then reuse
+    assert len(ptrs) <= 4
 
 
 def test_copy_on_write_mode_directly() -> None:
