@@ -110,11 +110,24 @@ def stack(shards: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
     return torch.stack(list(shards)).view(*mesh.shape, *shards[0].shape)
 
 
+@functools.lru_cache(maxsize=4096)
+def replica_of(layout: Layout) -> tuple[int, ...]:
+    """Per device: the device with coordinate 0 on the axes ``layout`` does not vary over
+    (the one whose shard it replicates; itself when it holds a distinct shard)."""
+    mesh = layout.mesh
+    vary = varying(layout)
+    return tuple(mesh.device_at([c if v else 0 for c, v in zip(mesh.coords(d), vary)]) for d in range(mesh.size))
+
+
 def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
-    """Store shards in the preferred form for this layout."""
+    """Store shards in the preferred form for this layout, each distinct shard once (even:
+    the shards of :func:`replica_of`'s devices stacked at :func:`canonical_sizes`; uneven:
+    replicas share their first device's tensor)."""
+    first = replica_of(layout)
     if is_even(layout, shape):
-        return compact(stack(shards, layout.mesh), layout)
-    return tuple(shards)
+        own = [s for d, s in enumerate(shards) if first[d] == d]
+        return torch.stack(own).view(*canonical_sizes(layout), *own[0].shape)
+    return tuple(shards[first[d]] for d in range(len(shards)))
 
 
 def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:
