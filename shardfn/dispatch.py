@@ -23,17 +23,19 @@ from . import _functorch as _ft
 from . import _explicit
 from . import _inplace
 from . import rules as _rules
-from .array import ShardedArray, _BatchedArray, _wrap_output, check_partial_dtype, raw_full, raw_reshard, wrap
+from .array import (ShardedArray, _BatchedArray, _wrap_output, check_partial_dtype, note_derived, raw_full, raw_reshard,
+                    reduced_forms, wrap)
 from .backends import backend_for
 from .errors import FallbackWarning, ShardingError
 from .layout import Layout, describe
-from .plan import plan_layouts
+from .plan import PLAN_CACHES, cost_model, plan_layouts
 from .rules.base import Candidate, OpCall
 
 aten = torch.ops.aten
 
 _cache: dict[tuple, "_Entry"] = {}
 _CACHE_MAX = 4096  # entries; the oldest is dropped first (keys hold int arguments' values)
+PLAN_CACHES.append(_cache.clear)  # strategies are chosen by the cost model (``set_cost_model``)
 _warned: set[str] = set()
 
 
@@ -48,11 +50,21 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
                 _inplace.note_views(func, args, kwargs, out)
+                if entry.pending_view:
+                    _note_derived(func, args, kwargs, out)
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
+        _note_derived(func, args, kwargs, out)
     return out
+
+
+def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """A view of a pending value is reduced through its base (``array.note_derived``)."""
+    base = args[0] if args else None
+    if isinstance(base, ShardedArray) and base._layout.partial:
+        note_derived(func, base, args[1:], kwargs, out if isinstance(out, (tuple, list)) else (out,))
 
 
 # the ops seen to return an alias of an input (``_inplace.is_view``), by id (fast keys hold
@@ -283,14 +295,22 @@ _FRAGMENTS_MAX = 65536
 
 def _fragment(x: ShardedArray) -> Any:
     """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
-    it); None while its shape is symbolic or its storage is not in the canonical form."""
+    it); None while its shape is symbolic or its storage is not in the canonical form. A
+    pending value's fragment also names the reductions already at hand (free to read:
+    strategies are costed with them), and is not kept on a view linked to its base."""
+    layout = x._layout
+    if layout.partial:
+        forms = reduced_forms(x)
+        if forms:
+            layout = (layout, forms)
     try:
-        k = fragment_of(x._layout, tuple(x.shape), x.dtype)
+        k = fragment_of(layout, tuple(x.shape), x.dtype)
     except TypeError:  # SymInts do not hash
         return None
     if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
         return None  # fast-path calls assume the canonical form (``_Entry.warm``)
-    x._kf = k
+    if "_derived" not in x.__dict__:
+        x._kf = k
     return k
 
 
@@ -321,7 +341,7 @@ def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
         if isinstance(v, ShardedArray):
-            parts.append((path, v._layout, v.shape, v.dtype))
+            parts.append((path, v._layout, v.shape, v.dtype, reduced_forms(v) if v._layout.partial else None))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
         elif isinstance(v, float):
@@ -393,7 +413,7 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
         why = "has no sharding rule" if rule is None else (
             "has a sharding rule that does not cover this call" if out_meta is not None else None)
         return _fallback_entry(func, call, why)
-    best = min(cands, key=lambda c: _cost(c, arrays))
+    best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
     return _Entry(func, call, best)
 
@@ -405,11 +425,34 @@ def _check_ranks(func: Any, call: OpCall, cand: Candidate) -> None:
             raise RuntimeError(f"{_op_name(func)}: sharding rule gave output layout {l!r} for {m!r}")
 
 
-def _cost(c: Candidate, arrays: list) -> int:
-    return sum(
-        plan_layouts(v._layout, want, tuple(v.shape), v.dtype).bytes_per_device
-        for (_, v), want in zip(arrays, c.in_layouts)
-    )
+# how much of a pending output's eventual reduction a strategy is charged: a pending sum
+# may merge with others or pass through linear ops before it is reduced once
+_PENDING_WEIGHT = 0.5
+
+
+def _cost(c: Candidate, call: OpCall) -> float:
+    """Seconds by the mesh's cost model (latency and bytes): the input moves (a reduction
+    already at hand is free), plus part of what resolving each pending output will cost,
+    so ties go to the strategy a person would pick (reduce the activation once rather than
+    gather a weight and leave a pending sum downstream)."""
+    model = cost_model(call.mesh)
+    total = 0.0
+    for (_, v), want in zip(call.arrays, c.in_layouts):
+        if want == v._layout:
+            continue
+        shape, dtype = tuple(v.shape), v.dtype
+        forms = reduced_forms(v) if v._layout.partial else ()
+        if want in forms:
+            continue
+        total += min(_seconds(model, plan_layouts(f, want, shape, dtype)) for f in (v._layout, *forms))
+    for l, m in zip(c.out_layouts, call.out_metas):
+        if l is not None and l.partial:
+            total += _PENDING_WEIGHT * _seconds(model, plan_layouts(l, l.without_partial(), tuple(m.shape), m.dtype))
+    return total
+
+
+def _seconds(model: Any, plan: Any) -> float:
+    return model.alpha * plan.collectives + plan.bytes_per_device / model.beta
 
 
 def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:
@@ -442,6 +485,7 @@ class _Entry:
     moves: list = attrs.field(init=False)
     local: Any = attrs.field(init=False)
     lean: Callable | None = attrs.field(init=False)  # the local call's fast form (``warm``)
+    pending_view: bool = attrs.field(init=False)  # outputs pending a reduction (``_note_derived``)
 
     def __attrs_post_init__(self) -> None:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
@@ -458,6 +502,7 @@ class _Entry:
         self.local = backend_for(self.call.mesh).compile_call(
             self.func, self.call, self.cand, self.out_shapes, self.positional)
         self.stacked = self.local.keeps_symbolic
+        self.pending_view = any(l is not None and l.partial for l in self.cand.out_layouts)
         lone = self.positional is not None and not self.any_move and self.single is not None
         self.lean = self.local.lean if lone else None
         # the cache must not keep the first call's arrays alive (nor count as holding them)

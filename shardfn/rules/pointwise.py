@@ -31,23 +31,22 @@ def _map_dims(base: Layout, out_shape: tuple[int, ...], shape: tuple[int, ...]) 
     return tuple(base.dims[k + off] if shape[k] == out_shape[k + off] else () for k in range(len(shape)))
 
 
-def _keeps_partial(call: OpCall, partial: tuple) -> set[int]:
-    """Indices (into call.arrays) of operands that may stay Partial with ``partial``."""
+def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
+    """Indices (into call.arrays) of operands that may carry ``partial`` (operand ``base``'s
+    pending reductions) into the output: every operand of an op linear in its operands
+    jointly (a replicated one becomes pending locally, ``reduce_local``: no communication),
+    or ``base`` alone for an op linear in each operand separately."""
     func = call.func
     if not partial or any(op not in _LINEAR_PARTIAL_OPS for _, op in partial):
         return set()
     n = len(call.arrays)
     if func in _LINEAR:
-        if call.kwargs.get("alpha", 1) is not None and n == sum(
-            1 for _, v in call.arrays if v._layout.partial == partial
-        ) and not _scalar_operands(call):
+        if call.kwargs.get("alpha", 1) is not None and not _scalar_operands(call):
             return set(range(n))
         return set()
     if func in _MULTILINEAR:
         only = _MULTILINEAR[func]
-        paths = [p for p, _ in call.arrays]
-        allowed = [i for i, p in enumerate(paths) if only is None or p == only]
-        return set(allowed[:1]) if allowed else set()
+        return {base} if only is None or call.arrays[base][0] == only else set()
     return set()
 
 
@@ -75,23 +74,17 @@ class Pointwise:
             if shapes[i] != out_shape:
                 continue
             base = v._layout
-            keep = _keeps_partial(call, base.partial)
-            partial = base.partial if keep else ()
-            key = (base.dims, partial)
-            if key in seen:
-                continue
-            seen.add(key)
-            ins = tuple(
-                Layout(mesh, _map_dims(base, out_shape, s), partial if j in keep else ())
-                for j, s in enumerate(shapes)
-            )
-            if partial and len(keep) < len(shapes):
-                # a Partial operand is scaled by the others, which must be replicated on its axes
-                axes = {a for a, _ in partial}
-                ins = tuple(l if j in keep else _clear_axes(l, axes) for j, l in enumerate(ins))
-            out = Layout(mesh, base.dims, partial)
-            cands.append(Candidate(ins, tuple(out if isinstance(m, torch.Tensor) else None for m in call.out_metas),
-                                   broadcast=True))
+            # the output takes this operand's dims, and the pending reductions of any operand
+            # they may pass through (or none: those operands are reduced first)
+            options = [(j, _keeps_partial(call, j, x._layout.partial)) for j, (_, x) in enumerate(call.arrays)]
+            options = [(j, keep) for j, keep in options if keep] + [(None, set())]
+            for j, keep in options:
+                partial = call.arrays[j][1]._layout.partial if keep else ()
+                key = (base.dims, partial, frozenset(keep))
+                if key in seen:
+                    continue
+                seen.add(key)
+                cands.append(self._candidate(call, base, out_shape, partial, keep))
         if not cands:
             # every sharded operand is broadcast: lay the output out like the largest one
             _, v = max(call.arrays, key=lambda pv: pv[1].numel())
@@ -101,9 +94,19 @@ class Pointwise:
                                    broadcast=True))
         return cands
 
-
-def _clear_axes(layout: Layout, axes: set) -> Layout:
-    return Layout(layout.mesh, tuple(tuple(a for a in d if a not in axes) for d in layout.dims))
+    @staticmethod
+    def _candidate(call: OpCall, base: Layout, out_shape: tuple, partial: tuple, keep: set) -> Candidate:
+        mesh, shapes = call.mesh, call.shapes
+        axes = {a for a, _ in partial}
+        dims = tuple(tuple(a for a in d if a not in axes) for d in base.dims)
+        base = Layout(mesh, dims)
+        ins = tuple(
+            Layout(mesh, _map_dims(base, out_shape, s), partial if j in keep else ())
+            for j, s in enumerate(shapes)
+        )
+        out = Layout(mesh, dims, partial)
+        return Candidate(ins, tuple(out if isinstance(m, torch.Tensor) else None for m in call.out_metas),
+                         broadcast=True)
 
 
 @attrs.frozen
