@@ -374,6 +374,17 @@ def _to_meta(path: Any, v: Any) -> Any:
     return v
 
 
+def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op on meta tensors of the global shapes: the outputs' global metadata. A
+    ``device=`` argument (``.to(device)``, a cast's backward) is read as meta too: the
+    shards' device is the backend's business, the output's shape and dtype are not."""
+    with torch.no_grad():
+        margs, mkwargs = _replace(args, kwargs, _to_meta)
+        if isinstance(mkwargs.get("device"), (torch.device, str)):
+            mkwargs["device"] = "meta"
+        return func(*margs, **mkwargs)
+
+
 def _describe_call(func: Any, leaves: list) -> str:
     arrays = [v for _, v in leaves if isinstance(v, ShardedArray)]
     return f"{_op_name(func)}: " + " x ".join(describe(tuple(a.shape), a.dtype, a._layout) for a in arrays)
@@ -396,9 +407,7 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
         )
     mesh = next(iter(meshes))
     try:
-        with torch.no_grad():
-            margs, mkwargs = _replace(args, kwargs, _to_meta)
-            out_meta = func(*margs, **mkwargs)
+        out_meta = _meta_run(func, args, kwargs)
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
@@ -581,9 +590,7 @@ def _check_static_output(func: Any, args: tuple, kwargs: dict, i: int, shape: tu
     """A call with symbolic inputs gave an output of concrete sizes: fine when the op's
     output really has those sizes; a rule that baked hint sizes in would silently bake
     them into the graph, so the call is redone with its sizes specialised (guarded)."""
-    with torch.no_grad():
-        margs, mkwargs = _replace(args, kwargs, _to_meta)
-        outs, _ = _flat_outputs(func(*margs, **mkwargs))
+    outs, _ = _flat_outputs(_meta_run(func, args, kwargs))
     want = tuple(outs[i].shape)
     if _ft.is_symbolic(want):
         raise _BakedSizes(f"{_op_name(func)}: {want}")

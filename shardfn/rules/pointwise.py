@@ -23,6 +23,16 @@ _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.positive.def
 # the value is the index of the only operand allowed to be Partial, or None for any.
 _MULTILINEAR = {aten.mul.Tensor: None, aten.mul.Scalar: 0, aten.div.Tensor: 0, aten.div.Scalar: 0}
 _LINEAR_PARTIAL_OPS = {"sum", "avg"}
+# Casts: linear between floating (or complex) dtypes up to rounding, as a reduction in
+# another order is; a cast to an integer or bool dtype is not.
+_CASTS = {aten._to_copy.default}
+
+
+def _float_cast(call: OpCall) -> bool:
+    out = call.out_metas[0]
+    src = call.arrays[0][1].dtype
+    return (isinstance(out, torch.Tensor) and (out.dtype.is_floating_point or out.dtype.is_complex)
+            and (src.is_floating_point or src.is_complex))
 
 
 def _map_dims(base: Layout, out_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple:
@@ -40,6 +50,8 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
     if not partial or any(op not in _LINEAR_PARTIAL_OPS for _, op in partial):
         return set()
     n = len(call.arrays)
+    if func in _CASTS:
+        return set(range(n)) if _float_cast(call) else set()
     if func in _LINEAR:
         if call.kwargs.get("alpha", 1) is not None and not _scalar_operands(call):
             return set(range(n))
