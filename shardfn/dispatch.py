@@ -420,7 +420,8 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     cands = rule.candidates(call) if rule is not None and out_meta is not None else []
     if not cands:
         why = "has no sharding rule" if rule is None else (
-            "has a sharding rule that does not cover this call" if out_meta is not None else None)
+            "has a sharding rule that does not cover this call" if out_meta is not None
+            else "has an output shape that depends on the data")
         return _fallback_entry(func, call, why)
     best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
@@ -610,7 +611,8 @@ def _global_of_stacked(local: torch.Tensor, layout: Layout) -> tuple:
 
 
 def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
-    """Replicate-run-replicate; ``why`` (if any) is warned about once per op."""
+    """Replicate-run-replicate; ``why`` is warned about once per op (no path replicates
+    silently)."""
     name = _op_name(func)
     if why is not None and name not in _warned:
         _warned.add(name)
