@@ -629,6 +629,7 @@ def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
 class _Fallback:
     func: Any
     mesh: Any
+    pending_view: bool = False  # outputs are replicated
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
         # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
