@@ -1,18 +1,34 @@
-"""Collectives a Megatron-style tensor-parallel forward+backward issues per layer, next
-to Megatron's hand count (2 all_reduces forward, 2 backward per transformer layer).
+"""Collectives shardfn issues on real Hugging Face model code, per transformer layer, beside
+Megatron-LM's hand counts.
 
-Small Llama-style (RMSNorm, GQA attention through sdpa, SwiGLU) and GPT-style (LayerNorm,
-MHA, GELU MLP) blocks written here with plain torch ops, weights sharded like Megatron
-(q/k/v, gate/up, fc1 column-parallel; o/down, fc2 row-parallel), on the local backend
-with a (dp=2, tp=2) mesh, activations batch-sharded over 'dp'. Counts come from
-sf.debug.CommCounter; the data-parallel gradient sync is counted apart. RMSNorm runs as
-one op (``shardfn::rms_norm``), so its input gradient is one pending sum, reduced once
-(torch's composite gave two, each reduced). tests/test_comm.py asserts the forward's 2
-all_reduces per layer and at most 4 per layer forward+backward. Run
-``python benchmarks/bench_comm_models.py``.
+Tiny random Llama, Qwen2, Mistral and Gemma models built from configs (``transformers``, sdpa
+attention), 2 layers, on the local backend with ``Mesh((2, 2), ("dp", "tp"))``: weights by
+regex rules (``sf.nn.shard_params``: q/k/v, gate/up column-parallel, o/down row-parallel),
+token ids ``P("dp")``, the model run through ``torch.func.functional_call``. Modes:
+
+- ``tp fwd``: tensor parallel forward (Megatron: 2 all_reduce per layer);
+- ``tp fwd+bwd`` (autograd) and ``tp fwd+bwd func`` (``torch.func.grad``) of the cross-entropy
+  loss (Megatron: 4 per layer, +1 scalar for the loss);
+- ``vocab fwd``: embedding and LM head split over the vocabulary, logits kept
+  ``P("dp", None, "tp")`` by ``sf.nn.shard_activations`` (Megatron: 1 + 2 per layer, no gathers);
+- ``seq fwd``: sequence parallel through ``sf.nn.shard_activations`` (Megatron: 2 all_gather +
+  2 reduce_scatter per layer, one all_gather before the head);
+- ``bf16 fwd+bwd``: the model in bfloat16 (as ``tp fwd+bwd``).
+
+Counts come from ``sf.debug.CommCounter().records``: a record inside ``model.layers.<i>`` counts
+for layer i, the rest (embedding, final norm, head, loss) as "other". Every case checks its
+values (and gradients) against the unsharded model. The records tree of one case is printed
+at the end. ``SHARDFN_BENCH_QUICK=1`` runs Llama in two modes (the smoke test).
+Run ``python benchmarks/bench_comm_models.py``.
 """
 
 from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -20,79 +36,138 @@ import torch.nn.functional as F
 import shardfn as sf
 from shardfn import P
 
-B, S, D, H, KV, HD, FF, VOCAB, LAYERS = 4, 16, 64, 8, 4, 8, 128, 96, 2
+LAYERS, BATCH, SEQ, VOCAB = 2, 4, 8, 64
+QUICK = os.environ.get("SHARDFN_BENCH_QUICK") == "1" or "--quick" in sys.argv
+
+TP_RULES = [(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", P("tp", None)),
+            (r"(q_proj|k_proj|v_proj)\.bias$", P("tp")),
+            (r"(o_proj|down_proj)\.weight$", P(None, "tp"))]
+VOCAB_RULES = [(r"(embed_tokens|lm_head)\.weight$", P("tp", None))]
+SP = P("dp", "tp")
+SEQ_ACTS = [(r"embed_tokens$", None, SP),
+            (r"(self_attn|mlp)$", None, {0: SP}),
+            (r"(input_layernorm|post_attention_layernorm|model\.norm)$", SP, P("dp"))]
+VOCAB_ACTS = [(r"lm_head$", None, P("dp", None, "tp"))]
+
+# mode -> (Megatron's collectives per layer, and outside the layers)
+MEGATRON = {
+    "tp fwd": ({"all_reduce": 2}, {}),
+    "tp fwd+bwd": ({"all_reduce": 4}, {"all_reduce": 1}),
+    "tp fwd+bwd func": ({"all_reduce": 4}, {"all_reduce": 1}),
+    "vocab fwd": ({"all_reduce": 2}, {"all_reduce": 1}),
+    "seq fwd": ({"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 1}),
+    "bf16 fwd+bwd": ({"all_reduce": 4}, {"all_reduce": 1}),
+}
 
 
-def _params(kind: str) -> list[dict[str, tuple[torch.Tensor, P]]]:
-    """Per layer: name -> (weight, Megatron sharding)."""
+def build(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny random model of ``family`` built from its config (no download)."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  attn_implementation="sdpa")
+    cfg = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "mistral": lambda: transformers.MistralConfig(**common, head_dim=8, sliding_window=None),
+        "gemma": lambda: transformers.GemmaConfig(**common, head_dim=8),
+    }[family]()
+    model = getattr(transformers, {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                   "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM"}[family])
     torch.manual_seed(0)
-    kv = KV if kind == "llama" else H
-    layers = []
-    for _ in range(LAYERS):
-        p = {
-            "norm1": (torch.ones(D), P()), "norm2": (torch.ones(D), P()),
-            "q": (torch.randn(H * HD, D) / D**0.5, P("tp")),
-            "k": (torch.randn(kv * HD, D) / D**0.5, P("tp")),
-            "v": (torch.randn(kv * HD, D) / D**0.5, P("tp")),
-            "o": (torch.randn(D, H * HD) / D**0.5, P(None, "tp")),
-            "up": (torch.randn(FF, D) / D**0.5, P("tp")),
-            "down": (torch.randn(D, FF) / FF**0.5, P(None, "tp")),
-        }
-        if kind == "llama":
-            p["gate"] = (torch.randn(FF, D) / D**0.5, P("tp"))
-        layers.append(p)
-    return layers
+    return model(cfg).to(dtype)
 
 
-def _norm(kind: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (D,), w) if kind == "llama" else F.layer_norm(x, (D,), w)
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def _layer(kind: str, x: torch.Tensor, p: dict) -> torch.Tensor:
-    kv = KV if kind == "llama" else H
-    h = _norm(kind, x, p["norm1"])
-    q = F.linear(h, p["q"]).view(B, S, H, HD).transpose(1, 2)
-    k = F.linear(h, p["k"]).view(B, S, kv, HD).transpose(1, 2)
-    v = F.linear(h, p["v"]).view(B, S, kv, HD).transpose(1, 2)
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != H)
-    x = x + F.linear(a.transpose(1, 2).reshape(B, S, H * HD), p["o"])
-    h = _norm(kind, x, p["norm2"])
-    if kind == "llama":
-        m = F.silu(F.linear(h, p["gate"])) * F.linear(h, p["up"])
-    else:
-        m = F.gelu(F.linear(h, p["up"]))
-    return x + F.linear(m, p["down"])
+def run_case(family: str, mode: str, mesh: sf.Mesh) -> tuple[sf.debug.CommCounter, float]:
+    """Run one (model, mode), check values/gradients against the unsharded model, and return
+    the counter and the largest relative error."""
+    dtype = torch.bfloat16 if mode.startswith("bf16") else torch.float32
+    model = build(family, dtype)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    backward = "bwd" in mode
+    rules = ([*VOCAB_RULES] if mode.startswith("vocab") else []) + TP_RULES + [(r".*", P())]
+    params = sf.nn.shard_params(model, rules, mesh=mesh)
+    acts = SEQ_ACTS if mode.startswith("seq") else VOCAB_ACTS if mode.startswith("vocab") else []
+    x, y = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
+
+    model.zero_grad()
+    ref_logits = model(ids).logits
+    if backward:
+        _loss(ref_logits, labels).backward()
+
+    with sf.nn.shard_activations(model, acts, mesh=mesh), sf.debug.CommCounter() as cc:
+        if mode.endswith("func"):
+            def loss_of(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+                logits = torch.func.functional_call(model, p, (x,)).logits
+                return _loss(logits, y), logits
+
+            grads, logits = torch.func.grad(loss_of, has_aux=True)(params)
+        else:
+            params = {k: v.detach().requires_grad_(backward) for k, v in params.items()}
+            logits = torch.func.functional_call(model, params, (x,)).logits
+            if backward:
+                _loss(logits, y).backward()
+                grads = {k: v.grad for k, v in params.items()}
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    err = _rel(logits.full_tensor(), ref_logits)
+    if backward:
+        err = max([err] + [_rel(grads[n].full_tensor(), p.grad) for n, p in model.named_parameters() if n in grads])
+    if err > tol:
+        raise AssertionError(f"{family} {mode}: shardfn differs from the unsharded model by {err:.2e} (> {tol})")
+    return cc, err
 
 
-def _count(kind: str) -> tuple:
-    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
-    layers = [{n: sf.distribute(w, s, mesh=mesh).requires_grad_() for n, (w, s) in p.items()}
-              for p in _params(kind)]
-    x = sf.distribute(torch.randn(B, S, D), P("dp"), mesh=mesh)
-    with sf.debug.CommCounter() as fwd:
-        for p in layers:
-            x = _layer(kind, x, p)
-    loss_in = x
-    with sf.debug.CommCounter() as bwd:
-        (loss_in * loss_in).mean().backward()
-    grads = {f"{i}.{n}": w.grad for i, p in enumerate(layers) for n, w in p.items()}
-    with sf.debug.CommCounter() as sync:
-        sf.reshard(grads, {k: P(*g.spec, partial=None) for k, g in grads.items()})
-    return fwd, bwd, sync
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
 
-def _per_layer(cc: sf.debug.CommCounter) -> str:
-    return ", ".join(f"{k} {v / LAYERS:g}" for k, v in sorted(cc.counts.items())) or "none"
+def per_layer(cc: sf.debug.CommCounter) -> tuple[list[Counter], Counter]:
+    """Counts by kind in each layer (records inside ``model.layers.<i>``) and outside them."""
+    layers = [Counter() for _ in range(LAYERS)]
+    other: Counter = Counter()
+    for r in cc.records:
+        m = re.search(r"(?:^|\.)layers\.(\d+)(?:\.|$)", r.module or "")
+        (layers[int(m.group(1))] if m else other)[r.kind] += 1
+    return layers, other
+
+
+def _fmt(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "none"
+
+
+def _layers_fmt(layers: list[Counter]) -> str:
+    return _fmt(layers[0]) if all(c == layers[0] for c in layers) else " | ".join(_fmt(c) for c in layers)
 
 
 def main() -> None:
-    print(f"Megatron TP on Mesh(dp=2, tp=2), {LAYERS} layers, batch {B} x seq {S}, d_model {D}")
-    print(f"{'model':6} {'pass':22} {'shardfn per layer':40} Megatron per layer")
-    for kind in ("llama", "gpt"):
-        fwd, bwd, sync = _count(kind)
-        print(f"{kind:6} {'forward':22} {_per_layer(fwd):40} all_reduce 2")
-        print(f"{kind:6} {'backward (+loss)':22} {_per_layer(bwd):40} all_reduce 2")
-        print(f"{kind:6} {'dp grad sync (total)':22} {dict(sync.counts)!s:40} DDP: 1 all_reduce per 25 MB bucket")
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    families = ["llama"] if QUICK else ["llama", "qwen2", "mistral", "gemma"]
+    modes = ["tp fwd", "seq fwd"] if QUICK else list(MEGATRON)
+    print(f"HF models on Mesh(dp=2, tp=2), {LAYERS} layers, batch {BATCH} x seq {SEQ}; "
+          f"collectives per layer (shardfn | Megatron) and outside the layers")
+    print(f"{'model':8} {'mode':16} {'shardfn per layer':46} {'Megatron per layer':32} "
+          f"{'shardfn other':28} {'Megatron other':18} {'max rel err':>11} {'s':>5}")
+    tree = None
+    for family in families:
+        for mode in modes:
+            t0 = time.perf_counter()
+            cc, err = run_case(family, mode, mesh)
+            layers, other = per_layer(cc)
+            want_layer, want_other = MEGATRON[mode]
+            print(f"{family:8} {mode:16} {_layers_fmt(layers):46} {_fmt(want_layer):32} {_fmt(other):28} "
+                  f"{_fmt(want_other):18} {err:11.1e} {time.perf_counter() - t0:5.1f}", flush=True)
+            if tree is None and (mode == "tp fwd+bwd" or QUICK):
+                tree = (family, mode, str(cc))
+    print("values and gradients equal unsharded")
+    if tree is not None:
+        print(f"\nrecords of {tree[0]} {tree[1]} (sf.debug.CommCounter, by module):\n{tree[2]}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def train(mesh: sf.Mesh, rules: list, data_spec: P) -> tuple[list[torch.Tensor],
 
 
 def main() -> None:
+    # single-process example: every device simulated in this process (not meant for torchrun)
     mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
     single = sf.Mesh((1,), ("dp",), backend="local")
     runs = {

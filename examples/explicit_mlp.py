@@ -60,6 +60,7 @@ def run(fn, params: dict, x: sf.ShardedArray, target: sf.ShardedArray) -> tuple[
 
 
 def main() -> dict:
+    # single-process example: every device simulated in this process (not meant for torchrun)
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
     params, x, target = make(mesh)
     results = {}

@@ -8,8 +8,9 @@ import torch
 import shardfn as sf
 from shardfn import P
 
-# A 2 x 4 grid of simulated devices (backend="local": all in this process).
-mesh = sf.Mesh((2, 4), ("x", "y"))
+# A 2 x 4 grid of simulated devices (backend="local": all in this process). This is a
+# single-process example; under torchrun every process would run its own simulated copy.
+mesh = sf.Mesh((2, 4), ("x", "y"), backend="local")
 
 # Rows over 'x', columns over 'y'. 7 x 5 does not divide evenly: that is fine.
 full = torch.arange(35.0).reshape(7, 5)

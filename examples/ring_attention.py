@@ -17,7 +17,8 @@ import torch
 import shardfn as sf
 from shardfn import P, lax
 
-mesh = sf.Mesh((4,), ("sp",))
+# single-process example: every device simulated in this process (not meant for torchrun)
+mesh = sf.Mesh((4,), ("sp",), backend="local")
 SPEC = P(None, "sp", None)  # (batch, sequence, features), sequence sharded
 
 

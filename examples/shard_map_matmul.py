@@ -16,7 +16,8 @@ import torch
 import shardfn as sf
 from shardfn import P, lax
 
-mesh = sf.Mesh((4,), ("i",))
+# single-process example: every device simulated in this process (not meant for torchrun)
+mesh = sf.Mesh((4,), ("i",), backend="local")
 
 
 @functools.partial(sf.shard_map, mesh=mesh, in_specs=(P("i", None), P(None, "i")), out_specs=P(None, "i"))

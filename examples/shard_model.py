@@ -81,6 +81,7 @@ RULES = [
 
 
 def main() -> None:
+    # single-process example: every device simulated in this process (not meant for torchrun)
     mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
     with torch.device("meta"):
         block = Block()

@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--backend", default="aot_eager", help="torch.compile backend, or 'none'")
     ap.add_argument("--mesh", default="2,2", help="dp,tp mesh shape, e.g. 2,2 or 2,4")
     args = ap.parse_args()
+    # single-process example: every device simulated in this process (not meant for torchrun)
     mesh = sf.Mesh(tuple(int(n) for n in args.mesh.split(",")), ("dp", "tp"), backend="local")
 
     ref = train(args.steps, None, None)

@@ -15,6 +15,7 @@ from .errors import ImplicitReshardError as ImplicitReshardError
 from .errors import ImplicitReshardWarning as ImplicitReshardWarning
 from .errors import ImmutableError as ImmutableError
 from .errors import ShardingError as ShardingError
+from .errors import SimulationWarning as SimulationWarning
 from .factory import empty as empty
 from .factory import full as full
 from .factory import make_array_from_callback as make_array_from_callback

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _boundary as B
 from . import _recompute
+from . import _replicas
 from ._functorch import base_array, is_wrapped
 from .array import ShardedArray, distribute, reshard
 from .errors import ShardingError
@@ -272,6 +273,12 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
     from .transforms import _match, assemble_parts
 
     mesh = inputs.mesh
+    if _replicas.checking():
+        for p, v, l in zip(inputs.paths, inputs.leaves, inputs.layouts):
+            if l is not None and isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+                from .backends.dist import check_replicas
+
+                check_replicas(mesh, v, mesh.axis_names, f"shard_map: {p}, a plain tensor argument,")
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
     body = DistBody(mesh)
     # closures matter only to gradients (values are right without the mode)

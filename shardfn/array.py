@@ -12,11 +12,12 @@ import optree
 import torch
 
 from . import _contract
+from . import _replicas
 from . import _functorch as _ft
 from . import layout as _lay
 from .backends import backend_for, execute
 from .errors import ImmutableError, ShardingError
-from .layout import Layout, describe
+from .layout import Layout
 from .mesh import Mesh, current_mesh
 from .plan import plan_layouts
 from .spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
@@ -123,8 +124,12 @@ class ShardedArray(torch.Tensor):
         return super().__format__(spec)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        rg = ", requires_grad=True" if self.requires_grad else ""
-        return f"ShardedArray({describe(tuple(self.shape), self.dtype, self._layout)}, mesh={self.mesh!r}{rg})"
+        """The values as a tensor prints them, with the sharding, where this process holds
+        every shard (the simulated mesh); else this rank's shard and the layout. Never
+        communicates (``_show.py``)."""
+        from ._show import show
+
+        return show(self)
 
     # -- shards ----------------------------------------------------------------------------
     def local_shards(self) -> list[torch.Tensor]:
@@ -456,7 +461,10 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
-    backend_for(layout.mesh).check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
+    backend = backend_for(layout.mesh)
+    backend.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
+    if _replicas.checking():
+        backend.check_replicas(layout.mesh, tensor, layout.mesh.axis_names, "sf.distribute: the tensor argument")
     return _Distribute.apply(tensor, layout)
 
 
@@ -775,8 +783,13 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
-    if run_check:
+    checked = _replicas.checking()
+    if run_check or checked:
         _check_replicas_agree(shards, layout)
+    if checked:
+        split = set(layout.axis_dim) | set(layout.partial_ops)
+        over = tuple(a for a in layout.mesh.axis_names if a not in split)
+        backend.check_replicas(layout.mesh, shards[0], over, f"from_local: the local tensor ({layout.spec_str()})")
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
 
 

@@ -22,6 +22,7 @@ import torch
 from . import _functorch as _ft
 from . import _explicit
 from . import _inplace
+from . import _replicas
 from . import rules as _rules
 from .array import (ShardedArray, _BatchedArray, _wrap_output, check_partial_dtype, note_derived, raw_full, raw_reshard,
                     reduced_forms, wrap)
@@ -204,14 +205,30 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict, leaves: list) -> tuple[tup
     slots = _tensor_slots(func)
     from .array import raw_distribute
 
+    checked = _replicas.checking()
+
     def lift(path: Any, v: Any) -> Any:
         slot = path[0] if isinstance(path, tuple) else path
         if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) and slot in slots:
+            if checked:
+                what = f"{_op_name(func)}: {_arg_name(func, path)}, a plain tensor,"
+                backend_for(mesh).check_replicas(mesh, v, mesh.axis_names, what)
             layout = Layout(mesh, ((),) * v.dim())
             return wrap(raw_distribute(v, layout), layout, v.shape, v.dtype)
         return v
 
     return _replace(args, kwargs, lift)
+
+
+def _arg_name(func: Any, path: Any) -> str:
+    """``argument 'other' (position 1)`` for an op argument at ``path`` (index or keyword, then list index)."""
+    slot, rest = (path[0], path[1:]) if isinstance(path, tuple) else (path, ())
+    if isinstance(slot, int):
+        args = func._schema.arguments
+        name = f"argument {args[slot].name!r} (position {slot})" if slot < len(args) else f"argument {slot}"
+    else:
+        name = f"argument {slot!r}"
+    return name + "".join(f"[{i}]" for i in rest)
 
 
 _SLOTS: dict[Any, frozenset] = {}

@@ -29,3 +29,10 @@ class ImplicitReshardError(ShardingError):
 
 class ImplicitReshardWarning(UserWarning):
     """Under ``sf.explicit(mode="warn")``, an op redistributed an input implicitly."""
+
+
+class SimulationWarning(UserWarning):
+    """``Mesh(backend=None)`` fell back to simulating the whole mesh in this process while the
+    process looks like one of several (torchrun's ``RANK``/``WORLD_SIZE`` set without a process
+    group, or an initialised world of another size): every process would run the whole job.
+    Shown every time (pass ``backend="local"`` to simulate on purpose)."""

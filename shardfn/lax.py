@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import optree
 import torch
 
+from ._comm_hooks import OBSERVERS, notify
 from ._tls import ThreadStack
 from .errors import ShardingError
 from .mesh import Mesh
@@ -159,10 +160,7 @@ def _group_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 def _record(body: Collectives, kind: str, axes: tuple[str, ...], x: torch.Tensor, op: str | None = None) -> None:
     """Count a collective in any active sf.debug.CommCounter (ring costs, as plans)."""
-    from .debug import _active
-    from .debug import _record as record
-
-    if not _active or not body.leader:
+    if not OBSERVERS or not body.leader:
         return
     from .layout import Layout
     from .plan import Step
@@ -177,7 +175,7 @@ def _record(body: Collectives, kind: str, axes: tuple[str, ...], x: torch.Tensor
         "permute": n,
     }[kind]
     here = Layout(body.mesh, ((),) * x.dim())
-    record(Step(kind, axes if len(axes) > 1 else axes[0], here, here, cost, g, op=op))
+    notify(Step(kind, axes if len(axes) > 1 else axes[0], here, here, cost, g, op=op))
 
 
 def _tensor(fn: str, x: Any) -> torch.Tensor:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 from typing import Sequence
 
 import attrs
 import torch
 
 from ._tls import ThreadStack
-from .errors import ShardingError
+from .errors import ShardingError, SimulationWarning
 
 _BACKENDS = ("local", "dist")
 
@@ -86,10 +88,44 @@ def _available_types() -> tuple[str, ...]:
 
 
 def _default_backend(size: int) -> str:
+    """``backend=None``: "dist" when the initialised world has ``size`` ranks, else "local" --
+    with a :class:`SimulationWarning` where this process looks like one of several (an
+    initialised world of another size, or torchrun's environment without a process group),
+    since each of them would then simulate the whole mesh."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == size:
-        return "dist"
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world == size:
+            return "dist"
+        _warn_simulation(
+            f"Mesh(backend=None) of {size} device{'s' * (size != 1)}: torch.distributed is initialised with "
+            f"{world} rank{'s' * (world != 1)} (this is rank {dist.get_rank()}), not {size}, so every one of the "
+            f"{world} processes simulates the whole mesh in-process (backend='local'). For one device per rank "
+            f"make the mesh size equal the world size ({world}); to simulate on purpose pass backend='local'"
+        )
+    elif os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
+        world = os.environ["WORLD_SIZE"]
+        _warn_simulation(
+            f"Mesh(backend=None) of {size} device{'s' * (size != 1)}: this process was launched as rank "
+            f"{os.environ['RANK']} of {world} (RANK/WORLD_SIZE are set, as torchrun sets them) but "
+            f"torch.distributed is not initialised, so every process simulates the whole mesh in-process "
+            f"(backend='local'). Call torch.distributed.init_process_group() before building the mesh to "
+            f"run one device per rank, or pass backend='local' to simulate on purpose"
+        )
     return "local"
+
+
+def _warn_simulation(message: str) -> None:
+    # warn_explicit with no registry: shown every time, not once per call site
+    # (user warning filters, e.g. "error" or "ignore", still apply)
+    import sys
+
+    frame = sys._getframe(1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame = frame.f_back  # the first frame outside shardfn: the code that built the mesh
+    warnings.warn_explicit(message, SimulationWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"), registry=None)
 
 
 @attrs.frozen(repr=False, init=False)

@@ -215,6 +215,7 @@ def test_visualize_sharding(mesh24, capsys):
 def test_repr_is_compact(mesh24):
     x = sf.distribute(torch.randn(7, 5), P("x", None), mesh=mesh24)
     assert "f32[7,5] P('x', None)" in repr(x)
+    assert repr(x).startswith("ShardedArray([[")  # values first, as a tensor prints (tests/test_multiproc.py)
 
 
 def test_format_spec_of_a_scalar_array_formats_its_value():

@@ -38,3 +38,14 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
         row = next(line for line in out.splitlines() if line.startswith(config))
         assert len(row.split()) >= 7 and all(float(v.rstrip("x")) > 0 for v in row.split()[-6:])
     assert "losses equal unsharded" in out
+
+
+def test_bench_comm_models_counts_hf_llama_beside_megatron() -> None:
+    pytest.importorskip("transformers")
+    out = _run("bench_comm_models.py")
+    rows = {" ".join(line.split()[:3]): line for line in out.splitlines() if line.startswith("llama ")}
+    assert set(rows) == {"llama tp fwd", "llama seq fwd"}, out
+    assert "all_reduce 2 all_reduce 2" in " ".join(rows["llama tp fwd"].split())
+    assert "all_gather 2, reduce_scatter 2 all_gather 2, reduce_scatter 2" in " ".join(rows["llama seq fwd"].split())
+    assert "values and gradients equal unsharded" in out
+    assert "model.layers.0" in out and "FORWARD: all_reduce 2" in out  # the records tree

@@ -541,12 +541,12 @@ def test_rms_norm_matches_torch(spec) -> None:
     close(out2, torch.rms_norm(x, [6, 8], torch.ones(6, 8, dtype=torch.float64)))
 
 
-def _bench_comm_models():
+def _megatron_blocks():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_comm_models.py"
-    spec = importlib.util.spec_from_file_location("bench_comm_models", path)
+    path = pathlib.Path(__file__).parent / "_megatron_blocks.py"
+    spec = importlib.util.spec_from_file_location("_megatron_blocks", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -554,7 +554,7 @@ def _bench_comm_models():
 
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
 def test_megatron_block_matches_torch(kind) -> None:
-    bench = _bench_comm_models()
+    bench = _megatron_blocks()
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
     params = bench._params(kind)
     plain = [{n: w.clone().requires_grad_() for n, (w, _) in p.items()} for p in params]
@@ -574,7 +574,7 @@ def test_megatron_block_matches_torch(kind) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "gpt"])
 def test_megatron_block_collectives_per_layer(kind) -> None:
-    bench = _bench_comm_models()
+    bench = _megatron_blocks()
     fwd, bwd, _ = bench._count(kind)
     layers = bench.LAYERS
     # the last residual sum may stay pending until the loss reads it (reduced once there)

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..plan import Plan
+from .._comm_hooks import OBSERVERS, notify
+from ..plan import COMM_KINDS, Plan
 
 
 class Backend(Protocol):
@@ -93,6 +94,12 @@ class Backend(Protocol):
     def all_true(self, flags: Sequence[bool], mesh: Any) -> bool:
         """Whether ``flags`` hold on every process."""
 
+    def check_replicas(self, mesh: Any, t: torch.Tensor, over: Sequence[str], what: str) -> None:
+        """``t``, which this process passed as a value claimed the same on the devices that
+        differ only along mesh axes ``over``, agrees with the other processes' (checked
+        replicas, ``_replicas.py``): a ShardingError on every process naming ``what`` and the
+        processes that differ. Nothing to check when one process holds every device."""
+
     # -- autograd and tracing ---------------------------------------------------------------
     def zero_cotangent(self, like: torch.Tensor) -> torch.Tensor | None:
         """The cotangent of a held device's output that receives none: None where
@@ -157,11 +164,17 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
     from their hints); a backend that can keeps them symbolic."""
     if not plan.steps:
         return value
-    from ..debug import _record
-
     backend = backend_for(plan.src.mesh)
     sym = shape if shape is not None and any(isinstance(n, torch.SymInt) for n in shape) else None
+    observed = bool(OBSERVERS) and not _on_meta(value)
     for step in plan.steps:
-        _record(step)
+        if observed and step.kind in COMM_KINDS:
+            notify(step)
         value = backend.run_step(step, value, plan.shape, plan.dtype, sym_shape=sym)
     return value
+
+
+def _on_meta(value: Any) -> bool:
+    """Whether a backend value is a trace on meta/fake tensors (no data moves: not reported)."""
+    t = value[0] if isinstance(value, (tuple, list)) and value else value
+    return isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ == "FakeTensor")

@@ -624,6 +624,52 @@ def check_same_meta(mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: 
         )
 
 
+def _fingerprint(t: torch.Tensor) -> list[int]:
+    """Dtype, shape and three position-weighted sums of the bytes of ``t``: equal tensors
+    (bit for bit) give equal fingerprints, different ones almost surely not."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    i = torch.arange(b.numel(), dtype=torch.int64, device=b.device)
+    sums = [b.sum(), (b * (i % 65521 + 1)).sum(), (b * ((i * 40503) % 1000003 + 7)).sum()]
+    shape = list(t.shape[:_META_DIMS]) + [0] * (_META_DIMS - min(t.dim(), _META_DIMS))
+    return [_DTYPE_CODE.get(t.dtype, -1), t.dim(), *shape, *(int(s.item()) for s in sums)]
+
+
+def check_replicas(mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) -> None:
+    """``t`` is claimed the same on the ranks that differ only along mesh axes ``over``:
+    compare fingerprints (one all_gather over the mesh); a ShardingError on every rank
+    naming ``what`` and the ranks that hold other values than the first of their group."""
+    if _tracing() or not over:
+        return
+    st = _state(mesh)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    mine = torch.tensor(_fingerprint(t), dtype=torch.int64, device=device)
+    rows = run_collective(
+        f"{what} replica check", st.groups[mesh.axis_names], funcol.all_gather_single, mine, 0
+    ).view(mesh.size, -1).tolist()
+    pos = [mesh.axis_index(a) for a in over]
+    first: dict[tuple, int] = {}
+    differ: list[tuple[int, int]] = []
+    for r in range(mesh.size):
+        key = tuple(c for i, c in enumerate(mesh.coords(r)) if i not in pos)
+        ref = first.setdefault(key, r)
+        if rows[r] != rows[ref]:
+            differ.append((ref, r))
+    if differ:
+        pairs = ", ".join(f"rank {r} differs from rank {ref}" for ref, r in differ[:8])
+        raise ShardingError(
+            f"{what} is claimed replicated over mesh axes {tuple(over)!r} of {mesh!r}, but the ranks hold "
+            f"different values: {pairs} (checked because sf.debug.check_replicas() / {_replica_env()}=1 is on). "
+            f"Every rank must pass the same value there (seed random generators alike, or build the value "
+            f"with sf.random / the factories), or shard it / declare it Partial"
+        )
+
+
+def _replica_env() -> str:
+    from .._replicas import ENV
+
+    return ENV
+
+
 def _tracing() -> bool:
     """Whether torch.compile is tracing (no data-dependent collectives there)."""
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
@@ -703,6 +749,7 @@ class DistBackend:
     global_shape = staticmethod(global_shape)
     all_true = staticmethod(all_true)
     axis_group = staticmethod(axis_group)
+    check_replicas = staticmethod(check_replicas)
     compile_call = staticmethod(compile_call)  # dispatch: an op's local call, once per cache entry
 
     def is_canonical(self, value: torch.Tensor, layout: Layout) -> bool:

@@ -785,6 +785,9 @@ class LocalBackend:
     def check_same_meta(self, mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
         pass  # one process passed the one value
 
+    def check_replicas(self, mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) -> None:
+        pass  # one process passed the one value
+
     def zero_cotangent(self, like: torch.Tensor) -> None:
         return None  # one autograd graph over every device: no gradient is no work
 

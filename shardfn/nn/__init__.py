@@ -34,9 +34,11 @@ from ..layout import Layout, describe
 from ..mesh import Mesh
 from ..spec import P, Sharding, to_layout
 from . import init as init
+from .activations import ActivationHandle, UnmatchedRulesWarning, shard_activations
 from .init import Initializer
 
-__all__ = ["UnmatchedParamsWarning", "distribute_module", "init", "shard_params"]
+__all__ = ["ActivationHandle", "UnmatchedParamsWarning", "UnmatchedRulesWarning", "distribute_module", "init",
+           "shard_activations", "shard_params"]
 
 RuleLike = Sequence[Any]  # (regex, spec) or (regex, spec, init)
 
