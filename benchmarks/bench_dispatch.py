@@ -100,33 +100,33 @@ def interleaved_min(fns: dict[str, Callable[[], Any]], repeat: int, rounds: int)
     return best
 
 
-def _plain_inputs() -> tuple[torch.Tensor, ...]:
+def _plain_inputs(device: str = "cpu") -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g),
-            torch.randn(2, 4, 8, generator=g))
+    return tuple(t.to(device) for t in (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g),
+                                        torch.randn(8, generator=g), torch.randn(2, 4, 8, generator=g)))
 
 
-def _init_world(tmp: str) -> None:
-    """A real 1-rank gloo default process group (this process is rank 0)."""
+def _init_world(tmp: str, backend: str = "gloo") -> None:
+    """A real 1-rank default process group (this process is rank 0): gloo, or nccl on CUDA."""
     if not dist.is_initialized():
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def _variants() -> dict[str, tuple]:
+def _variants(device: str = "cpu") -> dict[str, tuple]:
     """Each variant's inputs (x, w, b and a 3-d x3), built from the same plain tensors."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    plain = _plain_inputs()
-    dm = init_device_mesh("cpu", (1,), mesh_dim_names=("x",))
+    plain = _plain_inputs(device)
+    dm = init_device_mesh(device, (1,), mesh_dim_names=("x",))
     out = {
         "torch": plain,
         "bare": tuple(BareWrapper(t) for t in plain),
         "DTensor": tuple(distribute_tensor(t, dm, [Replicate()]) for t in plain),
     }
     for backend in ("local", "dist"):
-        mesh = sf.Mesh((1,), ("x",), backend=backend)
+        mesh = sf.Mesh((1,), ("x",), backend=backend, device_type=device)
         out[f"sf {backend}"] = tuple(sf.distribute(t, P("x"), mesh=mesh) for t in plain)
     return out
 
@@ -141,10 +141,11 @@ def _to_plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def measure(repeat: int, rounds: int) -> dict[str, dict[str, float]]:
+def measure(repeat: int, rounds: int, device: str = "cpu") -> dict[str, dict[str, float]]:
     """Seconds per op: ``{op: {variant: seconds}}`` (every result checked against torch);
-    the variants of one op are timed interleaved (``interleaved_min``)."""
-    variants = _variants()
+    the variants of one op are timed interleaved (``interleaved_min``). On CUDA the time is
+    the launching thread's CPU time: the per-op overhead, not the kernels."""
+    variants = _variants(device)
     times: dict[str, dict[str, float]] = {}
     for op, fn in OPS.items():
         want = fn(*variants["torch"])
@@ -155,10 +156,10 @@ def measure(repeat: int, rounds: int) -> dict[str, dict[str, float]]:
     return times
 
 
-def report(times: dict[str, dict[str, float]]) -> str:
+def report(times: dict[str, dict[str, float]], world: str = "1-rank gloo world") -> str:
     cols = ["torch", "bare", "DTensor", "sf local", "sf dist"]
-    lines = ["CPU time per op (us, min over interleaved batches), 8x8 float32, 1-device mesh / "
-             "1-rank gloo world, 1 thread"]
+    lines = [f"CPU time per op (us, min over interleaved batches), 8x8 float32, 1-device mesh / "
+             f"{world}, 1 thread"]
     lines.append(f"{'op':11s}" + "".join(f"{c:>10s}" for c in cols))
     for op, row in times.items():
         lines.append(f"{op:11s}" + "".join(f"{row[c] * 1e6:10.1f}" for c in cols))

@@ -53,24 +53,28 @@ CONFIGS = {
 }
 
 
-def init_params(cfg: dict[str, int], seed: int = 0) -> dict[str, torch.Tensor]:
+def init_params(cfg: dict[str, int], seed: int = 0, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The block's parameters (drawn on the CPU, so every device gets the same values)."""
     g = torch.Generator().manual_seed(seed)
     d, h = cfg["dim"], cfg["hidden"]
 
     def w(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) / math.sqrt(shape[0])
 
-    return {
+    params = {
         "ln1": torch.ones(d), "ln2": torch.ones(d),
         "wq": w(d, d), "wk": w(d, d), "wv": w(d, d), "wo": w(d, d),
         "w1": w(d, h), "b1": torch.zeros(h), "w2": w(h, d), "b2": torch.zeros(d),
     }
+    return {k: v.to(device, dtype) for k, v in params.items()}
 
 
-def make_batch(cfg: dict[str, int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(cfg: dict[str, int], step: int, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(cfg["batch"], cfg["seq"], cfg["dim"], generator=g)
-    return x, torch.roll(x, 1, dims=1).tanh()
+    return x.to(device, dtype), torch.roll(x, 1, dims=1).tanh().to(device, dtype)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -95,10 +99,12 @@ def loss_fn(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: int) -> 
     return (x + h @ p["w2"] + p["b2"] - y).pow(2).mean()
 
 
-def train_step(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: int) -> tuple[dict, torch.Tensor]:
-    """Forward, backward, SGD; gradients laid out like their parameters (the dp all-reduce)."""
+def train_step(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: int,
+               loss_of: Any = None) -> tuple[dict, torch.Tensor]:
+    """Forward, backward, SGD; gradients laid out like their parameters (the dp all-reduce).
+    ``loss_of``: ``loss_fn`` or a compiled form of it."""
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
-    loss = loss_fn(params, x, y, heads)
+    loss = (loss_of or loss_fn)(params, x, y, heads)
     grads = torch.autograd.grad(loss, list(params.values()))
     new = {}
     for (k, p), g in zip(params.items(), grads):
@@ -108,10 +114,10 @@ def train_step(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: 
     return new, loss.detach()
 
 
-def _shard(cfg: dict[str, int], config: str) -> tuple[dict, Any]:
+def _shard(cfg: dict[str, int], config: str, device: str = "cpu") -> tuple[dict, Any]:
     shape, names, specs = CONFIGS[config]
-    mesh = sf.Mesh(shape, names, backend="local")
-    params = {k: sf.distribute(v, (specs or {}).get(k, P()), mesh=mesh) for k, v in init_params(cfg).items()}
+    mesh = sf.Mesh(shape, names, backend="local", device_type=device)
+    params = {k: sf.distribute(v, (specs or {}).get(k, P()), mesh=mesh) for k, v in init_params(cfg, device=device).items()}
     return params, mesh
 
 
@@ -119,51 +125,76 @@ class _Run:
     """One configuration's training run (``config`` None: unsharded), stepped from outside
     so that configurations can be interleaved step by step."""
 
-    def __init__(self, cfg: dict[str, int], config: str | None) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: dict[str, int], config: str | None, device: str = "cpu", loss_of: Any = None) -> None:
+        self.cfg, self.device, self.loss_of = cfg, device, loss_of
         if config is None:
-            self.params, self.mesh = init_params(cfg), None
+            self.params, self.mesh = init_params(cfg, device=device), None
         else:
-            self.params, self.mesh = _shard(cfg, config)
+            self.params, self.mesh = _shard(cfg, config, device)
         self.losses: list[float] = []
         self.walls: list[float] = []
         self.cpus: list[float] = []
 
     def step(self, s: int) -> None:
         """Step ``s`` (its own batch), timed in wall and process CPU time."""
-        x, y = make_batch(self.cfg, s)
+        x, y = make_batch(self.cfg, s, self.device)
         if self.mesh is not None:
             x, y = sf.distribute(x, P("dp"), mesh=self.mesh), sf.distribute(y, P("dp"), mesh=self.mesh)
+        _sync(self.device)
         t0, c0 = time.perf_counter(), time.process_time()
-        self.params, loss = train_step(self.params, x, y, self.cfg["heads"])
+        self.params, loss = train_step(self.params, x, y, self.cfg["heads"], self.loss_of)
+        _sync(self.device)
         self.walls.append(time.perf_counter() - t0)
         self.cpus.append(time.process_time() - c0)
         self.losses.append(float(loss.full_tensor() if isinstance(loss, sf.ShardedArray) else loss))
 
 
-def measure(cfg: dict[str, int], steps: int) -> tuple[list[tuple[str, float, float, float, float]], dict]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_peak_bytes(run: "_Run", s: int) -> int:
+    """CUDA memory one more step of ``run`` needs above what is allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run.step(s)
+    return torch.cuda.max_memory_allocated() - before
+
+
+def measure(cfg: dict[str, int], steps: int, device: str = "cpu", compile_backend: str | None = None,
+            rtol: float = 1e-5, configs: tuple[str, ...] | None = None,
+            peaks: dict | None = None) -> tuple[list[tuple[str, float, float, float, float]], dict]:
     """(config, unsharded wall, simulated wall, unsharded CPU, simulated CPU) seconds per
     configuration, and the losses of every run (each configuration's checked against
-    unsharded within 1e-5 relative). The runs advance one step at a time in turn
+    unsharded within ``rtol`` relative). The runs advance one step at a time in turn
     (unsharded, then each configuration), so a burst of load from other processes hits
     them alike; a time is the fastest of the ``steps`` steps after the first (which fills
     the caches): the step's cost when nothing else interferes."""
-    runs = {config: _Run(cfg, config) for config in (None, *CONFIGS)}
+    configs = tuple(configs or CONFIGS)
+    # each run compiles its own wrapper (a shared one would count every layout as a recompile)
+    runs = {config: _Run(cfg, config, device, torch.compile(loss_fn, backend=compile_backend) if compile_backend
+                         else None) for config in (None, *configs)}
     for s in range(steps + 1):
         for run in runs.values():
             run.step(s)
     want = runs[None].losses
-    for config in CONFIGS:
+    for config in configs:
         for s, (a, b) in enumerate(zip(runs[config].losses, want)):
-            if abs(a - b) > 1e-5 * abs(b):
+            if abs(a - b) > rtol * abs(b):
                 raise AssertionError(f"{config}: step {s} loss {a} differs from unsharded {b}")
+    if peaks is not None and device == "cuda":  # one more step each, alone, for its peak memory
+        for config, run in runs.items():
+            peaks[config] = step_peak_bytes(run, steps + 1)
     base = runs[None]
     rows = [(config, min(base.walls[1:]), min(runs[config].walls[1:]), min(base.cpus[1:]),
-             min(runs[config].cpus[1:])) for config in CONFIGS]
-    return rows, {config: run.losses for config, run in runs.items()}
+             min(runs[config].cpus[1:])) for config in configs]
+    return rows, {config: run.losses[:steps + 1] for config, run in runs.items()}
 
 
-def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]], losses: dict) -> str:
+def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float]], losses: dict,
+           rtol: float = 1e-5) -> str:
     lines = [
         f"training step of a transformer block (dim {cfg['dim']}, seq {cfg['seq']}, batch {cfg['batch']}; "
         f"fwd + bwd + SGD), torch {torch.__version__}, {torch.get_num_threads()} threads",
@@ -173,7 +204,7 @@ def report(cfg: dict[str, int], rows: list[tuple[str, float, float, float, float
     for config, w0, w, c0, c in rows:
         lines.append(f"{config:16s}{w0 * 1e3:14.1f}{w * 1e3:14.1f}{w / w0:7.2f}x"
                      f"{c0 * 1e3:14.1f}{c * 1e3:13.1f}{c / c0:7.2f}x")
-    lines.append("losses equal unsharded within 1e-5 relative in every configuration (target ratio <= 1.5; "
+    lines.append(f"losses equal unsharded within {rtol:g} relative in every configuration (target ratio <= 1.5; "
                  "CPU time = process time, steadier on a busy machine)")
     want = losses[None]
     lines.append(f"losses over {len(want)} steps: unsharded first {want[0]:.6f}, last {want[-1]:.6f}")

@@ -1,8 +1,12 @@
 """shardfn: JAX-style functional sharding for PyTorch."""
 
+from . import _compat as _compat  # first: an unsupported torch fails here, clearly
+
+from . import checkpoint as checkpoint
 from . import debug as debug
 from . import lax as lax
 from . import nn as nn
+from . import optim as optim
 from . import random as random
 from .array import ShardedArray as ShardedArray
 from .array import device_put as device_put
@@ -51,3 +55,7 @@ _install_dynamo()  # torch.compile support, registered when torch._dynamo is imp
 from ._inplace import calibrate as _calibrate_inplace  # noqa: E402
 
 _calibrate_inplace()  # the in-place policy's reference counts of a private array
+
+from .optim._torch_hook import install as _install_optim_hook  # noqa: E402
+
+_install_optim_hook()  # torch.optim given ShardedArrays: an ImmutableError naming sf.optim

@@ -23,6 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
 from . import _boundary as B
+from ._compat import funcol_gather_scatter
 from . import _recompute
 from . import _replicas
 from ._functorch import base_array, is_wrapped
@@ -30,6 +31,8 @@ from .array import ShardedArray, distribute, reshard
 from .errors import ShardingError
 from .layout import Layout
 from .mesh import Mesh
+
+_all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
 
 
 def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
@@ -92,13 +95,13 @@ def _all_reduce(x: torch.Tensor, mesh: Mesh, axes: tuple, op: str) -> torch.Tens
 
 def _all_gather(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
     pg, order = _group_of(mesh, axes)
-    y = _wait(funcol.all_gather_single(x.contiguous(), dim, pg))
+    y = _wait(_all_gather_single(x.contiguous(), dim, pg))
     return _chunks_to(y, dim, order, inverse=True)
 
 
 def _reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
     pg, order = _group_of(mesh, axes)
-    return _wait(funcol.reduce_scatter_single(_chunks_to(x, dim, order).contiguous(), "sum", dim, pg))
+    return _wait(_reduce_scatter_single(_chunks_to(x, dim, order).contiguous(), "sum", dim, pg))
 
 
 def _all_to_all(x: torch.Tensor, mesh: Mesh, axes: tuple, split: int, concat: int) -> torch.Tensor:

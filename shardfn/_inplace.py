@@ -219,9 +219,29 @@ def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
 def immutable_error(func: Any, why: str | None = None) -> ImmutableError:
     name = func.overloadpacket.__name__
     base = name[:-1] if name.endswith("_") else name
-    hint = _HINTS.get(base, f"torch.{base}(...) / x.{base}(...)" if hasattr(torch, base) else "the functional form of the op")
     what = why or "would modify a ShardedArray in place, but ShardedArrays are immutable"
-    return ImmutableError(f"aten.{name} {what}; use the out-of-place form {hint} and rebind the result")
+    return ImmutableError(f"aten.{name} {what}; {_advice(base)}. {_TRAINING}")
+
+
+# in-place updates of parameters and gradients: what a training loop uses instead
+_TRAINING = ("To train, step parameters with sf.optim (sf.optim.SGD / Adam / AdamW, or sf.optim.from_torch(cls) "
+             "for another torch.optim optimizer) and clip with sf.optim.clip_grad_norm in place of "
+             "torch.nn.utils.clip_grad_norm_")
+
+
+def _advice(base: str) -> str:
+    """What to call instead of the in-place op whose functional name is ``base``."""
+    if base in _HINTS:
+        return f"use the out-of-place form {_HINTS[base]} and rebind the result"
+    if base.startswith("_fused_"):
+        return "this is an optimizer kernel that updates its inputs in place"
+    forms = [f"torch.{base}(...)"] if hasattr(torch, base) else []
+    if hasattr(torch.Tensor, base):
+        forms.append(f"x.{base}(...)")
+    if not forms:
+        return "use the op's out-of-place form and rebind the result"
+    what = " (it returns new tensors)" if base.startswith("_foreach_") else ""
+    return f"use the out-of-place form {' / '.join(forms)}{what} and rebind the result"
 
 
 def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-from . import _contract
+from . import _checkpointable, _contract
 from . import _replicas
 from . import _functorch as _ft
 from . import layout as _lay
@@ -251,10 +251,23 @@ class ShardedArray(torch.Tensor):
         return stable_hash(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("ShardedArray cannot be pickled; gather it with full_tensor() first")
+        """Pickling (``torch.save``, multiprocessing) keeps mesh, sharding and values where
+        this process holds every shard (local backend); a TypeError naming
+        ``sf.checkpoint.save`` elsewhere."""
+        return _checkpointable.reduce_array(self)
 
     def __reduce__(self) -> Any:
         return self.__reduce_ex__(2)
+
+    # DCP's checkpointable-tensor protocol (as DTensor's): dcp.save / dcp.load of state dicts
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        return _checkpointable.create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list:
+        return _checkpointable.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return _checkpointable.get_tensor_shard(self, index)
 
     def __copy__(self) -> ShardedArray:
         """``copy.copy``: a new array with the same value and layout (as ``copy.deepcopy``)."""

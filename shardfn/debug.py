@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import threading
 from collections import Counter
 from typing import Any
 
@@ -49,7 +50,9 @@ class CommCounter:
     """Context manager counting collectives by kind (``.counts``), the most bytes any device
     sends (``.bytes``, ring costs as in ``Plan.bytes_per_device``), and one
     :class:`CommRecord` per collective (``.records``: kind, axes, bytes, op, phase, module,
-    location). ``str(counter)`` prints the records as a tree by module.
+    location). ``str(counter)`` prints the records as a tree by module. Counted once, when the
+    collective runs eagerly in this process: traces (meta/fake values, torch.compile tracing)
+    are not counted, nor are collectives inside a compiled graph.
 
     Example::
 
@@ -115,6 +118,8 @@ _BACKWARD_OF = {  # shardfn's autograd functions -> the API call whose backward 
 def _make_record(step: Step) -> CommRecord:
     backward = torch._C._current_graph_task_id() != -1
     op, location = _op_and_location()
+    if backward and location is None:  # autograd's device thread: the caller of backward() waits in the main thread
+        location = _first_user_frame(sys._current_frames().get(threading.main_thread().ident))
     if backward:
         node = torch._C._current_autograd_node()
         module = _TRACKER.module_of_node(node)
@@ -128,7 +133,8 @@ def _make_record(step: Step) -> CommRecord:
 
 # -- which op and which user line --------------------------------------------------------------------
 
-_SHARDFN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_ROOT = __name__.split(".")[0]  # "shardfn", wherever this module sits in it
+_SHARDFN_DIR = os.path.dirname(os.path.abspath(sys.modules[_ROOT].__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 _PUBLIC: dict[Any, str] = {}
@@ -173,12 +179,20 @@ def _op_and_location() -> tuple[str | None, str | None]:
     return op or api, None
 
 
+def _first_user_frame(frame: Any) -> str | None:
+    while frame is not None:
+        if not _is_library(frame.f_code.co_filename):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
 def _public_names() -> dict[Any, str]:
     """Code object -> public name (``sf.reshard``, ``sf.lax.psum``, ``sf.ShardedArray.redistribute``);
     code shared by several public functions (a decorator's wrapper) names none of them."""
     if _PUBLIC:
         return _PUBLIC
-    root = sys.modules.get(__package__)
+    root = sys.modules.get(_ROOT)
     if root is None:
         return _PUBLIC
     found: dict[Any, set[str]] = {}
@@ -187,7 +201,7 @@ def _public_names() -> dict[Any, str]:
     for prefix, space in spaces:
         for name in getattr(space, "__all__", None) or [n for n in dir(space) if not n.startswith("_")]:
             obj = getattr(space, name, None)
-            if isinstance(obj, type) and obj.__module__.startswith(__package__):
+            if isinstance(obj, type) and obj.__module__.startswith(_ROOT):
                 for meth, fn in vars(obj).items():
                     if not meth.startswith("_"):
                         _codes(found, f"{prefix}.{name}.{meth}", getattr(fn, "__func__", fn))

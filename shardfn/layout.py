@@ -13,6 +13,7 @@ import math
 import attrs
 import torch
 
+from ._compat import ValueMeta
 from .mesh import Mesh
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -21,7 +22,7 @@ Box = tuple[tuple[int, int], ...]
 
 
 @attrs.frozen(repr=False, cache_hash=True)
-class Layout:
+class Layout(metaclass=ValueMeta):
     """Canonical sharding of an ``ndim``-dim value: mesh axes per tensor dim (major
     first) and the pending reductions, as ``(axis, op)`` pairs in mesh order."""
 

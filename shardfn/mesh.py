@@ -11,6 +11,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from ._compat import ValueMeta
 from ._tls import ThreadStack
 from .errors import ShardingError, SimulationWarning
 
@@ -129,7 +130,7 @@ def _warn_simulation(message: str) -> None:
 
 
 @attrs.frozen(repr=False, init=False)
-class Mesh:
+class Mesh(metaclass=ValueMeta):
     """An immutable grid of devices with named axes; devices are numbered row-major.
 
     ``backend="local"`` simulates every device in this process; ``"dist"`` runs one
@@ -210,6 +211,11 @@ class Mesh:
 
         return unflatten(self, axis, tuple(shape), tuple(names))
 
+    def __reduce__(self) -> tuple:
+        """Pickles as its constructor's arguments (``torch.load(weights_only=True)`` allows
+        the rebuild function)."""
+        return _rebuild_mesh, (self.shape, self.axis_names, self.backend, self.device_type)
+
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         return f"Mesh({axes}, backend={self.backend!r})"
@@ -221,6 +227,12 @@ class Mesh:
     def __exit__(self, *exc: object) -> None:
         _stack().pop()
 
+
+def _rebuild_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...], backend: str, device_type: str) -> Mesh:
+    return Mesh(shape, axis_names, backend=backend, device_type=device_type)
+
+
+torch.serialization.add_safe_globals([_rebuild_mesh])
 
 _coords_cache: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 

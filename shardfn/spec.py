@@ -7,6 +7,7 @@ from typing import Any, Sequence, Union
 
 import attrs
 
+from ._compat import ValueMeta
 from .errors import ShardingError
 from .layout import REDUCE_OPS, Layout
 from .mesh import Mesh, current_mesh
@@ -51,7 +52,7 @@ def _normalize_entry(entry: object, i: int) -> tuple[str, ...]:
     )
 
 
-class P(tuple):
+class P(tuple, metaclass=ValueMeta):
     """PartitionSpec: one entry per tensor dim (None, an axis name, or a tuple of names,
     first name major); trailing dims may be omitted. ``partial`` names axes over which
     the value is a pending reduction."""
@@ -114,7 +115,7 @@ def _p_repr(dims: tuple, pairs: tuple[tuple[str, str], ...]) -> str:
 
 
 @attrs.frozen
-class Shard:
+class Shard(metaclass=ValueMeta):
     """This mesh axis splits tensor dim ``dim`` (negative dims count from the end)."""
 
     dim: int
@@ -131,7 +132,7 @@ class Shard:
 
 
 @attrs.frozen
-class Replicate:
+class Replicate(metaclass=ValueMeta):
     """Every device along this mesh axis holds the same values."""
 
     def __str__(self) -> str:
@@ -139,7 +140,7 @@ class Replicate:
 
 
 @attrs.frozen
-class Partial:
+class Partial(metaclass=ValueMeta):
     """Devices along this mesh axis hold parts whose reduction by ``op`` is the value.
 
     ``op`` is "sum", "avg", "max" or "min". "avg" needs a floating or complex dtype (as
@@ -182,7 +183,7 @@ def _as_spec(spec: object) -> P:
 
 
 @attrs.frozen
-class NamedSharding:
+class NamedSharding(metaclass=ValueMeta):
     """A spec bound to a mesh."""
 
     mesh: Mesh = attrs.field(validator=lambda _, __, m: check_mesh(m, "NamedSharding(mesh=...)"))

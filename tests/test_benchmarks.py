@@ -40,6 +40,20 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
     assert "losses equal unsharded" in out
 
 
+def test_bench_checkpoint_checks_round_trip_and_prints_ratio() -> None:
+    out = _run("bench_checkpoint.py")
+    row = out.strip().splitlines()[-1].split()
+    assert len(row) == 3 and row[-1].endswith("x") and all(float(v.rstrip("sx")) > 0 for v in row)
+
+
+def test_bench_optim_prints_ratios_and_zero1_memory() -> None:
+    out = _run("bench_optim.py")
+    for run in ("torch foreach", "sf foreach", "sf fused", "sf fused zero1"):
+        row = next(line for line in out.splitlines() if line.startswith(run + " "))
+        assert float(row.split()[-2]) > 0 and row.split()[-1].endswith("x")
+    assert "(0.50x)" in out and "results equal torch.optim.AdamW" in out
+
+
 def test_bench_comm_models_counts_hf_llama_beside_megatron() -> None:
     pytest.importorskip("transformers")
     out = _run("bench_comm_models.py")
@@ -51,3 +65,18 @@ def test_bench_comm_models_counts_hf_llama_beside_megatron() -> None:
     assert "all_gather 2, reduce_scatter 2 all_gather 2, reduce_scatter 2" in " ".join(rows["llama seq fwd"].split())
     assert "values and gradients equal unsharded" in out
     assert "model.layers.0" in out and "FORWARD: all_reduce 1" in out  # the records tree
+
+
+def test_gpu_check_runs_every_section_on_cpu() -> None:
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent))
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu", "--quick"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0 and "every section ran" in out, out[-3000:] + proc.stderr[-3000:]
+    for title in ("1. values and gradients", "2. fallback census", "3. bench_sim", "4. per-op overhead",
+                  "5. dist backend"):
+        assert f"=== {title}" in out and f"--- {title}" in out
+    assert "FAIL" not in out
+    values = [line for line in out.splitlines() if "worst rel err" in line]
+    assert len(values) >= 8 and all(line.rstrip().endswith(("ok", ")")) for line in values)
+    assert "distinct ops that fell back:" in out and "[compiled aot_eager, quick size] dp x tp (2, 4)" in out

@@ -133,3 +133,18 @@ def test_meta_traces_are_not_counted(mesh22) -> None:
     with sf.debug.CommCounter() as cc, _comm_hooks.muted():
         sf.reshard(sf.distribute(torch.randn(4, 4), P("y"), mesh=mesh22), P())
     assert cc.records == [] and cc.total == 0
+
+
+def test_compile_traces_are_not_counted(mesh22) -> None:
+    x = sf.distribute(torch.randn(4, 6), P("x", "y"), mesh=mesh22)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return sf.reshard(x * 2, P("x", None)).sum()
+
+    with sf.debug.CommCounter() as eager:
+        want = f(x)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with sf.debug.CommCounter() as traced:
+        got = compiled(x)
+    assert len(eager.records) == 1 and len(traced.records) <= 1, traced.records
+    torch.testing.assert_close(got.full_tensor(), want.full_tensor())

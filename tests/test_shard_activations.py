@@ -129,6 +129,9 @@ def test_dict_specs_pick_arguments_and_outputs(mesh) -> None:
     torch.testing.assert_close(out2.full_tensor(), b + 1)
     torch.testing.assert_close(out1.full_tensor(), model.two.lin(a) * s)
     assert not model.two._forward_pre_hooks and not model.two._forward_hooks
+    with sf.nn.shard_activations(model, [(r"two$", (P("dp"), None), (None, P("tp")))], mesh=mesh):
+        out1, out2 = model.two(a, b, scale=s)
+    assert out2.spec == P("tp") and out1.spec == P("dp")  # a over dp; the first output left alone
 
 
 def test_errors_name_the_rule(mesh, llama) -> None:

@@ -61,6 +61,11 @@ class Backend(Protocol):
         hold equal shards under ``layout`` share one call where the backend keeps one
         copy for them)."""
 
+    def empty(self, layout: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+        """A backend value of ``layout`` with uninitialised shards, in canonical form, in
+        which the held devices holding the same part share one tensor (so writing each
+        distinct shard once fills every replica: checkpoint loads write into it)."""
+
     def relabel(self, value: Any, src: Any, dst: Any) -> Any:
         """A backend value on mesh ``src`` as the same per-device shards on ``dst``, a
         mesh over the same row-major devices (``Mesh.flatten`` / ``unflatten``)."""
@@ -122,6 +127,21 @@ class Backend(Protocol):
         """Whether an array holding ``value`` may keep symbolic (torch.compile dynamic)
         global sizes through plans and ops; otherwise they are specialised."""
 
+    # -- element-wise updates on the stored data (sf.optim) --------------------------------------
+    def storage(self, value: Any, layout: Any, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """The tensors this process stores for an array of ``layout``, each distinct shard
+        once (replicas once), in one form per layout: two arrays of one layout and shape
+        give tensors of equal shapes, so an element-wise update can run on them directly."""
+
+    def from_storage(self, tensors: Sequence[torch.Tensor], layout: Any, shape: tuple[int, ...]) -> Any:
+        """The backend value whose :meth:`storage` is ``tensors`` (the inverse)."""
+
+    def shard_reduce(self, value: Any, layout: Any, shape: tuple[int, ...], fn: Callable, neutral: float) -> Any:
+        """A backend value of a 0-d array pending a reduction over every mesh axis: each held
+        device's ``fn(t, dims)`` (``t``'s dims ``dims`` reduced away, leading dims batching
+        devices) of its shard, where a device holding a replica of a device earlier on an
+        axis the layout does not vary over gives ``neutral`` (each distinct shard counted once)."""
+
     # -- transforms and interop ---------------------------------------------------------------
     def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
         """Run a shard_map body ``f`` on the held devices (``inputs``: the checked
@@ -175,6 +195,9 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
 
 
 def _on_meta(value: Any) -> bool:
-    """Whether a backend value is a trace on meta/fake tensors (no data moves: not reported)."""
+    """Whether a backend value is a trace (meta/fake tensors, or torch.compile tracing): no data
+    moves, so no collective is reported."""
     t = value[0] if isinstance(value, (tuple, list)) and value else value
-    return isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ == "FakeTensor")
+    if isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ in ("FakeTensor", "FunctionalTensor")):
+        return True
+    return torch.compiler.is_compiling()

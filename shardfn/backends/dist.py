@@ -36,12 +36,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from .._compat import funcol_gather_scatter
 from ..errors import ShardingError
 from ..layout import Layout, describe, local_shapes, split_range
 from ..mesh import Mesh
 from ..plan import Step
 from ._device_call import DeviceCall, raw_op, substitute, with_locals
 from .local import _reduce
+
+_all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
 
 # dtypes every backend's collectives take; others move as raw bytes, or reduce widened
 _WIRE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
@@ -277,7 +280,7 @@ def _bytes(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     wire, _ = _bytes(x)
-    return run_collective("all_gather", group, funcol.all_gather_single, wire, dim).view(x.dtype)
+    return run_collective("all_gather", group, _all_gather_single, wire, dim).view(x.dtype)
 
 
 def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
@@ -296,7 +299,7 @@ def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | No
     if scatter_dim is None:
         y = run_collective("all_reduce", group, funcol.all_reduce, wire.contiguous(), wire_op)
     else:
-        y = run_collective("reduce_scatter", group, funcol.reduce_scatter_single, wire.contiguous(), wire_op,
+        y = run_collective("reduce_scatter", group, _reduce_scatter_single, wire.contiguous(), wire_op,
                            scatter_dim)
     y = torch.view_as_complex(y) if x.is_complex() else y.to(x.dtype)
     if op != "avg":
@@ -608,7 +611,7 @@ def check_same_meta(mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: 
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     rows = run_collective(
-        f"{what} metadata check", st.groups[mesh.axis_names], funcol.all_gather_single, mine, 0
+        f"{what} metadata check", st.groups[mesh.axis_names], _all_gather_single, mine, 0
     ).view(mesh.size, -1).tolist()
     if error is not None:
         raise ShardingError(error)
@@ -644,7 +647,7 @@ def check_replicas(mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) 
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     mine = torch.tensor(_fingerprint(t), dtype=torch.int64, device=device)
     rows = run_collective(
-        f"{what} replica check", st.groups[mesh.axis_names], funcol.all_gather_single, mine, 0
+        f"{what} replica check", st.groups[mesh.axis_names], _all_gather_single, mine, 0
     ).view(mesh.size, -1).tolist()
     pos = [mesh.axis_index(a) for a in over]
     first: dict[tuple, int] = {}
@@ -758,11 +761,28 @@ class DistBackend:
     def devices(self, mesh: Mesh) -> tuple[int]:
         return (rank_of(mesh),)
 
+    def storage(self, value: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        return [value]
+
+    def from_storage(self, tensors: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+        return tensors[0]
+
+    def shard_reduce(self, value: torch.Tensor, layout: Layout, shape: tuple[int, ...], fn: Callable,
+                     neutral: float) -> torch.Tensor:
+        mesh = layout.mesh
+        axes = set(layout.axis_dim) | set(layout.partial_ops)
+        red = fn(value, tuple(range(value.dim()))) if value.dim() else fn(value.reshape(1), (0,))
+        replica = any(c != 0 for a, c in zip(mesh.axis_names, mesh.coords(rank_of(mesh))) if a not in axes)
+        return torch.full((), neutral, dtype=red.dtype, device=red.device) if replica else red
+
     def shard(self, value: torch.Tensor, mesh: Mesh, device: int) -> torch.Tensor:
         return value
 
     def build(self, layout: Layout, shape: tuple[int, ...], make: Callable[[int], torch.Tensor]) -> torch.Tensor:
         return from_shards([make(rank_of(layout.mesh))], layout, shape)
+
+    def empty(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(local_shapes(layout, shape)[rank_of(layout.mesh)], dtype=dtype, device=device)
 
     def relabel(self, value: torch.Tensor, src: Mesh, dst: Mesh) -> torch.Tensor:
         return value  # device i is rank i on both meshes

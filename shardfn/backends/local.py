@@ -18,7 +18,7 @@ from typing import Any, Sequence, Union
 
 import torch
 
-from ..layout import Layout, is_even, local_shapes
+from ..layout import Layout, device_box, is_even, local_shapes
 from ..mesh import Mesh
 from ..plan import Step, _exchange
 from ._device_call import DeviceCall, raw_op, substitute, with_locals
@@ -524,6 +524,57 @@ def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int
     return from_parts(shards, layout, shape)
 
 
+@functools.lru_cache(maxsize=4096)
+def _replica_of(layout: Layout) -> tuple[int, ...]:
+    """Per device: the device with coordinate 0 on the axes ``layout`` does not vary over
+    (the one whose shard it replicates; itself when it holds a distinct shard)."""
+    mesh = layout.mesh
+    vary = varying(layout)
+    return tuple(mesh.device_at([c if v else 0 for c, v in zip(mesh.coords(d), vary)]) for d in range(mesh.size))
+
+
+def storage(value: Value, layout: Layout, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Even layouts: the canonical stacked tensor; uneven: the distinct shards (row-major)."""
+    if is_even(layout, shape):
+        if isinstance(value, tuple):
+            value = from_parts(value, layout, shape)
+        return [settle(compact(value, layout), layout)]
+    shards = parts(value, layout.mesh)
+    first = _replica_of(layout)
+    return [shards[d] for d in range(layout.mesh.size) if first[d] == d]
+
+
+def from_storage(tensors: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
+    if is_even(layout, shape):
+        return tensors[0]
+    first = _replica_of(layout)
+    index = {d: i for i, d in enumerate(sorted(set(first)))}
+    return tuple(tensors[index[first[d]]] for d in range(layout.mesh.size))
+
+
+def shard_reduce(value: Value, layout: Layout, shape: tuple[int, ...], fn: Any, neutral: float) -> torch.Tensor:
+    """Stacked over the full mesh: distinct shards reduced in one batched call when even."""
+    mesh = layout.mesh
+    m, nd = mesh.ndim, len(shape)
+    if is_even(layout, shape):
+        t = storage(value, layout, shape)[0]
+        red = fn(t, tuple(range(m, m + nd))) if nd else fn(t.unsqueeze(-1), (m,))
+        out = torch.full(mesh.shape, neutral, dtype=red.dtype, device=red.device)
+        out[tuple(slice(None) if n != 1 else slice(0, 1) for n in red.shape)] = red
+        return out
+    shards = parts(value, mesh)
+    first = _replica_of(layout)
+    vals = []
+    for d in range(mesh.size):
+        if first[d] == d:
+            vals.append(fn(shards[d], tuple(range(nd))) if nd else fn(shards[d].reshape(1), (0,)))
+        else:
+            vals.append(None)
+    like = next(v for v in vals if v is not None)
+    vals = [v if v is not None else torch.full((), neutral, dtype=like.dtype, device=like.device) for v in vals]
+    return torch.stack(vals).view(mesh.shape)
+
+
 def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence[int] | None, *,
                  check_ranks: bool = True) -> tuple[int, ...]:
     """The global shape the shards describe (or ``shape``), checked against the layout
@@ -732,6 +783,9 @@ class LocalBackend:
     all_true = staticmethod(all_true)
     compile_call = staticmethod(compile_call)  # dispatch: an op's local call, once per cache entry
     is_canonical = staticmethod(is_canonical)
+    storage = staticmethod(storage)
+    from_storage = staticmethod(from_storage)
+    shard_reduce = staticmethod(shard_reduce)
 
     def devices(self, mesh: Mesh) -> range:
         return range(mesh.size)
@@ -746,6 +800,22 @@ class LocalBackend:
         shards = [make(mesh.device_at(c)) for c in itertools.product(*(range(n) for n in sub))]
         local = local_shapes(layout, shape)[0]
         return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
+
+    def empty(self, layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Value:
+        """Even layouts: one stacked buffer of the canonical sizes; uneven: one tensor per
+        distinct part (box and position on the axes of pending reductions), shared by replicas."""
+        if is_even(layout, shape):
+            return torch.empty(*canonical_sizes(layout), *local_shapes(layout, shape)[0], dtype=dtype, device=device)
+        mesh = layout.mesh
+        axes = [mesh.axis_index(a) for a, _ in layout.partial]
+        made: dict = {}
+        out = []
+        for dev, local in enumerate(local_shapes(layout, shape)):
+            key = (device_box(layout, shape, dev), tuple(mesh.coords(dev)[i] for i in axes))
+            if key not in made:
+                made[key] = torch.empty(local, dtype=dtype, device=device)
+            out.append(made[key])
+        return tuple(out)
 
     def relabel(self, value: Value, src: Mesh, dst: Mesh) -> Value:
         if isinstance(value, tuple):

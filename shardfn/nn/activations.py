@@ -79,8 +79,9 @@ def shard_activations(module: nn.Module, rules: Sequence[Sequence[Any]], *, mesh
             first matching rule wins. A spec is a sharding (P, placements or NamedSharding)
             for every tensor input (``in_spec``: positional and keyword arguments) or output
             (``out_spec``: every tensor in the returned pytree), ``None`` to leave that side
-            alone, or a dict choosing tensors: ``{argument name or position: sharding}`` for
-            inputs, ``{output position or key: sharding}`` for outputs.
+            alone, a tuple of shardings (or None) by position, or a dict choosing tensors:
+            ``{argument name or position: sharding}`` for inputs, ``{output position or key:
+            sharding}`` for outputs.
         mesh: the mesh for bare P specs (else the arrays' own mesh / the current mesh).
 
     Returns:
@@ -150,9 +151,11 @@ def _spec(spec: Any, rule: _ActRule, side: str, mesh: Mesh | None) -> Any:
             if v is not None and not _is_sharding(v):
                 raise ShardingError(f"{rule.label}: {side}[{k!r}]={v!r} is not a sharding (P, placements, NamedSharding)")
         return {k: _bind(v, mesh) for k, v in spec.items() if v is not None}
+    if isinstance(spec, (tuple, list)) and not _is_sharding(spec) and all(s is None or _is_sharding(s) for s in spec):
+        return {i: _bind(s, mesh) for i, s in enumerate(spec) if s is not None}  # one per position
     if not _is_sharding(spec):
         raise ShardingError(f"{rule.label}: {side}={spec!r} is not a sharding (P, placements or NamedSharding), "
-                            f"a dict of them, or None")
+                            f"a tuple or dict of them, or None")
     return _bind(spec, mesh)
 
 

@@ -1,0 +1,300 @@
+"""Device check: shardfn on one CUDA GPU, one command, every section reported on its own.
+
+    python benchmarks/gpu_check.py                    # a CUDA machine (~4 minutes on an H100)
+    python benchmarks/gpu_check.py --device cpu --quick   # a smoke run anywhere (tests run it)
+
+Needs torch (2.11+) and optree; uses transformers when installed. Sections, each in its own
+try/except (a failure prints its traceback and the next section runs):
+
+1. values and gradients of the bench_sim transformer block in its three configurations
+   (TP and DP on simulated meshes of the device), float32 and bfloat16, against the same
+   block unsharded on the same device; HF Llama/Qwen2/Mistral/Gemma TP likewise;
+2. the fallback census (``tools/fallback_census.py``) on the device (target: no op);
+3. ``bench_sim``'s three configurations at the GPU size (dim 1024, seq 256, batch 32) and the
+   small size (dim 256, seq 64, batch 16), eager and under ``torch.compile``, with each step's
+   peak memory (targets: <= 1.10x unsharded at GPU size, <= 2x small, compiled <= 1.10x);
+4. per-op overhead (``bench_dispatch``) on the device against the bare wrapper and DTensor on
+   a 1-rank NCCL group (gloo on CPU);
+5. the dist backend on that 1-rank world: a block's loss and gradients against unsharded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's shardfn
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_dispatch  # noqa: E402
+import bench_sim  # noqa: E402
+import fallback_census  # noqa: E402
+
+import shardfn as sf  # noqa: E402
+from shardfn import P  # noqa: E402
+
+GPU_SIZE = {"dim": 1024, "heads": 16, "hidden": 4096, "seq": 256, "batch": 32}
+SMALL_SIZE = dict(bench_sim.FULL)  # dim 256, heads 8, hidden 1024, seq 64, batch 16
+# relative error (norm of the difference over the norm) allowed against unsharded
+TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+
+
+def say(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+@contextlib.contextmanager
+def section(title: str, failures: list[str]) -> Iterator[None]:
+    """One section: its title, its time; an exception is printed and counted, not raised."""
+    say(f"\n=== {title} ===")
+    t0 = time.perf_counter()
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - report and go on with the next section
+        failures.append(title)
+        say(f"SECTION FAILED: {title}")
+        say(traceback.format_exc(limit=12))
+    say(f"--- {title}: {time.perf_counter() - t0:.1f} s")
+
+
+def rel_err(got: Any, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 (got may be a ShardedArray)."""
+    if isinstance(got, sf.ShardedArray):
+        got = got.full_tensor()
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _verdict(err: float, dtype: torch.dtype) -> str:
+    return "ok" if err <= TOL[dtype] else f"FAIL (> {TOL[dtype]:g})"
+
+
+# -- 1. values and gradients ----------------------------------------------------------------------
+
+
+def block_loss_and_grads(params: dict[str, Any], cfg: dict[str, int], device: str,
+                         dtype: torch.dtype, mesh: sf.Mesh | None) -> tuple[Any, list]:
+    x, y = bench_sim.make_batch(cfg, 0, device, dtype)
+    if mesh is not None:
+        x, y = sf.distribute(x, P("dp"), mesh=mesh), sf.distribute(y, P("dp"), mesh=mesh)
+    params = {k: v.detach().requires_grad_() for k, v in params.items()}
+    loss = bench_sim.loss_fn(params, x, y, cfg["heads"])
+    return loss, list(torch.autograd.grad(loss, list(params.values())))
+
+
+def check_block_values(cfg: dict[str, int], device: str) -> list[str]:
+    """The block's loss and gradients in every bench_sim configuration vs unsharded."""
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = bench_sim.init_params(cfg, device=device, dtype=dtype)
+        want_loss, want_grads = block_loss_and_grads(plain, cfg, device, dtype, None)
+        for config, (shape, names, specs) in bench_sim.CONFIGS.items():
+            mesh = sf.Mesh(shape, names, backend="local", device_type=device)
+            params = {k: sf.distribute(v, (specs or {}).get(k, P()), mesh=mesh) for k, v in plain.items()}
+            loss, grads = block_loss_and_grads(params, cfg, device, dtype, mesh)
+            err = max([rel_err(loss, want_loss)] + [rel_err(g, w) for g, w in zip(grads, want_grads)])
+            where = sorted({str(g.full_tensor().device) if isinstance(g, sf.ShardedArray) else str(g.device)
+                            for g in grads})
+            say(f"  block {config:16s} {str(dtype)[6:]:9s} loss + {len(grads)} grads: worst rel err {err:.1e} "
+                f"{_verdict(err, dtype)}  (grads on {', '.join(where)})")
+            if err > TOL[dtype]:
+                bad.append(f"block {config} {dtype}")
+    return bad
+
+
+def check_hf_values(device: str, quick: bool) -> list[str]:
+    """HF families TP-sharded (tp=2, local backend) vs unsharded, loss and gradients."""
+    families = fallback_census.hf_families()
+    if quick:
+        families = dict(list(families.items())[:1])
+    if not families:
+        say("  transformers not installed: HF families skipped")
+        return []
+    bad = []
+    for name, build in families.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = build().to(device=device, dtype=dtype)
+            params = {n: p.detach().requires_grad_() for n, p in model.named_parameters()}
+            ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+            out = torch.func.functional_call(model, params, (ids.to(device),))
+            want_loss = out.logits.float().pow(2).mean()
+            want = dict(zip(params, torch.autograd.grad(want_loss, list(params.values()))))
+            mesh = sf.Mesh((2,), ("tp",), backend="local", device_type=device)
+            loss, grads = fallback_census._hf_step(build, mesh, device, dtype)
+            err = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want[n]) for n in want])
+            say(f"  {name:8s} tp=2 {str(dtype)[6:]:9s} loss + {len(want)} grads: worst rel err {err:.1e} "
+                f"{_verdict(err, dtype)}")
+            if err > TOL[dtype]:
+                bad.append(f"{name} {dtype}")
+    return bad
+
+
+# -- 2. census --------------------------------------------------------------------------------------
+
+
+def census(device: str, quick: bool) -> None:
+    if device == "cuda":
+        rows = fallback_census.run_census("cuda", [torch.float32, torch.bfloat16], ["auto"])
+    else:  # the meta kernels stand in for CUDA's; SDPA routed to the kernel CUDA would pick
+        only = ["block", "llama"] if quick else None
+        rows = fallback_census.run_census("meta", [torch.float32, torch.bfloat16], ["cuda"], only)
+    say(fallback_census.report(rows))
+
+
+# -- 3. bench_sim -----------------------------------------------------------------------------------
+
+
+def _peak_line(peaks: dict) -> str:
+    if not peaks:
+        return ""
+    base = peaks.get(None)
+    parts = [f"unsharded {base / 2**20:.0f} MB"] if base else []
+    for config, b in peaks.items():
+        if config is not None:
+            parts.append(f"{config} {b / 2**20:.0f} MB ({b / base:.2f}x)" if base else f"{config} {b / 2**20:.0f} MB")
+    return "  step peak memory above resident: " + "; ".join(parts)
+
+
+def sim_runs(device: str, quick: bool, budget_s: float, start: float) -> None:
+    import torch._dynamo  # noqa: F401 - its counters
+    sizes = {"quick": bench_sim.QUICK} if quick else {"GPU": GPU_SIZE, "small": SMALL_SIZE}
+    steps = 2 if quick else 10
+    rtol = 1e-5 if device == "cpu" else 1e-3  # other kernels for other shapes on a GPU
+    for label, cfg in sizes.items():
+        peaks: dict = {}
+        rows, losses = bench_sim.measure(cfg, steps, device=device, rtol=rtol, peaks=peaks)
+        say(f"[eager, {label} size] " + bench_sim.report(cfg, rows, losses, rtol))
+        if peaks:
+            say(_peak_line(peaks))
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    for label, cfg in sizes.items():
+        for config in ("dp x tp (2, 4)",) if quick else bench_sim.CONFIGS:
+            if time.perf_counter() - start > budget_s:
+                say(f"[compiled, {label} size, {config}] skipped: over the --budget of {budget_s:.0f} s")
+                continue
+            torch._dynamo.reset()
+            peaks = {}
+            rows, losses = bench_sim.measure(cfg, max(steps // 2, 2), device=device, compile_backend=backend,
+                                             rtol=rtol * 10, configs=(config,), peaks=peaks)
+            (_, w0, w, c0, c), = rows
+            say(f"[compiled {backend}, {label} size] {config:16s} unsharded {w0 * 1e3:.2f} ms, "
+                f"simulated {w * 1e3:.2f} ms, {w / w0:.2f}x (CPU {c / c0:.2f}x)" + (_peak_line(peaks) if peaks else ""))
+    counters = torch._dynamo.utils.counters["inductor"]
+    say(f"inductor FX graph cache: {counters['fxgraph_cache_hit']} hits, {counters['fxgraph_cache_miss']} misses, "
+        f"{counters['fxgraph_cache_bypass']} bypasses")
+
+
+# -- 4 and 5. one 1-rank process group --------------------------------------------------------------
+
+
+def per_op(device: str, quick: bool, world: str) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = bench_dispatch.measure(20 if quick else 1000, 3 if quick else 10, device=device)
+        say(bench_dispatch.report(times, world))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def dist_values(device: str, quick: bool) -> None:
+    """The block on the dist backend's 1-rank world (Megatron specs on a (1, 1) mesh)."""
+    cfg = bench_sim.QUICK if quick else SMALL_SIZE
+    mesh = sf.Mesh((1, 1), ("dp", "tp"), backend="dist", device_type=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        plain = bench_sim.init_params(cfg, device=device, dtype=dtype)
+        want_loss, want_grads = block_loss_and_grads(plain, cfg, device, dtype, None)
+        params = {k: sf.distribute(v, bench_sim.MEGATRON.get(k, P()), mesh=mesh) for k, v in plain.items()}
+        loss, grads = block_loss_and_grads(params, cfg, device, dtype, mesh)
+        err = max([rel_err(loss, want_loss)] + [rel_err(g, w) for g, w in zip(grads, want_grads)])
+        say(f"  dist backend, 1-rank world, {str(dtype)[6:]:9s} loss + grads: worst rel err {err:.1e} "
+            f"{_verdict(err, dtype)}")
+        if dtype == torch.float32:
+            timed = {}
+            for name, ps in (("unsharded", plain), ("dist", params)):
+                block_loss_and_grads(ps, cfg, device, dtype, mesh if name == "dist" else None)  # warm
+                bench_sim._sync(device)
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    block_loss_and_grads(ps, cfg, device, dtype, mesh if name == "dist" else None)
+                bench_sim._sync(device)
+                timed[name] = (time.perf_counter() - t0) / 3
+            say(f"  fwd+bwd step: unsharded {timed['unsharded'] * 1e3:.2f} ms, dist {timed['dist'] * 1e3:.2f} ms "
+                f"({timed['dist'] / timed['unsharded']:.2f}x)")
+
+
+def with_world(device: str, fns: list[tuple[str, Callable[[], None]]], failures: list[str]) -> None:
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if device == "cuda":
+                torch.cuda.set_device(0)
+            bench_dispatch._init_world(tmp, backend)
+        except Exception:  # noqa: BLE001
+            failures.append(f"1-rank {backend} world")
+            say(f"\n=== 1-rank {backend} world: could not start ===\n{traceback.format_exc(limit=6)}")
+            return
+        try:
+            for title, fn in fns:
+                with section(title, failures):
+                    fn()
+        finally:
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (a smoke run)")
+    ap.add_argument("--budget", type=float, default=200.0,
+                    help="seconds after which the remaining compiled runs are skipped")
+    ns = ap.parse_args(argv)
+    quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
+    device = ns.device
+    start = time.perf_counter()
+    failures: list[str] = []
+    say(f"shardfn gpu_check: torch {torch.__version__}, python {sys.version.split()[0]}, device {device}"
+        + (f" ({torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda})" if device == "cuda" else "")
+        + (", quick" if quick else ""))
+    if device == "cuda" and not torch.cuda.is_available():
+        say("CUDA is not available: run with --device cpu --quick for a smoke run")
+        return 2
+    cfg = bench_sim.QUICK if quick else SMALL_SIZE
+    bad: list[str] = []
+    with section("1. values and gradients vs unsharded (block: bench_sim configurations; HF: TP)", failures):
+        bad += check_block_values(cfg, device)
+        bad += check_hf_values(device, quick)
+        if bad:
+            raise AssertionError(f"values differ from unsharded: {bad}")
+    with section(f"2. fallback census on {'cuda' if device == 'cuda' else 'meta (CUDA kernels routed)'}"
+                 " (target: none)", failures):
+        census(device, quick)
+    with section("3. bench_sim: simulated training step vs unsharded, eager and compiled", failures):
+        sim_runs(device, quick, ns.budget, start)
+    world = "1-rank NCCL world" if device == "cuda" else "1-rank gloo world"
+    with_world(device, [
+        (f"4. per-op overhead on {device} ({world})", lambda: per_op(device, quick, world)),
+        (f"5. dist backend on a {world}", lambda: dist_values(device, quick)),
+    ], failures)
+    say(f"\ngpu_check done in {time.perf_counter() - start:.0f} s; "
+        + (f"sections that failed: {', '.join(failures)}" if failures else "every section ran"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
