@@ -137,7 +137,7 @@ def _sync_cases(mesh, pg) -> dict[str, dict[str, Callable]]:
     """Gradient sync of 20 and 200 parameters: every variant returns the synced locals."""
     import shardfn as sf
     from shardfn import P
-    from shardfn.coalesce import BUCKET_BYTES
+    from shardfn.transforms.coalesce import BUCKET_BYTES
 
     cases = {}
     for n in (20, 200):
@@ -237,7 +237,7 @@ def _flat(out) -> torch.Tensor:
 def main(rounds: int, warmup: int) -> None:
     import shardfn as sf
     from shardfn.backends import dist as backend
-    from shardfn.interop import device_mesh
+    from shardfn.interop.dtensor import device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

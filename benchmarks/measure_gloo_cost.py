@@ -1,5 +1,5 @@
 """Measure gloo's per-collective latency (alpha) and bandwidth (beta) on this machine,
-for ``shardfn.plan.COST_MODELS["gloo"]``.
+for ``shardfn.plans.planner.COST_MODELS["gloo"]``.
 
 4 gloo processes over loopback run all_reduce and all_gather of 1 B .. 16 MB (float32
 elements, 1 B rounds up to one element); each point is the minimum over repeats (of the

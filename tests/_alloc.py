@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import shardfn as sf
-from shardfn.layout import max_local_numel
+from shardfn.values.layout import max_local_numel
 
 aten = torch.ops.aten
 SCALARS = 8  # constant-size temporaries (bounds, scalars) are not shard data

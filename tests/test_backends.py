@@ -65,7 +65,7 @@ def test_local_backend_holds_every_device() -> None:
 def test_local_build_calls_make_once_per_distinct_shard() -> None:
     """Replicas share one computed shard; the value is stored in its compact form."""
     mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
-    layout = sf.spec.to_layout(P("dp", None), 2, mesh)
+    layout = sf.values.spec.to_layout(P("dp", None), 2, mesh)
     calls = []
 
     def make(dev: int) -> torch.Tensor:

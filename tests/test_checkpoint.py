@@ -219,7 +219,7 @@ def test_sf_save_is_read_by_plain_dcp(tmp_path, mesh22) -> None:
 def test_dcp_load_into_partial_array_raises(tmp_path, mesh22) -> None:
     sf.checkpoint.save(tmp_path, {"w": torch.ones(2, 2)})
     target = sf.reshard(sf.zeros((2, 2), sharding=P(), mesh=mesh22), P(partial="x"))
-    from shardfn._checkpointable import create_chunk_list
+    from shardfn.arrays.checkpointable import create_chunk_list
 
     with pytest.raises(sf.ShardingError, match="pending reductions"):
         create_chunk_list(target)

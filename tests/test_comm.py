@@ -225,7 +225,7 @@ def test_pytree_reshard_is_one_all_reduce_per_bucket() -> None:
 
 
 def test_pytree_reshard_buckets_and_mixed_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardfn import coalesce
+    from shardfn.transforms import coalesce
 
     monkeypatch.setattr(coalesce, "BUCKET_BYTES", 100)
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
@@ -282,7 +282,7 @@ def _pending(full: list[torch.Tensor], mesh: sf.Mesh, op: str = "sum", axis: str
 
 
 def test_pytree_reshard_plan_cache_hits_and_never_goes_stale() -> None:
-    from shardfn import coalesce
+    from shardfn.transforms import coalesce
 
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
     torch.manual_seed(0)
@@ -321,7 +321,7 @@ def test_pytree_reshard_plan_cache_hits_and_never_goes_stale() -> None:
     for k, t in zip("abcdef", full):
         close(out[k], t)
     # a new cost model may regroup leaves: set_cost_model empties the cache
-    from shardfn import plan as plan_mod
+    from shardfn.plans import planner as plan_mod
 
     old = plan_mod.COST_MODELS["gloo"]
     try:
@@ -332,7 +332,8 @@ def test_pytree_reshard_plan_cache_hits_and_never_goes_stale() -> None:
 
 
 def test_pytree_reshard_with_unhashable_shardings_is_not_cached() -> None:
-    from shardfn import Replicate, coalesce
+    from shardfn import Replicate
+    from shardfn.transforms import coalesce
 
     mesh = sf.Mesh((4,), ("dp",), backend="local")
     torch.manual_seed(0)
@@ -409,7 +410,7 @@ def test_small_uneven_gather_is_one_collective_and_str_shows_both_terms() -> Non
 
 
 def test_cost_model_is_overridable() -> None:
-    from shardfn import plan as plan_mod
+    from shardfn.plans import planner as plan_mod
 
     mesh = sf.Mesh((2, 4), ("x", "y"), backend="local")
     old = plan_mod.COST_MODELS["gloo"]
@@ -499,7 +500,7 @@ def test_batched_product_under_torch_func_and_compile() -> None:
     close(torch.func.grad(f)(qs, ks), torch.func.grad(f)(q, k))
     vm = torch.func.vmap(lambda q, k: torch.einsum("hsd,htd->hst", q, k))
     close(vm(qs, ks), vm(q, k))
-    from shardfn import _contract
+    from shardfn.backends import custom_ops as _contract
     c = _contract.contract
     ref_v = torch.func.vmap(lambda q, k: c("hsd,htd->hst", q, k))(q, k)
     torch.testing.assert_close(ref_v, vm(q, k))

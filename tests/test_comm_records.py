@@ -8,9 +8,10 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 import shardfn as sf
-from shardfn import P, _comm_hooks
-from shardfn.plan import plan_layouts
-from shardfn.spec import to_layout
+from shardfn import P
+from shardfn.backends import hooks as _comm_hooks
+from shardfn.plans.planner import plan_layouts
+from shardfn.values.spec import to_layout
 
 HERE = __file__
 

@@ -89,9 +89,9 @@ def test_attention_runs_once_for_the_mesh_and_matches_torch(mesh24) -> None:
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_stacked_matmul_folds_broadcast_mesh_dims_and_matches_torch_matmul(data) -> None:
-    """local.matmul (the stacked kernel of mm/bmm/addmm) equals torch.matmul whatever the
+    """stacked_matmul.matmul (the stacked kernel of mm/bmm/addmm) equals torch.matmul whatever the
     leading dims broadcast, the strides or the dtype."""
-    from shardfn.backends.local import matmul
+    from shardfn.backends.stacked_matmul import matmul
 
     lead = data.draw(st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=3))
     la = [n if data.draw(st.booleans()) else 1 for n in lead]

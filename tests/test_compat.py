@@ -12,8 +12,8 @@ from torch._library.opaque_object import is_opaque_value_type
 from torch._opaque_base import OpaqueBaseMeta
 
 import shardfn as sf
-from shardfn import _compat
-from shardfn.layout import Layout
+from shardfn.values import torch_compat as _compat
+from shardfn.values.layout import Layout
 
 
 @pytest.mark.parametrize("version", ["2.10.1", "2.9.0+cu128", "1.13.1", "2.10.0a0+git123"])
@@ -65,8 +65,8 @@ def test_funcol_names_of_both_versions() -> None:
 
 
 def test_shardfn_calls_no_2_13_only_funcol_name_directly() -> None:
-    # torch 2.11 lacks funcol.all_gather_single / reduce_scatter_single: go through _compat
+    # torch 2.11 lacks funcol.all_gather_single / reduce_scatter_single: go through values/torch_compat.py
     root = Path(sf.__file__).parent
-    bad = [str(f.relative_to(root)) for f in root.rglob("*.py") if f.name != "_compat.py"
+    bad = [str(f.relative_to(root)) for f in root.rglob("*.py") if f.name != "torch_compat.py"
            and re.search(r"funcol\.(all_gather_single|reduce_scatter_single)", f.read_text())]
     assert bad == []

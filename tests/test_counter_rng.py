@@ -1,4 +1,4 @@
-"""Tests for shardfn._counter_rng (Philox-4x32-10 counter-based RNG)."""
+"""Tests for shardfn.random.counter_rng (Philox-4x32-10 counter-based RNG)."""
 
 import importlib
 import math
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-rng = importlib.import_module("shardfn._counter_rng")
+rng = importlib.import_module("shardfn.random.counter_rng")
 
 
 

@@ -13,7 +13,7 @@ import torch
 
 import shardfn as sf
 from shardfn import P
-from shardfn import dispatch as d
+from shardfn.arrays import dispatch as d
 from shardfn.backends.local import PerDeviceCall, StackedCall
 
 MESH = sf.Mesh((2, 2), ("x", "y"), backend="local")

@@ -10,7 +10,7 @@ import torch
 
 import shardfn as sf
 from shardfn import ImmutableError, NamedSharding, P, Partial, Replicate, Shard, ShardedArray, ShardingError
-from shardfn import dispatch as _dispatch
+from shardfn.arrays import dispatch as _dispatch
 
 
 # -- placements, meshes, NamedSharding ----------------------------------------------------

@@ -57,7 +57,7 @@ def test_error_fixed_by_the_suggested_reshard(mesh):
 
 
 def test_fallback_on_sharded_inputs_is_implicit(mesh, monkeypatch):
-    from shardfn import dispatch
+    from shardfn.arrays import dispatch
 
     xs = sf.distribute(torch.randn(10, 3), P("dp", None), mesh=mesh)
     monkeypatch.setattr(dispatch, "_cache", {})  # the fallback entries stay private to this test

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P
-from shardfn.layout import local_shapes
+from shardfn.values.layout import local_shapes
 
 FILLS = {
     "zeros": (lambda s, sh, m, dt: sf.zeros(s, sh, mesh=m, dtype=dt), lambda s, dt: torch.zeros(s, dtype=dt)),

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn import P, dispatch as _dispatch
-from shardfn import _inplace
+from shardfn import P
+from shardfn.arrays import dispatch as _dispatch
+from shardfn.arrays import fragments as _fragments
+from shardfn.arrays import inplace as _inplace
 
 
 @pytest.fixture
@@ -141,14 +143,14 @@ def test_gradients_through_warm_calls(mesh):
 
 
 def test_fragment_table_reset_keeps_results_right(mesh, monkeypatch):
-    monkeypatch.setattr(_dispatch, "_FRAGMENTS_MAX", 4)
-    monkeypatch.setattr(_dispatch, "_fragments", {})  # earlier tests may have interned these triples
+    monkeypatch.setattr(_fragments, "_FRAGMENTS_MAX", 4)
+    monkeypatch.setattr(_fragments, "_fragments", {})  # earlier tests may have interned these triples
     for _ in range(2):
         for n in range(2, 12, 2):
             t = torch.randn(n, 4)
             x = sf.distribute(t, P("x"), mesh=mesh)
             torch.testing.assert_close((x * 3).sum(0).full_tensor(), (t * 3).sum(0))
-    assert len(_dispatch._fragments) <= 4
+    assert len(_fragments._fragments) <= 4
 
 
 def test_copies_share_the_fragment(mesh, monkeypatch):
@@ -194,7 +196,7 @@ def test_non_canonical_storage_takes_the_checked_path(mesh, monkeypatch):
     """The fast path assumes op outputs' storage form (size 1 on mesh dims a value does
     not vary over). An array stored otherwise (a replicated value repeated per device)
     gets no fast key, and its results have torch's values and the canonical form."""
-    from shardfn.array import ShardedArray
+    from shardfn.arrays.array import ShardedArray
 
     t = torch.randn(3, 3)
     r = sf.distribute(t, P(), mesh=mesh)

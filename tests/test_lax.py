@@ -11,7 +11,7 @@ import torch
 
 import shardfn as sf
 from shardfn import P, ShardingError, lax
-from shardfn.transforms import _Inputs
+from shardfn.transforms.shard_map.api import _Inputs
 
 
 @pytest.fixture(params=["stacked", "per_device"])

@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P
-from shardfn.layout import all_boxes, device_box, is_even, local_shapes
-from shardfn.spec import to_layout
+from shardfn.values.layout import all_boxes, device_box, is_even, local_shapes
+from shardfn.values.spec import to_layout
 
 from conftest import meshes, shapes, specs
 

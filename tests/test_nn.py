@@ -16,7 +16,7 @@ from torch import nn
 
 import shardfn as sf
 from shardfn import P
-from shardfn.layout import max_local_numel
+from shardfn.values.layout import max_local_numel
 
 
 class Block(nn.Module):

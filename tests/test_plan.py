@@ -105,8 +105,8 @@ def test_no_plan_moves_more_bytes_than_the_best_per_axis_plan(mesh24):
     import itertools
     import math
 
-    from shardfn.plan import _per_axis_bytes
-    from shardfn.spec import to_layout
+    from shardfn.plans.planner import _per_axis_bytes
+    from shardfn.values.spec import to_layout
 
     specs = [P(), P("x"), P("y"), P(None, "x"), P(None, "y"), P("x", "y"), P("y", "x"), P(("x", "y")),
              P(("y", "x")), P(None, ("x", "y")), P("x", partial="y"), P(partial="x")]
@@ -128,7 +128,7 @@ def test_reshard_executes_exactly_its_plan(mesh24):
     plan = sf.plan_redistribute(x.sharding, P(None, ("y", "x")), x.shape)
     with CommCounter() as c:
         sf.reshard(x, P(None, ("y", "x")))
-    comm = [s for s in plan.steps if s.kind in sf.plan.COMM_KINDS]
+    comm = [s for s in plan.steps if s.kind in sf.plans.planner.COMM_KINDS]
     assert c.steps == comm and c.bytes == plan.bytes_per_device
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P
-from shardfn.layout import device_box
+from shardfn.values.layout import device_box
 
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
          torch.bfloat16: torch.int16}

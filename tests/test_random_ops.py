@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P
-from shardfn.layout import device_box
+from shardfn.values.layout import device_box
 
 aten = torch.ops.aten
 
@@ -236,7 +236,7 @@ def test_seeded_per_stage_streams_and_restore(mesh24):
         b = sf.gather(torch.rand_like(x))
     assert torch.equal(a, sf.random.uniform(sf.random.fold_in(sf.random.key(7), 0), (8, 8)))
     assert torch.equal(b, sf.random.uniform(sf.random.fold_in(sf.random.key(7), 1), (8, 8)))
-    assert sf.random._state.key is None
+    assert sf.random.keys._state.key is None
 
 
 def test_set_seed_rejects_bad_keys():

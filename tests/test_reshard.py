@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import ShardedArray
-from shardfn.layout import device_box, local_shapes
-from shardfn.spec import to_layout
+from shardfn.values.layout import device_box, local_shapes
+from shardfn.values.spec import to_layout
 
 from conftest import meshes, reduce_parts, shapes, specs
 
@@ -51,7 +51,7 @@ def test_reshard_preserves_the_value(data):
 
 
 def to_layout_spec(spec, ndim, mesh):
-    from shardfn.spec import layout_to_spec
+    from shardfn.values.spec import layout_to_spec
 
     return layout_to_spec(to_layout(spec, ndim, mesh))
 
@@ -67,7 +67,7 @@ def test_plan_never_moves_more_than_gathering_everything(data):
     from_full = sf.plan_redistribute(sf.P(), dst, shape, mesh=mesh)
     assert from_full.bytes_per_device == 0
     assert plan.bytes_per_device <= gather_all.bytes_per_device
-    assert all(step.kind in sf.plan.KINDS for step in plan.steps)
+    assert all(step.kind in sf.plans.planner.KINDS for step in plan.steps)
 
 
 @given(st.data())

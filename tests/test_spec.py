@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import NamedSharding, P, Partial, Replicate, Shard, ShardingError
-from shardfn.spec import to_layout
+from shardfn.values.spec import to_layout
 
 from conftest import meshes, specs
 

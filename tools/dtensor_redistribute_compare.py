@@ -53,7 +53,7 @@ def cases() -> list[tuple]:
 
 
 def _sf_placements(codes: tuple):
-    from shardfn.spec import Partial, Replicate, Shard
+    from shardfn.values.spec import Partial, Replicate, Shard
 
     return tuple(Replicate() if c == "R" else Shard(int(c[1])) if c[0] == "S" else Partial(c[1:]) for c in codes)
 

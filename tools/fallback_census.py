@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
-from shardfn import dispatch as _dispatch  # noqa: E402
+from shardfn.arrays import dispatch as _dispatch  # noqa: E402
 
 aten = torch.ops.aten
 SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")

@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .._compat import funcol_gather_scatter
-from ..errors import ShardingError
-from ..layout import Layout, describe, local_shapes, split_range
-from ..mesh import Mesh
-from ..plan import Step
-from ._device_call import DeviceCall, raw_op, substitute, with_locals
+from ..values.errors import ShardingError
+from ..values.torch_compat import funcol_gather_scatter
+from ..values.layout import Layout, describe, local_shapes, split_range
+from ..values.mesh import Mesh
+from ..plans.planner import Step
+from .device_call import DeviceCall, raw_op, substitute, with_locals
+from .hooks import SHARD_MAP_RUNNERS
 from .local import _reduce
 
 _all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
@@ -668,7 +669,7 @@ def check_replicas(mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) 
 
 
 def _replica_env() -> str:
-    from .._replicas import ENV
+    from ..values.replica_checks import ENV
 
     return ENV
 
@@ -683,6 +684,14 @@ def _meta_str(row: list[int]) -> str:
     ndim = row[2]
     shape = tuple(row[3:3 + min(ndim, _META_DIMS)]) + (("...",) if ndim > _META_DIMS else ())
     return f"{names.get(row[1], 'an unknown dtype')}{list(shape)}"
+
+
+def all_local_shapes(t: torch.Tensor, mesh: Mesh) -> list[tuple[int, ...]]:
+    """Every rank's shape of its tensor ``t`` (one small all_gather over the mesh)."""
+    mine = torch.tensor([list(t.shape)], dtype=torch.int64)
+    group = _state(mesh).groups[mesh.axis_names]
+    every = pin_in_real_trace(funcol.wait_tensor(_all_gather_single(mine, 0, group.pg)))
+    return [tuple(int(n) for n in row) for row in every]
 
 
 def shard_list(value: torch.Tensor, mesh: Mesh) -> tuple[torch.Tensor, ...]:
@@ -798,7 +807,6 @@ class DistBackend:
     def output_shape(self, outs: Sequence[torch.Tensor], layout: Layout, exchange: bool) -> tuple[int, ...]:
         if not exchange:
             return global_shape(outs, layout, None)
-        from .._dist_lax import all_local_shapes
         from . import local
 
         metas = [torch.empty(s, device="meta") for s in all_local_shapes(outs[0], layout.mesh)]
@@ -818,10 +826,8 @@ class DistBackend:
         return False  # plans run on concrete shard sizes
 
     def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-        """This rank's part of the body, collectives through ``_dist_lax.py``."""
-        from .. import _dist_lax
-
-        return _dist_lax.shard_map_call(f, inputs, out_specs, check_vma, kwargs)
+        """This rank's part of the body, collectives through ``transforms/shard_map/dist.py``."""
+        return SHARD_MAP_RUNNERS["dist"](f, inputs, out_specs, check_vma, kwargs)
 
     def default_device_type(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,10 +18,12 @@ from typing import Any, Sequence, Union
 
 import torch
 
-from ..layout import Layout, device_box, is_even, local_shapes
-from ..mesh import Mesh
-from ..plan import Step, _exchange
-from ._device_call import DeviceCall, raw_op, substitute, with_locals
+from ..values.layout import Layout, device_box, is_even, local_shapes
+from ..values.mesh import Mesh
+from ..plans.planner import Step, _exchange
+from ..values.sharded import Sharded
+from .device_call import DeviceCall, raw_op, substitute, with_locals
+from .hooks import SHARD_MAP_RUNNERS
 
 Value = Union[torch.Tensor, tuple]
 
@@ -129,92 +131,6 @@ def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:
     if isinstance(value, tuple):
         return value[device]
     return value[tuple(c if n > 1 else 0 for c, n in zip(mesh.coords(device), value.shape))]
-
-
-# -- products on stacked values -----------------------------------------------------------
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.matmul(a, b)`` of stacked operands (both at least 2-d, leading dims
-    broadcasting), without materialising a broadcast operand where that can be avoided.
-
-    A leading dim on which only ``a`` varies (``b`` is the same there: e.g. a weight
-    replicated over 'dp') is folded into ``a``'s rows, one on which only ``b`` varies (an
-    activation replicated over 'tp' times a column-split weight) into ``b``'s columns, and
-    the product runs as one mm / bmm over the dims both vary on. ``torch.matmul`` would
-    instead copy each broadcast operand once per replica and run many small GEMMs. The
-    result is a view of the folded product (not contiguous where a fold interleaves)."""
-    ra, rb = a.dim(), b.dim()
-    if ra < 2 or rb < 2 or (ra < 3 and rb < 3):
-        return torch.matmul(a, b)
-    if ra < rb:
-        a = a.view((1,) * (rb - ra) + tuple(a.shape))
-    elif rb < ra:
-        b = b.view((1,) * (ra - rb) + tuple(b.shape))
-    plan = _fold_plan(a, b)
-    if plan is None:
-        return torch.matmul(a, b)
-    a_order, a_shape, b_order, b_shape, out_shape, out_order = plan
-    a3 = a.permute(a_order).reshape(a_shape)
-    b3 = b.permute(b_order).reshape(b_shape)
-    out = torch.bmm(a3, b3) if a_shape[0] != 1 else torch.mm(a3[0], b3[0]).unsqueeze(0)
-    return out.view(out_shape).permute(out_order)
-
-
-def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
-    """How :func:`matmul` folds the leading dims of ``a`` and ``b`` (of one rank), or
-    None when ``torch.matmul`` copies no more (no broadcast leading dim, symbolic sizes,
-    or folds that would copy more)."""
-    r = a.dim()
-    sa, sb = a.shape, b.shape
-    for n in (*sa, *sb):
-        if type(n) is not int:  # symbolic sizes (torch.compile): leave them to torch.matmul
-            return None
-    lead = r - 2
-    common = [i for i in range(lead) if sa[i] == sb[i]]
-    rows = [i for i in range(lead) if sa[i] != sb[i] and sb[i] == 1]
-    cols = [i for i in range(lead) if sa[i] != sb[i] and sa[i] == 1]
-    if not rows and not cols or len(common) + len(rows) + len(cols) != lead:
-        return None
-    m, k, n = sa[-2], sa[-1], sb[-1]
-    # the dims an operand is broadcast on (size 1 there) ride along with the common ones
-    a_order = [*common, *cols, *rows, r - 2, r - 1]
-    b_order = [*common, *rows, r - 2, *cols, r - 1]
-    fold_copies = (0 if _mergeable(a, common) and _mergeable(a, [*rows, r - 2]) else a.numel()) + (
-        0 if _mergeable(b, common) and _mergeable(b, [*cols, r - 1]) else b.numel())
-    # torch.matmul expands each broadcast operand to the full batch and reshapes (copies) it
-    matmul_copies = (a.numel() * _prod_sizes(sb, cols) if cols else 0) + (
-        b.numel() * _prod_sizes(sa, rows) if rows else 0)
-    if fold_copies > matmul_copies:
-        return None
-    c = _prod_sizes(sa, common)
-    ma, nb = _prod_sizes(sa, rows), _prod_sizes(sb, cols)
-    out_shape = (*[sa[i] for i in common], *[sa[i] for i in rows], m, *[sb[i] for i in cols], n)
-    # position of each output dim (leading dims in order, then m, n) within out_shape
-    where = {d: j for j, d in enumerate([*common, *rows, "m", *cols, "n"])}
-    out_order = [where[i] for i in range(lead)] + [where["m"], where["n"]]
-    return a_order, (c, ma * m, k), b_order, (c, k, nb * n), out_shape, out_order
-
-
-def _prod_sizes(shape: Sequence[int], dims: Sequence[int]) -> int:
-    p = 1
-    for i in dims:
-        p *= shape[i]
-    return p
-
-
-def _mergeable(t: torch.Tensor, dims: Sequence[int]) -> bool:
-    """Whether dims ``dims`` of ``t`` (major first) merge into one dim as a view."""
-    expected = None
-    for i in reversed(dims):
-        n = t.shape[i]
-        if n == 1:
-            continue
-        s = t.stride(i)
-        if expected is not None and s != expected:
-            return False
-        expected = s * n
-    return True
 
 
 # -- reductions -----------------------------------------------------------------------
@@ -579,7 +495,7 @@ def global_shape(shards: Sequence[torch.Tensor], layout: Layout, shape: Sequence
                  check_ranks: bool = True) -> tuple[int, ...]:
     """The global shape the shards describe (or ``shape``), checked against the layout
     (every device's shard is here, so ``check_ranks`` has nothing more to check)."""
-    from ..errors import ShardingError
+    from ..values.errors import ShardingError
 
     mesh = layout.mesh
     actual = tuple(tuple(s.shape) for s in shards)
@@ -628,9 +544,9 @@ def all_true(flags: Sequence[bool], mesh: Mesh) -> bool:
 def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], positional: tuple | None) -> Any:
     """The local computation of one strategy on this backend's values: one call on the
     stacked values when every layout is even and the call has a batched form
-    (``_batching``), else once per device. ``(args, kwargs, values, symbolic) -> flat
+    (``batching``), else once per device. ``(args, kwargs, values, symbolic) -> flat
     outputs`` (stacked values or per-device tuples, non-tensor outputs as they are)."""
-    from . import _batching
+    from . import batching as _batching
 
     per_device = PerDeviceCall(func, cand, call, out_shapes, positional)
     canon = tuple(torch.Size(canonical_sizes(v._layout)) for _, v in call.arrays)
@@ -735,7 +651,7 @@ class StackedCall:
 
 
 def _is_sharding_error(e: Exception) -> bool:
-    from ..errors import ShardingError
+    from ..values.errors import ShardingError
 
     return isinstance(e, ShardingError)
 
@@ -827,10 +743,9 @@ class LocalBackend:
         return list(shards)
 
     def unpack_local(self, local, mesh: Mesh) -> list:
-        from ..array import ShardedArray
-        from ..errors import ShardingError
+        from ..values.errors import ShardingError
 
-        if isinstance(local, torch.Tensor) and not isinstance(local, ShardedArray):
+        if isinstance(local, torch.Tensor) and not isinstance(local, Sharded):
             if local.dim() >= 1 and local.shape[0] == mesh.size:
                 return list(local.unbind(0))
             raise ShardingError(
@@ -865,12 +780,9 @@ class LocalBackend:
         return not isinstance(value, tuple)  # stacked values keep symbolic sizes; per-device parts do not
 
     def shard_map(self, f, inputs, out_specs, check_vma: bool, kwargs: dict):
-        """Even inputs: the body once under vmap over the mesh (``_stacked.py``); else
-        once per device in threads (``_per_device.py``)."""
-        from ..transforms import _run_per_device, _run_stacked
-
-        run = _run_stacked if inputs.even() else _run_per_device
-        return run(f, inputs, out_specs, check_vma, kwargs)
+        """Even inputs: the body once under vmap over the mesh; else once per device in
+        threads (``transforms/shard_map/stacked.py``, ``per_device.py``)."""
+        return SHARD_MAP_RUNNERS["local"](f, inputs, out_specs, check_vma, kwargs)
 
     def axis_group(self, mesh: Mesh, axes: Sequence[str]) -> None:
         return None  # devices are simulated in this process: no process groups

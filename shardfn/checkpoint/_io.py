@@ -17,12 +17,12 @@ from typing import Any, Iterator
 import optree
 import torch
 
-from .._checkpointable import empty_value
-from ..array import ARRAY_TYPES, ShardedArray, reshard, wrap
-from ..backends import backend_for
-from ..errors import ShardingError
-from ..mesh import Mesh, current_mesh
-from ..spec import NamedSharding, P, to_layout
+from ..arrays.checkpointable import empty_value
+from ..arrays.array import ARRAY_TYPES, ShardedArray, reshard, wrap
+from ..backends.registry import backend_for
+from ..values.errors import ShardingError
+from ..values.mesh import Mesh, current_mesh
+from ..values.spec import NamedSharding, P, to_layout
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 

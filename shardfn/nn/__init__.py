@@ -27,12 +27,12 @@ import attrs
 import torch
 from torch import nn
 
-from .. import random as _random
-from ..array import ShardedArray, distribute
-from ..errors import ShardingError
-from ..layout import Layout, describe
-from ..mesh import Mesh
-from ..spec import P, Sharding, to_layout
+from ..random import keys as _random
+from ..arrays.array import ShardedArray, distribute
+from ..values.errors import ShardingError
+from ..values.layout import Layout, describe
+from ..values.mesh import Mesh
+from ..values.spec import P, Sharding, to_layout
 from . import init as init
 from .activations import ActivationHandle, UnmatchedRulesWarning, shard_activations
 from .init import Initializer

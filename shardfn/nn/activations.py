@@ -19,12 +19,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..array import ShardedArray, distribute
-from ..errors import ShardingError
-from ..layout import Layout
-from ..mesh import Mesh
-from ..spec import NamedSharding, P, _is_placements
-from ..transforms import with_sharding_constraint
+from ..arrays.array import ShardedArray, distribute
+from ..values.errors import ShardingError
+from ..values.layout import Layout
+from ..values.mesh import Mesh
+from ..values.spec import NamedSharding, P, _is_placements
+from ..transforms.constraints import with_sharding_constraint
 
 __all__ = ["ActivationHandle", "UnmatchedRulesWarning", "shard_activations"]
 

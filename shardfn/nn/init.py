@@ -16,10 +16,10 @@ from typing import Protocol
 import attrs
 import torch
 
-from .. import random as _random
-from ..factory import full
-from ..mesh import Mesh
-from ..spec import Sharding
+from ..random import keys as _random
+from ..arrays.factories import full
+from ..values.mesh import Mesh
+from ..values.spec import Sharding
 
 __all__ = [
     "Initializer", "constant", "kaiming_normal", "kaiming_uniform", "normal", "ones", "uniform",

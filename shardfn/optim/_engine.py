@@ -16,9 +16,9 @@ import attrs
 import optree
 import torch
 
-from ..array import ShardedArray, reshard
-from ..errors import ShardingError
-from ..layout import Layout
+from ..arrays.array import ShardedArray, reshard
+from ..values.errors import ShardingError
+from ..values.layout import Layout
 from ._storage import from_storage, in_layout, resolved, storage, zero_layout
 
 # torch.optim optimizers whose update is not element-wise (a shard cannot be stepped alone)

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from ..array import ShardedArray, wrap
-from ..backends import backend_for
-from ..errors import ShardingError
-from ..layout import Layout, local_shapes
+from ..arrays.array import ShardedArray, wrap
+from ..backends.registry import backend_for
+from ..values.errors import ShardingError
+from ..values.layout import Layout, local_shapes
 
 
 def resolved(layout: Layout) -> Layout:
@@ -73,7 +73,7 @@ def in_layout(x: Any, layout: Layout | None, what: str) -> torch.Tensor:
     if layout is None:
         return x.full_tensor() if isinstance(x, ShardedArray) else x
     if not isinstance(x, ShardedArray):
-        from ..array import distribute
+        from ..arrays.array import distribute
 
         return distribute(x.detach(), layout)
     if x.mesh != layout.mesh:

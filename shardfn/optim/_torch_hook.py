@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..array import ShardedArray
-from ..errors import ImmutableError
+from ..arrays.array import ShardedArray
+from ..values.errors import ImmutableError
 
 _OWN = ("SGD", "Adam", "AdamW")
 _installed = False

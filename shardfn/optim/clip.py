@@ -13,10 +13,10 @@ from typing import Any
 import optree
 import torch
 
-from ..array import ShardedArray, reshard, wrap
-from ..backends import backend_for
-from ..errors import ShardingError
-from ..layout import Layout
+from ..arrays.array import ShardedArray, reshard, wrap
+from ..backends.registry import backend_for
+from ..values.errors import ShardingError
+from ..values.layout import Layout
 from ._storage import from_storage, resolved, storage
 
 

@@ -15,8 +15,9 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import ShardingError
-from ..layout import Layout
+from ..values.errors import ShardingError
+from ..values.layout import Layout
+from ..arrays import rule_table
 from .base import Candidate, OpCall, Rule
 from .dims import compile_dims, einsum_dims, parse_einsum
 
@@ -70,7 +71,7 @@ def _probe_letters(eq: str, ins: Sequence[str], out: str, call: OpCall) -> None:
     sizes = {L: 2 + i for i, L in enumerate(sorted(set("".join(ins))))}
     probes = iter([torch.empty([sizes[L] for L in letters], dtype=v.dtype, device="meta")
                    for letters, (_, v) in zip(ins, call.arrays)])
-    from ..array import ShardedArray
+    from ..arrays.array import ShardedArray
 
     args, kwargs = pytree.tree_map_only(ShardedArray, lambda _: next(probes), (call.args, call.kwargs))
     try:
@@ -120,7 +121,7 @@ class SpecFnRule:
 
 
 def _is_one_spec(s: Any) -> bool:
-    from ..spec import P, _is_placements
+    from ..values.spec import P, _is_placements
 
     return isinstance(s, P) or _is_placements(s)
 
@@ -149,7 +150,7 @@ def _input_specs(call: OpCall, in_specs: Any) -> list:
 
 
 def _layout(call: OpCall, spec: Any, ndim: int, where: str) -> Layout:
-    from ..spec import P, to_layout
+    from ..values.spec import P, to_layout
 
     try:
         return to_layout(P() if spec is None else spec, ndim, call.mesh, arg=where)
@@ -263,7 +264,5 @@ def register_sharding(op: Any, rule: Any = None) -> Any:
 
 
 def _install(ops: list, rule: Rule) -> None:
-    from . import register
-
     for o in ops:
-        register(o, rule)
+        rule_table.register(o, rule)

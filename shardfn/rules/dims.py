@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from ..layout import Layout
+from ..values.layout import Layout
 from .base import Candidate, OpCall
 
 Letters = tuple[str | None, ...]

@@ -1,4 +1,4 @@
-"""Rules for shardfn's own ops (``shardfn/_contract.py``): torch composites that
+"""Rules for shardfn's own ops (``shardfn/backends/custom_ops.py``): torch composites that
 ``_BatchedArray.__torch_function__`` runs as one op so that their sharding survives.
 
 - ``shardfn::contract(equation, a, b)``: the equation is the rule, so every batch letter
@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .. import _contract  # noqa: F401  (registers torch.ops.shardfn.*)
+from ..backends import custom_ops as _contract  # noqa: F401  (registers torch.ops.shardfn.*)
 from .base import Candidate, OpCall, letters
 from .dims import LINEAR_OPS, Dims, compile_dims, einsum_dims, parse_einsum
 

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..layout import Layout
+from ..values.layout import Layout
 from .base import Candidate, OpCall, ShardFact, bind
 
 aten = torch.ops.aten
@@ -30,7 +30,7 @@ _MEAN, _SUM = 1, 2
 
 
 def _sharded(x: Any) -> bool:
-    from ..array import ShardedArray
+    from ..arrays.array import ShardedArray
 
     return isinstance(x, ShardedArray)
 
@@ -45,7 +45,7 @@ def _nll_mean(func: Any, args: tuple, kwargs: dict) -> Any:
     with torch.no_grad():
         total, weight = func(x, t, b["weight"], _SUM, b["ignore_index"])
         both = torch.stack([total, weight])
-        from ..array import raw_reshard, wrap
+        from ..arrays.array import raw_reshard, wrap
 
         rep = Layout(both.mesh, ((),))
         both = wrap(raw_reshard(both, rep), rep, both.shape, both.dtype)

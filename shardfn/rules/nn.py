@@ -14,8 +14,8 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ..layout import local_shapes
-from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters
+from ..values.layout import local_shapes
+from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters, replicated
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .loss import ClassSharded
 
@@ -39,6 +39,10 @@ class Leading:
     batched_outs: tuple[int, ...] | None = None
     grouped: tuple[str, ...] = ()
     grouped_outs: tuple[int, ...] = ()
+    loose_outs: tuple[int, ...] = ()  # outputs that are replicated unless they carry every leading dim
+
+    def _loose(self, i: int, lettered: tuple, ls: tuple[str, ...]) -> bool:
+        return i in self.loose_outs and not set(ls) <= set(lettered)
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
@@ -60,10 +64,18 @@ class Leading:
             if self.batched_outs is None or i in self.batched_outs
             else (None,) * m.dim()
             for i, m in enumerate(call.out_metas))
+        loose = {i for i, o in enumerate(outs) if o is not None and self._loose(i, o, ls)}
+        outs = tuple(None if i in loose else o for i, o in enumerate(outs))
         partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear)
         spec = Dims(ins, outs, tuple((L, "sum") for L in ls) if reduce else (),
                     LINEAR_OPS if partial_ins else (), partial_ins=partial_ins)
-        return compile_dims(call, spec)
+        cands = compile_dims(call, spec)
+        if not loose:
+            return cands
+        # per-call constants (RNG state, sequence offsets, empty placeholders): replicated
+        fill = {i: replicated(call.mesh, call.out_metas[i].dim()) for i in loose}
+        return [attrs.evolve(c, out_layouts=tuple(fill.get(i, o) for i, o in enumerate(c.out_layouts)))
+                for c in cands]
 
 
 _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only
@@ -98,6 +110,11 @@ def _heads_lead(b: dict) -> tuple[int, bool]:
     return 2, False
 
 
+def _heads_reduce(b: dict) -> tuple[int, bool]:
+    """Backward with a bias gradient: a bias broadcast over batch/heads gets a pending sum."""
+    return 2, True
+
+
 @attrs.frozen
 class Attention:
     """Fused attention (and its backward) with grouped-query kv heads: query head ``h``
@@ -107,25 +124,29 @@ class Attention:
     are dropped (the heads stay whole: a correct, costlier plan)."""
 
     forward: bool
+    loose_outs: tuple[int, ...] = ()  # see Leading: RNG state, cumulative sequence lengths, debug mask
+    reduce: bool = False  # a bias gradient among the outputs (pending sum where the bias broadcasts)
+    dense_gqa: bool = False  # grouped-query calls need dense inputs (the CPU kernel)
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
         q, k = b["query"], b["key"]
         fn = _EmptyHeads(call.func)
+        base = Leading(_ATTN, _heads_reduce if self.reduce else _heads_lead, loose_outs=self.loose_outs)
         if q.dim() != 4 or k.dim() != 4 or q.shape[1] == k.shape[1]:
-            cands = _ATTN_RULE.candidates(call)
+            cands = base.candidates(call)
         else:
             hq, hkv = q.shape[1], k.shape[1]
             if hkv == 0 or hq % hkv:
                 return []
-            rule = _ATTN_GQA if self.forward else _ATTN_GQA_BWD
+            rule = attrs.evolve(base, grouped=("key", "value"), grouped_outs=() if self.forward else (1, 2))
             qi = 0 if self.forward else 1
             mesh = call.mesh
             cands = [c for c in rule.candidates(call)
                      if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
         # the CPU kernel misreads grouped-query heads from transposed strides (which gathers
         # produce): those calls need dense inputs; other layouts it reads as they are
-        grouped = q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
+        grouped = self.dense_gqa and q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
         return [attrs.evolve(c, dense=grouped, local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
 
 
@@ -245,10 +266,26 @@ class _AnyOf:
 _NLL = _AnyOf((Leading(("self", "target"), _nll_lead, batched_outs=(0,)), ClassSharded(backward=False)))
 _NLL_BWD = _AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,)),
                    ClassSharded(backward=True)))
-_ATTN = ("query", "key", "value", "attn_mask", "grad_out", "out", "logsumexp", "attn_bias")
-_ATTN_RULE = Leading(_ATTN, _heads_lead)
-_ATTN_GQA = Leading(_ATTN, _heads_lead, grouped=("key", "value"))
-_ATTN_GQA_BWD = Leading(_ATTN, _heads_lead, grouped=("key", "value"), grouped_outs=(1, 2))
+# the efficient kernel's backward names its gradient grad_out_
+_ATTN = ("query", "key", "value", "attn_mask", "grad_out", "grad_out_", "out", "logsumexp", "attn_bias")
+# CUDA's fused kernels: outputs beyond (output, logsumexp) are per-call constants -- cumulative
+# sequence lengths, the dropout RNG's philox seed/offset (drawn per device: dropout masks are
+# not sharding-invariant), an empty or (batch, heads)-led debug mask
+_FLASH_LOOSE = (1, 2, 3, 6, 7, 8)
+ATTENTION_RULES = {
+    aten._scaled_dot_product_flash_attention_for_cpu: Attention(forward=True, dense_gqa=True),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: Attention(forward=False, dense_gqa=True),
+    aten._scaled_dot_product_flash_attention: Attention(forward=True, loose_outs=_FLASH_LOOSE),
+    aten._scaled_dot_product_flash_attention_backward: Attention(forward=False),
+    aten._scaled_dot_product_efficient_attention: Attention(forward=True, loose_outs=(1, 2, 3)),
+    aten._scaled_dot_product_efficient_attention_backward: Attention(forward=False, reduce=True),
+    aten._scaled_dot_product_cudnn_attention: Attention(forward=True, loose_outs=_FLASH_LOOSE),
+    aten._scaled_dot_product_cudnn_attention_backward: Attention(forward=False),
+    aten._scaled_dot_product_fused_attention_overrideable: Attention(forward=True, loose_outs=_FLASH_LOOSE),
+    aten._scaled_dot_product_fused_attention_overrideable_backward: Attention(forward=False, reduce=True),
+}
+_RMS = Leading(("input",), _layer_norm_lead(False))
+_RMS_BWD = Leading(("grad_out", "input", "rstd"), _layer_norm_lead(True), batched_outs=(0,))
 
 TABLE = {
     aten.native_layer_norm: _LN,
@@ -257,8 +294,9 @@ TABLE = {
     aten.nll_loss2d_forward: _NLL,
     aten.nll_loss_backward: _NLL_BWD,
     aten.nll_loss2d_backward: _NLL_BWD,
-    aten._scaled_dot_product_flash_attention_for_cpu: Attention(forward=True),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: Attention(forward=False),
+    **{op: rule for op, rule in ATTENTION_RULES.items()},
+    aten._fused_rms_norm: _RMS,
+    aten._fused_rms_norm_backward: _RMS_BWD,
     aten.embedding: Embedding(),
     aten.convolution: Leading(("input",), _conv_lead, batched_outs=(0,)),
     aten.convolution_backward: Leading(("grad_output", "input"), _conv_lead, batched_outs=(0,)),

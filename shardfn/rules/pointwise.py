@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..layout import Layout
+from ..values.layout import Layout
 from .base import Candidate, OpCall
 
 aten = torch.ops.aten

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ..layout import is_even, local_shapes
+from ..values.layout import is_even, local_shapes
 from .base import Candidate, OpCall, bind, letters, norm_dims
 from .dims import LINEAR_OPS, Dims, compile_dims
 

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from ..layout import Layout, split_range
-from ..mesh import Mesh
+from ..values.layout import Layout, split_range
+from ..values.mesh import Mesh
 from .base import Candidate, OpCall, bind, letters, norm_dims
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .reductions import AlongDim

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn.layout import device_box
-from shardfn.spec import to_layout
+from shardfn.values.layout import device_box
+from shardfn.values.spec import to_layout
 
 WORLD = 4
 MESHES = {"4": ((4,), ("x",)), "2x2": ((2, 2), ("x", "y"))}

@@ -16,7 +16,7 @@ from dist_harness import assert_equal, collect, is_dist, local_twin, scenario
 
 import shardfn as sf
 from shardfn import P
-from shardfn.spec import to_layout
+from shardfn.values.spec import to_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -21,7 +21,7 @@ from dist_harness import (
 
 import shardfn as sf
 from shardfn import P
-from shardfn.spec import to_layout
+from shardfn.values.spec import to_layout
 
 SHAPES_2D = [(8, 12), (7, 5), (3, 2)]
 

@@ -25,7 +25,7 @@ import opinfo_common as oc  # noqa: E402
 
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
-from shardfn import dispatch as _dispatch  # noqa: E402
+from shardfn.arrays import dispatch as _dispatch  # noqa: E402
 
 MESH = sf.Mesh(oc.MESH_SHAPE, oc.AXES, backend="local")
 OPS = oc.op_db()

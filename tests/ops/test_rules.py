@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P, ShardingError
-from shardfn import dispatch as _dispatch
-from shardfn import rules as _rules
+from shardfn.arrays import dispatch as _dispatch
+from shardfn.arrays import rule_table as _rules
 
 MESHES = [((2, 2), ("x", "y")), ((4,), ("x",)), ((2, 4), ("x", "y"))]
 

@@ -1,0 +1,60 @@
+"""Key fragments: one interned, identity-hashed object per (layout, shape, dtype), kept on
+each ShardedArray, from which dispatch builds its fast cache keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..backends.registry import backend_for
+from ..values.layout import Layout
+from .reduced import reduced_forms
+
+
+_fragments: dict[tuple, Any] = {}
+_FRAGMENTS_MAX = 65536
+
+
+def _fragment(x: Any) -> Any:
+    """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
+    it); None while its shape is symbolic or its storage is not in the canonical form. A
+    pending value's fragment also names the reductions already at hand (free to read:
+    strategies are costed with them), and is not kept on a view linked to its base."""
+    layout = x._layout
+    if layout.partial:
+        forms = reduced_forms(x)
+        if forms:
+            layout = (layout, forms)
+    try:
+        k = fragment_of(layout, tuple(x.shape), x.dtype)
+    except TypeError:  # SymInts do not hash
+        return None
+    if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
+        return None  # fast-path calls assume the canonical form (``_Entry.warm``)
+    if "_derived" not in x.__dict__:
+        x._kf = k
+    return k
+
+
+def fragment_of(layout: Any, shape: tuple, dtype: torch.dtype) -> Any:
+    """A unique object per (layout, shape, dtype): fast keys hash it by identity. Never
+    reused for another triple (dropping the table only makes new objects)."""
+    k = _fragments.get((layout, shape, dtype))
+    if k is None:
+        if len(_fragments) >= _FRAGMENTS_MAX:
+            _fragments.clear()
+        k = _fragments[(layout, shape, dtype)] = _Fragment()
+    return k
+
+
+class _Fragment:
+    """An identity-hashed stand-in for one (layout, shape, dtype) in fast keys."""
+
+    __slots__ = ("__weakref__",)
+
+    def __copy__(self) -> _Fragment:
+        return self  # a copied array keeps hitting its original's entries
+
+    def __deepcopy__(self, memo: dict) -> _Fragment:
+        return self

@@ -1,0 +1,592 @@
+"""One local call for every device of the local backend (its stacked values).
+
+A stacked value has the mesh dims in front: ``(d_0, ..., d_{m-1}, *local_shape)``. Most
+ops batch over leading dims once their dim arguments name the same logical dims: this
+module turns a strategy's local call (``device_call``: the op or ``local_op``, localised
+sizes, dense inputs) into a call on stacked values, computed once per cache entry:
+
+- *schema-driven dim arguments*: a non-negative ``dim``/``dims``/``dim0``/``dim1``/
+  ``dim2``/``dimension`` becomes negative (it then names the same logical dim with the
+  mesh dims prepended); for reductions an absent dim list ("all dims") becomes the
+  explicit logical dims;
+- *size arguments* (``local_sizes``) get the input's mesh dims prepended;
+- *elementwise* calls (``broadcast``) pad lower-rank operands with size-1 dims after
+  the mesh dims, so broadcasting lines up the logical dims;
+- *batched forms* for ops that do not batch over leading dims (``mm`` and friends as
+  ``matmul``, ``t``, ``permute``, ``repeat``, ``expand``, ``new_*`` factories, reductions
+  without a dim argument, layer norm and embedding with their replicated weights
+  unstacked, convolution and flash attention with the mesh dims folded into the batch).
+
+:func:`batched_call` returns None where no batched form is known (custom ops, indexing,
+nn kernels, a ``local_fn``): the local backend then runs the call once per device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import custom_ops as _contract  # noqa: F401  (registers torch.ops.shardfn.*, whose kernels batch)
+from ..values.schema import _schema_info
+from ..values.sharded import Sharded
+from ..values.errors import ShardingError
+from ..values.layout import local_shapes
+from . import device_call as dc
+from . import stacked_matmul
+
+aten = torch.ops.aten
+
+_DIM_NAMES = frozenset({"dim", "dims", "dim0", "dim1", "dim2", "dimension"})
+_DIM_TYPES = frozenset({"int", "int?", "int[]", "int[1]", "int[]?", "int[1]?", "List[int]", "Optional[int]",
+                        "Optional[List[int]]"})
+
+
+def _packets(*names: str) -> frozenset:
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+# Ops whose dim list means "all dims" when it is None or empty.
+_ALL_DIMS = _packets(
+    "sum", "nansum", "mean", "amax", "amin", "count_nonzero", "var", "std", "var_mean", "std_mean",
+    "logsumexp", "linalg_vector_norm", "any", "all",
+)
+# Ops for which an empty dim list means the flattened tensor.
+_FLAT_WHEN_EMPTY = _packets("roll")
+# Ops whose dim arguments count the output's dims (a new dim is inserted).
+_OUT_RANK = _packets("unsqueeze", "unsqueeze_copy", "stack", "select_backward", "slice_backward")
+# Ops that batch over leading dims once their dim arguments are negative.
+_LEADING = _ALL_DIMS | _OUT_RANK | _packets(
+    "max", "min", "argmax", "argmin", "prod", "median", "nanmedian", "mode", "kthvalue",
+    "_softmax", "_safe_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "sort", "linalg_cross", "topk",
+    "flip", "roll", "tril", "triu", "gather", "scatter", "scatter_add", "scatter_reduce",
+    "transpose", "transpose_copy", "select", "select_copy", "slice", "slice_copy", "split",
+    "split_copy", "split_with_sizes", "split_with_sizes_copy", "unsafe_split", "unsafe_split_with_sizes",
+    "unbind", "unbind_copy", "diagonal", "diagonal_copy", "unfold", "unfold_copy", "cat",
+    "constant_pad_nd", "view_as_complex", "view_as_real", "zeros_like", "ones_like", "empty_like",
+    "full_like", "view", "_unsafe_view", "reshape", "view_copy",
+) | {aten.squeeze.dims, aten.squeeze_copy.dims, torch.ops.shardfn.contract.default,
+     torch.ops.shardfn.rms_norm.default, torch.ops.shardfn.rms_norm_backward.default}
+
+
+class Info:
+    """What a batched form may read about the call: the first call's arguments by
+    schema name (static values; sharded ones replaced by their logical shapes), logical
+    ranks and shapes of the sharded arguments by path, output shapes, the mesh rank,
+    and each localised size argument's splits (pieces per dim) and local shape."""
+
+    def __init__(self, func: Any, op: Any, cand: Any, call: Any, out_shapes: Sequence[Any]) -> None:
+        self.func, self.op, self.cand = func, op, cand
+        self.m = call.mesh.ndim
+        self.shapes = {p: tuple(v.shape) for p, v in call.arrays}
+        self.layouts = {p: l for (p, _), l in zip(call.arrays, cand.in_layouts)}
+        self.out_shapes = list(out_shapes)
+
+        def static(v: Any) -> Any:
+            if isinstance(v, Sharded):
+                return tuple(v.shape)
+            if isinstance(v, (list, tuple)):
+                return type(v)(static(x) for x in v)
+            return v
+
+        self.dtypes = {p: v.dtype for p, v in call.arrays}
+        self.args, self.kwargs = call.args, call.kwargs
+        self.out_dtypes = [getattr(o, "dtype", None) for o in call.out_metas]
+        names, defaults = _schema_info(func)
+        self.bound = dict(defaults)
+        self.bound.update(zip(names, (static(a) for a in call.args)))
+        self.bound.update({k: static(v) for k, v in call.kwargs.items()})
+        first = next(iter(self.shapes.items()), (None, ()))
+        lists = [s for p, s in self.shapes.items() if isinstance(p, tuple) and p[0] == 0]
+        self.rank = max(len(s) for s in lists) if lists and isinstance(first[0], tuple) else len(first[1])
+        self.sizes = []
+        for name, i in cand.local_sizes:
+            lay = cand.out_layouts[i]
+            self.sizes.append((name, dc.size_splits(lay), tuple(local_shapes(lay, tuple(out_shapes[i]))[0])))
+
+
+def batched_call(func: Any, cand: Any, call: Any, out_shapes: Sequence[Any]) -> Callable | None:
+    """``(args, kwargs, symbolic) -> op result`` on stacked values (sharded arguments
+    already substituted), or None when the call has no batched form."""
+    if cand.local_fn is not None:
+        return None  # written against one device's shard
+    op = dc.local_op(func, cand)
+    info = Info(func, op, cand, call, out_shapes)
+    target = cand.local_op or func
+    form = _FORMS.get(target) or _FORMS.get(getattr(target, "overloadpacket", None))
+    if form is not None:
+        return form(info)
+    if cand.broadcast:
+        return _elementwise(info, op)
+    if target in _LEADING or getattr(target, "overloadpacket", None) in _LEADING:
+        return _generic(info, op)
+    return None
+
+
+def _generic(info: Info, fn: Callable) -> "_Call | None":
+    """``fn`` with the dim arguments translated and sizes localised."""
+    fixes = _dim_fixes(info)
+    return None if fixes is None else _Call(info, fn, fixes, info.sizes)
+
+
+class _Call:
+    """The local call on stacked values: local_op rebinding, static argument fixes
+    (translated dims), sizes with the mesh dims prepended, dense inputs, then ``fn``."""
+
+    def __init__(self, info: Info, fn: Callable, fixes: Sequence[tuple[str, Any]], sized: Sequence,
+                 align: Sequence[tuple[Any, int]] = ()) -> None:
+        self.fn = fn
+        self.rebind = dc.rebinder(info.func, info.cand)
+        target = info.cand.local_op or info.func
+        self.names = _schema_info(target)[0]
+        self.kw_only = {a.name for a in target._schema.arguments if a.kwarg_only}
+        self.fixes = [(self._where(n), v) for n, v in fixes]
+        self.sized = [(self._where(n), splits, local) for n, splits, local in sized]
+        self.align = list(align)
+        self.dense = info.cand.dense
+        self.m = info.m
+        self.op_name = str(info.func)
+        # nothing to adapt: callers may call ``fn(*args, **kwargs)`` directly
+        self.direct = fn if self.rebind is None and not (self.fixes or self.sized or self.align or self.dense) else None
+
+    def _where(self, name: str) -> tuple[int, str]:
+        """Argument ``name`` of the local op: (position or -1 if keyword-only, name)."""
+        return (-1 if name in self.kw_only else self.names.index(name)), name
+
+    def __call__(self, args: tuple, kwargs: dict, symbolic: bool = False) -> Any:
+        if self.rebind is not None:
+            args, kwargs = self.rebind(args, kwargs)
+        if self.fixes or self.sized or self.align or self.dense:
+            args, kwargs = list(args), dict(kwargs)
+            for where, v in self.fixes:
+                _set(args, kwargs, where, v)
+            m = self.m
+            for where, splits, local in self.sized:
+                if symbolic:
+                    local = _symbolic_local(_get(args, kwargs, where), splits, self.op_name)
+                _set(args, kwargs, where, [*args[0].shape[:m], *local])
+            for where, pad in self.align:
+                x = _get(args, kwargs, where)
+                _set(args, kwargs, where, x.reshape(*x.shape[:m], *([1] * pad), *x.shape[m:]))
+            if self.dense:
+                args = [dc.dense(a) for a in args]
+                kwargs = {k: dc.dense(v) for k, v in kwargs.items()}
+        return self.fn(*args, **kwargs)
+
+
+def _get(args: list, kwargs: dict, where: tuple[int, str]) -> Any:
+    i, name = where
+    return args[i] if 0 <= i < len(args) else kwargs[name]
+
+
+def _set(args: list, kwargs: dict, where: tuple[int, str], v: Any) -> None:
+    i, name = where
+    if 0 <= i < len(args):
+        args[i] = v
+    else:
+        kwargs[name] = v
+
+
+def _symbolic_local(sizes: Sequence[Any], splits: Sequence[int], op: str) -> list:
+    """Local sizes from global ones that may be symbolic (torch.compile dynamic shapes)."""
+    out = []
+    for n, k in zip(sizes, splits):
+        if k > 1 and not isinstance(n, torch.SymInt) and n < 0:
+            raise ShardingError(f"{op}: a -1 size on a sharded dim with dynamic sizes; give the size")
+        out.append(n if k == 1 else n // k)
+    return out
+
+
+def _target(info: Info) -> Any:
+    return info.cand.local_op or info.func
+
+
+def _dim_fixes(info: Info) -> list | None:
+    """(name, value) for each dim argument of the local op, made negative (the logical
+    dims keep their names once the mesh dims are prepended); None when some dim cannot
+    be named that way (a 0-d value, roll's empty dim list meaning "flattened")."""
+    target = _target(info)
+    packet = getattr(target, "overloadpacket", None)
+    ref = len(info.out_shapes[0]) if packet in _OUT_RANK else info.rank
+    b = {**info.bound, **dict(info.cand.local_args)}
+    fixes = []
+    for a in target._schema.arguments:
+        if a.name not in _DIM_NAMES or str(a.type) not in _DIM_TYPES:
+            continue
+        v = b.get(a.name)
+        empty = v is None or isinstance(v, (list, tuple)) and not v
+        if empty and packet not in _ALL_DIMS:
+            if v is None or packet not in _FLAT_WHEN_EMPTY:
+                continue  # the op's own default, or no dims
+            return None
+        if ref == 0:
+            return None
+        if empty:
+            v = list(range(-ref, 0))
+        elif isinstance(v, int):
+            v = v - ref if v >= 0 else v
+        else:
+            v = [d - ref if d >= 0 else d for d in v]
+        fixes.append((a.name, v))
+    return fixes
+
+
+def _elementwise(info: Info, fn: Callable) -> "_Call | None":
+    """An elementwise call: lower-rank operands padded after the mesh dims."""
+    outs = [len(s) for s in info.out_shapes if s is not None]
+    if not outs:
+        return None
+    rank = max(outs)
+    if any(len(s) == 0 for s in info.shapes.values()) and rank > 0 and _promotes_apart(info):
+        return None  # a 0-d operand with mesh dims would take part in type promotion as dimensioned
+    names = _schema_info(_target(info))[0]
+    align = []
+    for p, shape in info.shapes.items():
+        pad = rank - len(shape)
+        if pad <= 0:
+            continue
+        if isinstance(p, tuple):
+            return None
+        align.append(((p, names[p]) if isinstance(p, int) else (-1, p), pad))
+    return _Call(info, fn, (), (), align)
+
+
+def _promotes_apart(info: Info) -> bool:
+    """Whether the op, run on operands that carry mesh dims, gives other dtypes than on
+    the logical ones: torch promotes a 0-d tensor below dimensioned ones (``int32 *
+    tensor(3)`` is int32), which a stacked 0-d value (shape ``(1,) * m``) is not."""
+    def stacked(v: Any) -> Any:
+        if isinstance(v, Sharded):
+            return torch.empty((1,) * info.m + tuple(v.shape), dtype=v.dtype, device="meta")
+        if isinstance(v, (list, tuple)):
+            return type(v)(stacked(x) for x in v)
+        return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+    try:
+        with torch.no_grad():
+            out = info.func(*(stacked(a) for a in info.args), **{k: stacked(v) for k, v in info.kwargs.items()})
+    except Exception:  # noqa: BLE001 - no batched form then; the per-device path decides
+        return True
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return [getattr(o, "dtype", None) for o in outs] != info.out_dtypes
+
+
+def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """masked_fill with a stacked (per-device) value tensor."""
+    return torch.where(mask, value.to(x.dtype), x)
+
+
+def _fill_tensor(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """fill.Tensor with a stacked (per-device) value (torch's needs a 0-d one)."""
+    return value.to(x.dtype).expand(torch.broadcast_shapes(x.shape, value.shape)).contiguous()
+
+
+def _pad_after_mesh(t: torch.Tensor, m: int, rank: int) -> torch.Tensor:
+    """A stacked value of logical rank below ``rank``, padded with size-1 dims after the mesh dims."""
+    r = t.dim() - m
+    return t if r == rank else t.reshape(*t.shape[:m], *([1] * (rank - r)), *t.shape[m:])
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """mm/bmm of stacked operands: leading (mesh) dims on which one operand is the same
+    fold into the other's rows or columns (``local.matmul``): one GEMM, no copy of a
+    replicated operand."""
+    return stacked_matmul.matmul(a, b)
+
+
+def _mv(a: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, v.unsqueeze(-1)).squeeze(-1)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum(-1, dtype=a.dtype)
+
+
+def _vdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.conj() * b).sum(-1, dtype=a.dtype)
+
+
+def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.unsqueeze(-1) * b.unsqueeze(-2)
+
+
+def _bsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b).sum(-3)
+
+
+def _product(product: Callable) -> Callable[[Info], "_Call"]:
+    """A matrix product as a batched matmul-based function."""
+    def build(info: Info) -> _Call:
+        return _Call(info, product, (), ())
+
+    return build
+
+
+def _addend(product: Callable) -> Callable[[Info], "_Call"]:
+    """``beta * self + alpha * product(a, b)`` with ``self`` broadcast against the product."""
+    def build(info: Info) -> _Call:
+        m, rank = info.m, len(info.out_shapes[0])
+
+        def run(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+            out = product(a, b)
+            if alpha != 1:
+                out = out * alpha
+            if beta == 0:
+                return out
+            bias = _pad_after_mesh(bias, m, rank)
+            return out + (bias if beta == 1 else bias * beta)
+
+        return _Call(info, run, (), ())
+
+    return build
+
+
+def _t(info: Info) -> _Call:
+    return _Call(info, (lambda x: x.transpose(-1, -2)) if info.rank == 2 else (lambda x: x), (), ())
+
+
+def _permute(info: Info) -> _Call:
+    m, n = info.m, info.rank
+    dims = [*range(m), *(m + d % n for d in info.bound["dims"])] if n else list(range(m))
+    return _Call(info, dc.local_op(info.func, info.cand), (("dims", dims),), ())
+
+
+def _repeat(info: Info) -> _Call:
+    m, n = info.m, info.rank
+
+    def run(x: torch.Tensor, repeats: Sequence[int]) -> torch.Tensor:
+        reps = list(repeats)
+        x = x.reshape(*x.shape[:m], *([1] * (len(reps) - n)), *x.shape[m:])
+        return x.repeat(*([1] * m), *reps)
+
+    return _Call(info, run, (), ())
+
+
+def _expand(info: Info) -> _Call:
+    m = info.m
+
+    def run(x: torch.Tensor, size: Sequence[int], *, implicit: bool = False) -> torch.Tensor:
+        lead = len(size) - x.dim()
+        return x.reshape(*x.shape[:m], *([1] * lead), *x.shape[m:]).expand(size)
+
+    return _Call(info, run, (), info.sizes)
+
+
+def _new_factory(info: Info) -> _Call:
+    """new_zeros/new_ones/new_empty/new_full: one replicated result (size 1 on the mesh dims)."""
+    op, m = info.func, info.m
+
+    def run(x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        one = op(x[(0,) * m], *rest, **kwargs)
+        return one.view(*(1,) * m, *one.shape)
+
+    return _Call(info, run, (), ())
+
+
+def _cat(info: Info) -> "_Call | None":
+    """cat, skipping torch's legacy empty 1-D operands as torch does."""
+    shapes = [s for p, s in info.shapes.items() if isinstance(p, tuple)]
+    skip = frozenset(p[1] for p, s in info.shapes.items() if isinstance(p, tuple) and s == (0,)) \
+        if any(s != (0,) for s in shapes) else frozenset()
+
+    def run(tensors: Sequence[torch.Tensor], *rest: Any, **kwargs: Any) -> torch.Tensor:
+        return aten.cat.default([t for j, t in enumerate(tensors) if j not in skip], *rest, **kwargs)
+
+    return _generic(info, run if skip else aten.cat.default)
+
+
+def _all_dims(reduce: Callable[[torch.Tensor, list, tuple, dict], Any]) -> Callable[[Info], "_Call | None"]:
+    """A reduction overload without a dim argument (all dims): ``reduce(x, dims, rest, kwargs)``
+    with the logical dims explicit."""
+    def build(info: Info) -> "_Call | None":
+        n = info.rank
+        if n == 0:
+            return None
+        dims = list(range(-n, 0))
+        return _Call(info, lambda x, *rest, **kwargs: reduce(x, dims, rest, kwargs), (), ())
+
+    return build
+
+
+def _flat_index(op: Any) -> Callable[[Info], "_Call | None"]:
+    """argmax/argmin: ``dim=None`` indexes the flattened logical dims."""
+    def build(info: Info) -> "_Call | None":
+        if info.bound.get("dim") is not None:
+            return _generic(info, op)
+        n = info.rank
+        if n == 0:
+            return None
+
+        def run(x: torch.Tensor, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
+            out = op(x.flatten(-n), -1, keepdim)
+            return out.reshape(*out.shape[:-1], *([1] * n)) if keepdim else out
+
+        return _Call(info, run, (), ())
+
+    return build
+
+
+def _count_nonzero(info: Info) -> "_Call | None":
+    if info.bound.get("dim") is not None:
+        return _generic(info, aten.count_nonzero.default)
+    return _all_dims(lambda x, d, r, k: aten.count_nonzero.dim_IntList(x, d))(info)
+
+
+def _attention(info: Info) -> "_Call | None":
+    """Flash attention without a mask: every tensor starts with the batch dim, so the
+    mesh dims fold into it and the kernel runs once for the whole mesh (made contiguous
+    only for grouped-query heads, which the CPU kernel misreads from transposed strides;
+    other layouts it reads as they are, as unsharded torch does)."""
+    if info.bound.get("attn_mask") is not None:
+        return None
+    op, m = info.func, info.m
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        # the mesh dims of the inputs are 1 or the axis size: their broadcast is the max
+        lead = [max(t.shape[i] for t in tensors) for i in range(m)]
+        heads = [t.shape[m + 1] for t in tensors if t.dim() == m + 4]
+        grouped = any(h != heads[0] for h in heads[1:])
+
+        def fold(a: Any) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            a = a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
+            return a.contiguous() if grouped else a
+
+        outs = op(*[fold(a) for a in args], **kwargs)
+        return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)
+
+    return _Call(info, run, (), ())
+
+
+def _same_everywhere(info: Info, *names: str) -> bool:
+    """Whether the sharded arguments called ``names`` are the same on every device
+    (replicated, nothing pending): one copy of them serves the whole batch."""
+    schema = _schema_info(info.func)[0]
+    for p, lay in info.layouts.items():
+        name = schema[p] if isinstance(p, int) else p if isinstance(p, str) else schema[p[0]]
+        if name in names and (any(lay.dims) or lay.partial):
+            return False
+    return True
+
+
+def _one(t: Any, m: int) -> Any:
+    """A stacked value that is the same on every device, as one logical tensor."""
+    return t[(0,) * m] if isinstance(t, torch.Tensor) else t
+
+
+def _layer_norm(info: Info) -> "_Call | None":
+    """native_layer_norm batches over leading dims; weight and bias (replicated) are unstacked."""
+    if not _same_everywhere(info, "weight", "bias"):
+        return None
+    m = info.m
+
+    def run(x: torch.Tensor, shape: Any, weight: Any, bias: Any, eps: float) -> Any:
+        return aten.native_layer_norm.default(x, shape, _one(weight, m), _one(bias, m), eps)
+
+    return _Call(info, run, (), ())
+
+
+def _layer_norm_backward(info: Info) -> "_Call | None":
+    """The input gradient from the kernel (batched over leading dims); the weight and
+    bias gradients per device (each device's sum over its rows: a pending sum where the
+    rows are sharded), which the kernel would sum over the mesh dims too."""
+    if not _same_everywhere(info, "weight", "bias"):
+        return None
+    m, lead = info.m, info.rank - len(info.bound["normalized_shape"])
+    rows = list(range(m, m + lead))
+
+    def run(g: torch.Tensor, x: torch.Tensor, shape: Any, mean: torch.Tensor, rstd: torch.Tensor,
+            weight: Any, bias: Any, mask: Sequence[bool]) -> Any:
+        gi, _, _ = aten.native_layer_norm_backward.default(
+            g, x, shape, mean, rstd, _one(weight, m), _one(bias, m), [mask[0], False, False])
+        gw = gb = None
+        if mask[1]:
+            gw = g * ((x - mean) * rstd)
+            gw = gw.sum(rows) if rows else gw
+        if mask[2]:
+            gb = g.sum(rows) if rows else g.clone()
+        return gi, gw, gb
+
+    return _Call(info, run, (), ())
+
+
+def _embedding(info: Info) -> "_Call | None":
+    """embedding with a replicated weight: one lookup of the stacked indices."""
+    if not _same_everywhere(info, "weight"):
+        return None
+    m = info.m
+
+    def run(weight: torch.Tensor, indices: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        return aten.embedding.default(_one(weight, m), indices, *rest, **kwargs)
+
+    return _Call(info, run, (), ())
+
+
+def _convolution(info: Info) -> "_Call | None":
+    """convolution with replicated weight and bias: the mesh dims folded into the batch
+    dim (an unbatched input's mesh dims become its batch)."""
+    if not _same_everywhere(info, "weight", "bias"):
+        return None
+    m = info.m
+    batched = info.rank == len(info.shapes.get(1, info.bound["weight"]))
+
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: Any, *rest: Any) -> torch.Tensor:
+        mesh_dims = x.shape[:m]
+        flat = x.reshape(-1, *x.shape[m + 1:]) if batched else x.reshape(-1, *x.shape[m:])
+        out = aten.convolution.default(flat, _one(weight, m), _one(bias, m), *rest)
+        return out.reshape(*mesh_dims, -1, *out.shape[1:]) if batched else out.reshape(*mesh_dims, *out.shape[1:])
+
+    return _Call(info, run, (), ())
+
+
+_FORMS: dict[Any, Callable[[Info], Any]] = {
+    aten.mm: _product(_mm),
+    aten.bmm: _product(_mm),
+    aten.mv: _product(_mv),
+    aten.dot: _product(_dot),
+    aten.vdot: _product(_vdot),
+    aten.outer: _product(_outer),
+    aten.ger: _product(_outer),
+    aten.addmm: _addend(_mm),
+    aten.baddbmm: _addend(_mm),
+    aten.addmv: _addend(_mv),
+    aten.addbmm: _addend(_bsum),
+    aten.addr: _addend(_outer),
+    aten.masked_fill.Tensor: lambda info: _elementwise(info, _masked_fill),
+    aten.fill.Tensor: lambda info: _elementwise(info, _fill_tensor),
+    aten.t: _t,
+    aten.t_copy: _t,
+    aten.permute: _permute,
+    aten.permute_copy: _permute,
+    aten.repeat: _repeat,
+    aten.expand: _expand,
+    aten.expand_copy: _expand,
+    aten.new_zeros: _new_factory,
+    aten.new_ones: _new_factory,
+    aten.new_empty: _new_factory,
+    aten.new_full: _new_factory,
+    aten.cat: _cat,
+    aten.argmax: _flat_index(aten.argmax.default),
+    aten.argmin: _flat_index(aten.argmin.default),
+    aten.count_nonzero.default: _count_nonzero,
+    aten.sum.default: _all_dims(lambda x, d, r, k: aten.sum.dim_IntList(x, d, False, **k)),
+    aten.mean.default: _all_dims(lambda x, d, r, k: aten.mean.dim(x, d, False, **k)),
+    aten.max.default: _all_dims(lambda x, d, r, k: aten.amax.default(x, d)),
+    aten.min.default: _all_dims(lambda x, d, r, k: aten.amin.default(x, d)),
+    aten.any.default: _all_dims(lambda x, d, r, k: aten.any.dims(x, d)),
+    aten.all.default: _all_dims(lambda x, d, r, k: aten.all.dims(x, d)),
+    aten.prod.default: _all_dims(lambda x, d, r, k: aten.prod.dim_int(x.flatten(-len(d)), -1, False, **k)),
+    aten.var.default: _all_dims(lambda x, d, r, k: aten.var.dim(x, d, *r)),
+    aten.std.default: _all_dims(lambda x, d, r, k: aten.std.dim(x, d, *r)),
+    aten.var_mean.default: _all_dims(lambda x, d, r, k: aten.var_mean.dim(x, d, *r)),
+    aten.std_mean.default: _all_dims(lambda x, d, r, k: aten.std_mean.dim(x, d, *r)),
+    aten.native_layer_norm.default: _layer_norm,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
+    aten.embedding.default: _embedding,
+    aten.convolution.default: _convolution,
+    aten._scaled_dot_product_flash_attention_for_cpu: _attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention,
+}

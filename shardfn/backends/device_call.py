@@ -1,0 +1,161 @@
+"""One device's local computation of a compiled strategy (both backends).
+
+A rule's :class:`~shardfn.rules.base.Candidate` describes the local call in logical
+terms: the op itself or ``local_op`` with ``local_args``, size arguments to localise
+(``local_sizes``), a ``local_fn`` with the shard facts it needs, dense inputs. Here that
+becomes a call on one device's shards (the dist backend's own rank, or each device of
+the local backend's per-device path). ``batching`` runs the same description once for
+every device of the local backend.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..values.schema import _schema_info, bind, replace_arg
+from ..values.layout import Layout, device_box, local_shapes
+
+aten = torch.ops.aten
+
+# Shards can be non-contiguous (results of collectives): a view of a shard is a reshape.
+_AS_RESHAPE = frozenset({aten.view.default, aten._unsafe_view.default, aten.view_copy.default})
+
+
+def _reshape(x: torch.Tensor, size: Sequence[Any], *rest: Any, **kwargs: Any) -> torch.Tensor:
+    """``view``/``_unsafe_view`` of a shard (it may not be viewable): a reshape."""
+    return x.reshape(size)
+
+
+def local_op(func: Any, cand: Any) -> Any:
+    """The op each device runs: ``local_op`` or the op itself (views as reshapes)."""
+    op = cand.local_op or func
+    return _reshape if op in _AS_RESHAPE else op
+
+
+def rebinder(func: Any, cand: Any) -> Callable[[tuple, dict], tuple[tuple, dict]] | None:
+    """Maps the op's arguments to ``local_op``'s (by schema name) with ``local_args``
+    set; None when the arguments pass unchanged."""
+    if cand.local_op is None and not cand.local_args:
+        return None
+    target = cand.local_op or func
+    fixed = dict(cand.local_args)
+    if target is func:
+        def same(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            for name, v in fixed.items():
+                args, kwargs = replace_arg(func, args, kwargs, name, v)
+            return args, kwargs
+
+        return same
+    schema = target._schema.arguments
+    names = [a.name for a in schema if not a.kwarg_only]
+    kw_names = [a.name for a in schema if a.kwarg_only]
+
+    def rebind(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        b = bind(func, args, kwargs)
+        b.update(fixed)
+        _, defaults = _schema_info(target)
+        pos = tuple(b[n] if n in b else defaults[n] for n in names)
+        return pos, {n: b[n] for n in kw_names if n in b}
+
+    return rebind
+
+
+def size_splits(layout: Layout) -> tuple[int, ...]:
+    """Per dim of ``layout``: into how many pieces it is split."""
+    mesh = layout.mesh
+    return tuple(math.prod(mesh.axis_size(a) for a in axes) for axes in layout.dims)
+
+
+def dense(v: Any) -> Any:
+    """A tensor (or tensors) contiguous with conj/neg flags resolved."""
+    if isinstance(v, torch.Tensor):
+        return v.resolve_conj().resolve_neg().contiguous()
+    if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+        return type(v)(dense(t) for t in v)
+    return v
+
+
+def substitute(args: tuple, kwargs: dict, values: dict, positional: tuple | None,
+               fn: Callable | None = None) -> tuple[tuple, dict]:
+    """args/kwargs with each sharded argument (by path) replaced by ``fn(its backend
+    value)`` (the value itself when ``fn`` is None)."""
+    if positional is not None:
+        a = list(args)
+        if fn is None:
+            for p in positional:
+                a[p] = values[p]
+        else:
+            for p in positional:
+                a[p] = fn(values[p])
+        return tuple(a), kwargs
+    fn = fn or same
+    new = []
+    for i, x in enumerate(args):
+        if isinstance(x, (list, tuple)):
+            new.append(type(x)(fn(values[(i, j)]) if (i, j) in values else y for j, y in enumerate(x)))
+        else:
+            new.append(fn(values[i]) if i in values else x)
+    return tuple(new), {k: fn(values[k]) if k in values else v for k, v in kwargs.items()}
+
+
+def same(v: Any) -> Any:
+    return v
+
+
+def with_locals(args: tuple, positional: tuple, index: Any = None) -> list:
+    """A warm call's arguments: ``args`` with each array at ``positional`` replaced by its
+    backend value (``value[index]`` when ``index`` is given)."""
+    a = list(args)
+    if index is None:
+        for p in positional:
+            a[p] = args[p]._local
+    else:
+        for p in positional:
+            a[p] = args[p]._local[index]
+    return a
+
+
+def raw_op(fn: Any) -> Any:
+    """An aten op's C++ callable (``OpOverload.__call__`` is one Python frame around it,
+    a measurable share of a warm call), anything else as it is."""
+    return fn._op if isinstance(fn, torch._ops.OpOverload) else fn
+
+
+class DeviceCall:
+    """The local call of one strategy on the shards of the given devices: ``(args,
+    kwargs, dev) -> flat outputs``. Localised sizes and shard facts are computed once
+    per device, when the strategy is compiled."""
+
+    def __init__(self, func: Any, cand: Any, in_shapes: Sequence[tuple], out_shapes: Sequence[Any],
+                 devices: Sequence[int]) -> None:
+        self.func = func
+        self.fn = cand.local_fn or local_op(func, cand)
+        self.rebind = rebinder(func, cand) if cand.local_fn is None else None
+        self.dense = cand.dense
+        self.sizes = {dev: [] for dev in devices}
+        for name, i in cand.local_sizes:
+            shapes = local_shapes(cand.out_layouts[i], tuple(out_shapes[i]))
+            for dev in devices:
+                self.sizes[dev].append((name, list(shapes[dev])))
+        self.facts = {dev: {} for dev in devices}
+        for f in cand.facts:
+            for dev in devices:
+                lo, hi = device_box(cand.in_layouts[f.input], tuple(in_shapes[f.input]), dev)[f.dim]
+                self.facts[dev][f.name] = lo if f.kind == "offset" else hi - lo
+        trivial = not (cand.local_sizes or cand.facts or cand.dense) and self.rebind is None
+        self.direct = self.fn if trivial else None  # nothing to adapt: call ``fn`` directly
+
+    def __call__(self, args: tuple, kwargs: dict, dev: int) -> list:
+        for name, size in self.sizes[dev]:
+            args, kwargs = replace_arg(self.func, args, kwargs, name, size)
+        if self.rebind is not None:
+            args, kwargs = self.rebind(args, kwargs)
+        if self.dense:
+            args = tuple(dense(a) for a in args)
+            kwargs = {k: dense(v) for k, v in kwargs.items()}
+        facts = self.facts[dev]
+        out = self.fn(*args, **kwargs, **facts) if facts else self.fn(*args, **kwargs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]

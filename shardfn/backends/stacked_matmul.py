@@ -1,0 +1,91 @@
+"""``matmul`` of stacked operands (the local backend's kernel of mm / bmm / addmm on
+stacked shards): broadcast leading dims folded into rows or columns, one GEMM, no copies."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul(a, b)`` of stacked operands (both at least 2-d, leading dims
+    broadcasting), without materialising a broadcast operand where that can be avoided.
+
+    A leading dim on which only ``a`` varies (``b`` is the same there: e.g. a weight
+    replicated over 'dp') is folded into ``a``'s rows, one on which only ``b`` varies (an
+    activation replicated over 'tp' times a column-split weight) into ``b``'s columns, and
+    the product runs as one mm / bmm over the dims both vary on. ``torch.matmul`` would
+    instead copy each broadcast operand once per replica and run many small GEMMs. The
+    result is a view of the folded product (not contiguous where a fold interleaves)."""
+    ra, rb = a.dim(), b.dim()
+    if ra < 2 or rb < 2 or (ra < 3 and rb < 3):
+        return torch.matmul(a, b)
+    if ra < rb:
+        a = a.view((1,) * (rb - ra) + tuple(a.shape))
+    elif rb < ra:
+        b = b.view((1,) * (ra - rb) + tuple(b.shape))
+    plan = _fold_plan(a, b)
+    if plan is None:
+        return torch.matmul(a, b)
+    a_order, a_shape, b_order, b_shape, out_shape, out_order = plan
+    a3 = a.permute(a_order).reshape(a_shape)
+    b3 = b.permute(b_order).reshape(b_shape)
+    out = torch.bmm(a3, b3) if a_shape[0] != 1 else torch.mm(a3[0], b3[0]).unsqueeze(0)
+    return out.view(out_shape).permute(out_order)
+
+
+def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
+    """How :func:`matmul` folds the leading dims of ``a`` and ``b`` (of one rank), or
+    None when ``torch.matmul`` copies no more (no broadcast leading dim, symbolic sizes,
+    or folds that would copy more)."""
+    r = a.dim()
+    sa, sb = a.shape, b.shape
+    for n in (*sa, *sb):
+        if type(n) is not int:  # symbolic sizes (torch.compile): leave them to torch.matmul
+            return None
+    lead = r - 2
+    common = [i for i in range(lead) if sa[i] == sb[i]]
+    rows = [i for i in range(lead) if sa[i] != sb[i] and sb[i] == 1]
+    cols = [i for i in range(lead) if sa[i] != sb[i] and sa[i] == 1]
+    if not rows and not cols or len(common) + len(rows) + len(cols) != lead:
+        return None
+    m, k, n = sa[-2], sa[-1], sb[-1]
+    # the dims an operand is broadcast on (size 1 there) ride along with the common ones
+    a_order = [*common, *cols, *rows, r - 2, r - 1]
+    b_order = [*common, *rows, r - 2, *cols, r - 1]
+    fold_copies = (0 if _mergeable(a, common) and _mergeable(a, [*rows, r - 2]) else a.numel()) + (
+        0 if _mergeable(b, common) and _mergeable(b, [*cols, r - 1]) else b.numel())
+    # torch.matmul expands each broadcast operand to the full batch and reshapes (copies) it
+    matmul_copies = (a.numel() * _prod_sizes(sb, cols) if cols else 0) + (
+        b.numel() * _prod_sizes(sa, rows) if rows else 0)
+    if fold_copies > matmul_copies:
+        return None
+    c = _prod_sizes(sa, common)
+    ma, nb = _prod_sizes(sa, rows), _prod_sizes(sb, cols)
+    out_shape = (*[sa[i] for i in common], *[sa[i] for i in rows], m, *[sb[i] for i in cols], n)
+    # position of each output dim (leading dims in order, then m, n) within out_shape
+    where = {d: j for j, d in enumerate([*common, *rows, "m", *cols, "n"])}
+    out_order = [where[i] for i in range(lead)] + [where["m"], where["n"]]
+    return a_order, (c, ma * m, k), b_order, (c, k, nb * n), out_shape, out_order
+
+
+def _prod_sizes(shape: Sequence[int], dims: Sequence[int]) -> int:
+    p = 1
+    for i in dims:
+        p *= shape[i]
+    return p
+
+
+def _mergeable(t: torch.Tensor, dims: Sequence[int]) -> bool:
+    """Whether dims ``dims`` of ``t`` (major first) merge into one dim as a view."""
+    expected = None
+    for i in reversed(dims):
+        n = t.shape[i]
+        if n == 1:
+            continue
+        s = t.stride(i)
+        if expected is not None and s != expected:
+            return False
+        expected = s * n
+    return True

@@ -1,0 +1,113 @@
+"""torch.compile integration.
+
+Dynamo never traces shardfn's Python: ops on ShardedArrays reach ``__torch_dispatch__``
+(traced later by AOTAutograd, which flattens the arrays into their shard tensors), and
+the public functions that move data between layouts are *allowed in graph*: Dynamo
+records one call to them and AOTAutograd traces through them. Sharding values (P,
+NamedSharding, placements, Mesh, Layout) are registered as opaque *value* types, so they
+can be built inside a compiled function, read off intermediate arrays, and passed to
+those functions as graph constants (guarded by equality).
+
+Registration needs ``torch._dynamo``, which costs over a second to import; it is done
+when torch imports it (``torch.compile`` does), not when shardfn is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any, Callable
+
+from ..arrays import array
+from ..transforms import constraints
+from ..values import graph_calls
+from ..values.layout import Layout
+from ..values.mesh import Mesh
+from ..values.spec import NamedSharding, P, Partial, Replicate, Shard, _make_p
+
+_registered = False
+
+
+def _value_types() -> tuple[type, ...]:
+    return (P, NamedSharding, Shard, Replicate, Partial, Mesh, Layout)
+
+
+def _graph_functions() -> list[Callable]:
+    """Functions Dynamo records as one call (their arguments: tensors, pytrees of them,
+    and sharding values)."""
+    return [
+        array.reshard, array.distribute, array.gather,
+        array.ShardedArray.full_tensor, array.ShardedArray.redistribute,
+        array.ShardedArray.to_local, array.ShardedArray.from_local,
+        constraints.with_sharding_constraint,
+    ]
+
+
+def _fx_repr(obj: Any) -> tuple[str, dict[str, type]]:
+    """An expression that rebuilds ``obj`` in generated graph code."""
+    if isinstance(obj, P):
+        return repr(obj), {"P": P}
+    if isinstance(obj, Mesh):
+        return (f"Mesh({obj.shape!r}, {obj.axis_names!r}, backend={obj.backend!r}, "
+                f"device_type={obj.device_type!r})"), {"Mesh": Mesh}
+    if isinstance(obj, NamedSharding):
+        m, g = _fx_repr(obj.mesh)
+        return f"NamedSharding({m}, {obj.spec!r})", {**g, "NamedSharding": NamedSharding, "P": P}
+    if isinstance(obj, Layout):
+        m, g = _fx_repr(obj.mesh)
+        return f"Layout({m}, {obj.dims!r}, {obj.partial!r})", {**g, "Layout": Layout}
+    names = {Shard: "Shard", Replicate: "Replicate", Partial: "Partial"}
+    return repr(obj), {names[type(obj)]: type(obj)}
+
+
+def _p_node(p: Any, tracer: Any) -> Any:
+    """A graph node that rebuilds ``p``: fx maps every tuple argument to a plain tuple,
+    which would drop ``P.partial``."""
+    return tracer.create_node("call_function", _make_p, (tuple(p), dict(p._partial)), {})
+
+
+def register() -> None:
+    """Make shardfn's values and functions known to Dynamo (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from torch._library.opaque_object import register_opaque_type
+
+    for cls in _value_types():
+        cls.__fx_repr__ = _fx_repr
+        if issubclass(cls, tuple):
+            cls.__fx_create_arg__ = _p_node
+        register_opaque_type(cls, typ="value")
+    allow_in_graph = sys.modules["torch._dynamo"].allow_in_graph
+    for fn in _graph_functions():
+        allow_in_graph(fn)
+    graph_calls.install(allow_in_graph)  # shard_map / local_map functions, made before and after
+
+
+class _OnDynamoImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`register` right after ``torch._dynamo`` is imported."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            register()
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    if "torch._dynamo" in sys.modules:
+        register()
+    elif not any(isinstance(f, _OnDynamoImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnDynamoImport())

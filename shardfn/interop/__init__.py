@@ -1,0 +1,1 @@
+"""Interoperation with torch.distributed.tensor (DTensor)."""

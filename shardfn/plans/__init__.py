@@ -1,0 +1,1 @@
+"""Redistribution plans: the steps that move a layout to another, their cost model, the planner."""

@@ -1,0 +1,11 @@
+"""Fill the dispatcher's rule table with every family's rules and special handlers."""
+
+from __future__ import annotations
+
+from ..arrays import rule_table
+from . import fused, indexing, loss, matrix, nn, pointwise, reductions, views
+
+for _family in (pointwise, matrix, reductions, views, indexing, nn, fused):
+    rule_table.install(_family.TABLE)
+rule_table.set_pointwise_rule(pointwise.POINTWISE)
+rule_table.SPECIAL.update(loss.SPECIAL)

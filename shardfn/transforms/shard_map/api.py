@@ -1,0 +1,94 @@
+"""``shard_map`` (JAX's): map a function over the shards of its arguments.
+
+On the local backend the body runs once for the whole mesh under vmap when every shard
+has one shape (``stacked.py``), else once per device in threads (``per_device.py``); on
+the dist backend each rank runs it on plain tensors (``dist.py``). Inside a body, or with
+``axis_names=``, it is manual over some axes only (``manual.py``). Arguments and outputs
+are matched and checked in ``io.py``; the crossings between ShardedArrays and local
+tensors, with their gradient conventions, are in ``transforms/boundary.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from ...backends.hooks import SHARD_MAP_RUNNERS
+from ...values.graph_calls import in_graph
+from ...values.mesh import Mesh
+from ..lax import _in_shard_map
+from . import dist, per_device, stacked
+from .io import _Inputs, _shard_map
+from .manual import shard_map_manual
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["shard_map"]
+
+
+@overload
+def shard_map(f: F, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any, check_vma: bool = True,
+              axis_names: Any = None) -> F: ...
+
+
+@overload
+def shard_map(f: None = None, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any,
+              check_vma: bool = True, axis_names: Any = None) -> Callable[[F], F]: ...
+
+
+def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, out_specs: Any,
+              check_vma: bool = True, axis_names: Any = None) -> Any:
+    """Map ``f`` over the shards of its arguments (JAX's ``shard_map``).
+
+    Args:
+        f: the body; it sees each device's local tensors and may call ``sf.lax``
+            collectives over the mesh axes.
+        mesh: the mesh (default: that of the ShardedArray arguments, else the current one).
+        in_specs: a P per positional argument, or a tree prefix of the arguments; a single
+            P applies to all of them. ShardedArrays are resharded to their spec, plain
+            tensors distributed. Non-tensor leaves are passed through unchanged.
+            ``None``: each ShardedArray argument keeps its own spec (a plain tensor is
+            then an error).
+        out_specs: a tree prefix of the outputs; each output becomes a ShardedArray whose
+            shards are the devices' local outputs. ``P(..., partial=axis)`` declares the
+            local outputs pending sums over ``axis``.
+        check_vma: raise a ShardingError when an output varies over a mesh axis its
+            out_spec leaves out (psum / all_gather results count as replicated), or
+            when ``partial=`` names an axis the output does not vary over.
+        axis_names: the mesh axes the body is manual over (default: all). Collectives
+            may name only these; over the other axes the body sees whole values (the
+            arguments are gathered over them on entry and the results laid out as their
+            out_specs say on exit, without communication).
+
+    Returns:
+        The mapped function. Results and gradients equal those of the unsharded
+        computation the body describes.
+
+    Example::
+
+        @functools.partial(sf.shard_map, mesh=mesh, in_specs=(P('x', None), P()), out_specs=P())
+        def loss(x, w):
+            return sf.lax.psum(((x @ w) ** 2).sum(), 'x')
+    """
+    if f is None:
+        return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
+                                 axis_names=axis_names)
+
+    @functools.wraps(f)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        if axis_names is not None or _in_shard_map():
+            return shard_map_manual(f, mesh, in_specs, out_specs, check_vma, axis_names, args, kwargs)
+        return _shard_map(f, mesh, in_specs, out_specs, check_vma, args, kwargs)
+
+    return in_graph(mapped)
+
+
+def _run_local(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+    """The local backend's run: stacked under vmap when every shard has one shape, else per device."""
+    run = stacked._run_stacked if inputs.even() else per_device._run_per_device
+    return run(f, inputs, out_specs, check_vma, kwargs)
+
+
+SHARD_MAP_RUNNERS["local"] = _run_local
+SHARD_MAP_RUNNERS["dist"] = dist.shard_map_call

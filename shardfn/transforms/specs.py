@@ -1,0 +1,74 @@
+"""Spec trees: a prefix tree of shardings matched against the leaves of arguments or
+outputs, as shard_map, local_map, with_sharding_constraint and sf.reshard take them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+
+from ..arrays.array import ShardedArray
+from ..values.errors import ShardingError
+from ..values.layout import Layout
+from ..values.mesh import Mesh, current_mesh
+from ..values.spec import NamedSharding, P, _is_placements, check_mesh, to_layout
+
+
+def _is_spec(s: Any) -> bool:
+    return s is None or isinstance(s, (P, NamedSharding, Layout)) or _is_placements(s)
+
+
+def _path_str(root: str, path: tuple) -> str:
+    return root + "".join(f"[{k!r}]" for k in path)
+
+
+def _match(specs: Any, tree: Any, what: str, root: str) -> tuple[list, list, list, Any]:
+    """Broadcast the spec prefix tree over ``tree``: (paths, leaves, specs, treespec)."""
+    try:
+        full = optree.tree_broadcast_prefix(specs, tree, is_leaf=_is_spec, none_is_leaf=True)
+    except ValueError as e:
+        raise ShardingError(
+            f"{what} {specs!r} does not match the structure of {root}: {e} {what} must be a "
+            f"prefix of {root} (one spec per leaf, or one spec for a whole subtree)"
+        ) from None
+    flat_specs = optree.tree_leaves(full, is_leaf=_is_spec, none_is_leaf=True)
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return [_path_str(root, p) for p in paths], leaves, flat_specs, treespec
+
+
+def _arg_specs(in_specs: Any, args: tuple, what: str) -> Any:
+    """in_specs for the positional args: one spec for all, or one entry per argument."""
+    if _is_spec(in_specs):
+        return tuple(in_specs for _ in args)
+    if isinstance(in_specs, list):
+        in_specs = tuple(in_specs)
+    if not isinstance(in_specs, tuple):
+        raise ShardingError(f"{what} must be a P, or a tuple with one entry per argument; got {in_specs!r}")
+    if len(in_specs) != len(args):
+        raise ShardingError(
+            f"{what} has {len(in_specs)} entr{'y' if len(in_specs) == 1 else 'ies'} but the function "
+            f"was called with {len(args)} positional argument{'' if len(args) == 1 else 's'}; "
+            f"give one spec (or spec tree) per argument"
+        )
+    return in_specs
+
+
+def _layout(spec: Any, ndim: int, mesh: Mesh, where: str) -> Layout:
+    try:
+        return to_layout(spec, ndim, mesh, arg=where)
+    except ShardingError as e:
+        raise ShardingError(f"{where}: {e}") from None
+
+
+def _mesh_for(mesh: Mesh | None, leaves: list, fn: str) -> Mesh:
+    arrays = [v for v in leaves if isinstance(v, ShardedArray)]
+    if mesh is not None:
+        check_mesh(mesh, f"{fn}(mesh=...)")
+    if mesh is None:
+        mesh = arrays[0].mesh if arrays else current_mesh()
+    if mesh is None:
+        raise ShardingError(f"{fn} needs a mesh: pass mesh=, pass ShardedArray arguments, or enter `with mesh:`")
+    for v in arrays:
+        if v.mesh != mesh:
+            raise ShardingError(f"{fn}: an argument lives on {v.mesh!r} but the transform runs on {mesh!r}")
+    return mesh

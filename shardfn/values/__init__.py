@@ -1,0 +1,1 @@
+"""Values: meshes, specs, layouts, errors and per-thread context; shapes only, no tensor math."""

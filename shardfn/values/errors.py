@@ -1,0 +1,38 @@
+"""The error and warning types shardfn raises."""
+
+from __future__ import annotations
+
+
+class ShardingError(ValueError):
+    """A bad mesh, spec, shape, or an incompatible combination of shardings."""
+
+
+class ImmutableError(TypeError):
+    """An in-place operation was applied to an immutable ShardedArray.
+
+    The rule (``shardfn/arrays/inplace.py``): an in-place or ``out=`` op raises when the array it
+    writes is observable -- held by Python code (a variable, a container, a module), or a
+    view of such an array. An array only C++ holds (a temporary of a torch composite or an
+    autograd formula) is updated by running the op's functional form under torch's
+    functionalization, views included; gradient accumulation into ``.grad`` too. Routes
+    around aten (``x.data = ...``, ``share_memory_``, ``apply_``, ``__dlpack__``) raise.
+    """
+
+
+class FallbackWarning(UserWarning):
+    """An op had no sharding rule and ran on replicated inputs."""
+
+
+class ImplicitReshardError(ShardingError):
+    """Under ``sf.explicit(mode="raise")``, an op would have redistributed an input."""
+
+
+class ImplicitReshardWarning(UserWarning):
+    """Under ``sf.explicit(mode="warn")``, an op redistributed an input implicitly."""
+
+
+class SimulationWarning(UserWarning):
+    """``Mesh(backend=None)`` fell back to simulating the whole mesh in this process while the
+    process looks like one of several (torchrun's ``RANK``/``WORLD_SIZE`` set without a process
+    group, or an initialised world of another size): every process would run the whole job.
+    Shown every time (pass ``backend="local"`` to simulate on purpose)."""

@@ -1,0 +1,298 @@
+"""Mesh: a named, n-dimensional grid of devices, and the current-mesh stack."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+from typing import Callable, Sequence
+
+import attrs
+import torch
+
+from .context import ThreadStack
+from .torch_compat import ValueMeta
+from .errors import ShardingError, SimulationWarning
+
+_BACKENDS = ("local", "dist")
+
+# backend name -> the device type a mesh on it gets by default; filled by the backends
+# package when it is imported (values never import backends)
+DEFAULT_DEVICE_TYPES: dict[str, Callable[[], str]] = {}
+
+
+def _check_shape(shape: object) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        shape = (shape,)
+    if not isinstance(shape, Sequence) or isinstance(shape, str):
+        raise ShardingError(f"Mesh shape must be a tuple of positive ints, got {shape!r}")
+    for i, n in enumerate(shape):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ShardingError(
+                f"Mesh shape entry {i} is {n!r}; every entry must be a positive int, "
+                f"e.g. Mesh((2, 4), ('x', 'y'))"
+            )
+    return tuple(shape)
+
+
+def _check_names(names: object, ndim: int) -> tuple[str, ...]:
+    if isinstance(names, str):
+        names = (names,)
+    if not isinstance(names, Sequence):
+        raise ShardingError(f"Mesh axis_names must be a tuple of str, got {names!r}")
+    names = tuple(names)
+    for n in names:
+        if not isinstance(n, str) or not n:
+            raise ShardingError(f"Mesh axis name {n!r} is not a non-empty str")
+    if len(names) != ndim:
+        raise ShardingError(
+            f"Mesh has {ndim} dims but {len(names)} axis_names {names!r}; give one name per dim"
+        )
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ShardingError(f"Mesh axis_names {names!r} repeat {dupes[0]!r}; names must be unique")
+    return names
+
+
+def _check_device_type(device_type: object) -> None:
+    """A device type this machine has (torch's own availability checks)."""
+    if not isinstance(device_type, str):
+        raise ShardingError(f"Mesh device_type must be a str such as 'cpu' or 'cuda', got {device_type!r}")
+    try:
+        kind = torch.device(device_type)
+    except (RuntimeError, ValueError, TypeError):
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} is not a torch device type; use one of {_available_types()}"
+        ) from None
+    if kind.index is not None or kind.type != device_type:
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} must be a bare device type (no index); "
+            f"use one of {_available_types()}"
+        )
+    if kind.type not in _available_types():
+        raise ShardingError(
+            f"Mesh device_type {device_type!r} is not available on this machine; "
+            f"available: {_available_types()}"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _available_types() -> tuple[str, ...]:
+    """The device types this machine can allocate on ("meta": shapes only, always there)."""
+    found = ["cpu", "meta"]
+    for name in ("cuda", "xpu", "mps", "mtia", "hpu"):
+        mod = getattr(torch, name, None)
+        available = getattr(mod, "is_available", None)
+        try:
+            if available is not None and available():
+                found.append(name)
+        except Exception:  # a backend's probe failing means the device is not usable
+            continue
+    return tuple(found)
+
+
+def _default_backend(size: int) -> str:
+    """``backend=None``: "dist" when the initialised world has ``size`` ranks, else "local" --
+    with a :class:`SimulationWarning` where this process looks like one of several (an
+    initialised world of another size, or torchrun's environment without a process group),
+    since each of them would then simulate the whole mesh."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world == size:
+            return "dist"
+        _warn_simulation(
+            f"Mesh(backend=None) of {size} device{'s' * (size != 1)}: torch.distributed is initialised with "
+            f"{world} rank{'s' * (world != 1)} (this is rank {dist.get_rank()}), not {size}, so every one of the "
+            f"{world} processes simulates the whole mesh in-process (backend='local'). For one device per rank "
+            f"make the mesh size equal the world size ({world}); to simulate on purpose pass backend='local'"
+        )
+    elif os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None:
+        world = os.environ["WORLD_SIZE"]
+        _warn_simulation(
+            f"Mesh(backend=None) of {size} device{'s' * (size != 1)}: this process was launched as rank "
+            f"{os.environ['RANK']} of {world} (RANK/WORLD_SIZE are set, as torchrun sets them) but "
+            f"torch.distributed is not initialised, so every process simulates the whole mesh in-process "
+            f"(backend='local'). Call torch.distributed.init_process_group() before building the mesh to "
+            f"run one device per rank, or pass backend='local' to simulate on purpose"
+        )
+    return "local"
+
+
+def _warn_simulation(message: str) -> None:
+    # warn_explicit with no registry: shown every time, not once per call site
+    # (user warning filters, e.g. "error" or "ignore", still apply)
+    import sys
+
+    frame = sys._getframe(1)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the shardfn package
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame = frame.f_back  # the first frame outside shardfn: the code that built the mesh
+    warnings.warn_explicit(message, SimulationWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"), registry=None)
+
+
+@attrs.frozen(repr=False, init=False)
+class Mesh(metaclass=ValueMeta):
+    """An immutable grid of devices with named axes; devices are numbered row-major.
+
+    ``backend="local"`` simulates every device in this process; ``"dist"`` runs one
+    process per device on torch.distributed. ``None`` picks dist when the initialised
+    world size equals the mesh size.
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    backend: str
+    device_type: str
+
+    def __init__(
+        self,
+        shape: Sequence[int] | int,
+        axis_names: Sequence[str] | str,
+        *,
+        backend: str | None = None,
+        device_type: str | None = None,
+    ) -> None:
+        shape = _check_shape(shape)
+        names = _check_names(axis_names, len(shape))
+        size = math.prod(shape)
+        if backend is None:
+            backend = _default_backend(size)
+        if backend not in _BACKENDS:
+            raise ShardingError(f"Mesh backend {backend!r} is unknown; use one of {_BACKENDS}")
+        if device_type is None:
+            device_type = DEFAULT_DEVICE_TYPES[backend]()
+        _check_device_type(device_type)
+        self.__attrs_init__(shape, names, backend, device_type)
+
+    @property
+    def size(self) -> int:
+        """Number of devices in the mesh."""
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def axis_size(self, name: str) -> int:
+        """Size of the mesh axis called ``name``."""
+        return self.shape[self.axis_index(name)]
+
+    def axis_index(self, name: str) -> int:
+        """Position of axis ``name`` in ``axis_names``; a ShardingError if absent."""
+        try:
+            return self.axis_names.index(name)
+        except ValueError:
+            raise ShardingError(
+                f"axis {name!r} is not in the mesh; its axes are {self.axis_names!r}"
+            ) from None
+
+    def coords(self, device: int) -> tuple[int, ...]:
+        """Row-major coordinates of ``device`` on the mesh."""
+        return _coords(self.shape, device)
+
+    def device_at(self, coords: Sequence[int]) -> int:
+        """The device at row-major ``coords`` (the inverse of :meth:`coords`)."""
+        dev = 0
+        for n, c in zip(self.shape, coords):
+            dev = dev * n + c
+        return dev
+
+    def flatten(self, axes: Sequence[str], name: str) -> Mesh:
+        """A view of this mesh with the adjacent ``axes`` (in mesh order) merged into one
+        axis ``name``; same devices, same numbering."""
+        return _flatten(self, tuple(axes), name)
+
+    def unflatten(self, axis: str, shape: Sequence[int], names: Sequence[str]) -> Mesh:
+        """A view of this mesh with ``axis`` split into axes ``names`` of sizes ``shape``."""
+        return _unflatten(self, axis, tuple(shape), tuple(names))
+
+    def __reduce__(self) -> tuple:
+        """Pickles as its constructor's arguments (``torch.load(weights_only=True)`` allows
+        the rebuild function)."""
+        return _rebuild_mesh, (self.shape, self.axis_names, self.backend, self.device_type)
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        return f"Mesh({axes}, backend={self.backend!r})"
+
+    def __enter__(self) -> Mesh:
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _stack().pop()
+
+
+def _rebuild_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...], backend: str, device_type: str) -> Mesh:
+    return Mesh(shape, axis_names, backend=backend, device_type=device_type)
+
+
+torch.serialization.add_safe_globals([_rebuild_mesh])
+
+_coords_cache: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+
+
+def _coords(shape: tuple[int, ...], device: int) -> tuple[int, ...]:
+    key = (shape, device)
+    hit = _coords_cache.get(key)
+    if hit is None:
+        out = []
+        for n in reversed(shape):
+            device, r = divmod(device, n)
+            out.append(r)
+        hit = _coords_cache[key] = tuple(reversed(out))
+    return hit
+
+
+_entered = ThreadStack()
+
+
+def _stack() -> list[Mesh]:
+    """The meshes entered with ``with mesh:`` in this thread, innermost last."""
+    return _entered.items
+
+
+def current_mesh() -> Mesh | None:
+    """The innermost mesh entered with ``with mesh:``, or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+# -- views: the same devices, other axes --------------------------------------------------------
+
+
+def _flatten(mesh: Mesh, axes: tuple[str, ...], name: str) -> Mesh:
+    axes = tuple(axes)
+    if not axes or any(a not in mesh.axis_names for a in axes):
+        raise ShardingError(f"Mesh.flatten: axes {axes!r} must be axes of {mesh!r}")
+    idx = [mesh.axis_names.index(a) for a in axes]
+    if idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ShardingError(
+            f"Mesh.flatten: axes {axes!r} must be adjacent and in mesh order {mesh.axis_names!r}; "
+            f"only such axes merge into one axis over the same devices"
+        )
+    if name in mesh.axis_names and name not in axes:
+        raise ShardingError(f"Mesh.flatten: name {name!r} is already an axis of {mesh!r}")
+    lo, hi = idx[0], idx[-1] + 1
+    shape = (*mesh.shape[:lo], math.prod(mesh.shape[lo:hi]), *mesh.shape[hi:])
+    names = (*mesh.axis_names[:lo], name, *mesh.axis_names[hi:])
+    return Mesh(shape, names, backend=mesh.backend, device_type=mesh.device_type)
+
+
+def _unflatten(mesh: Mesh, axis: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    i = mesh.axis_index(axis)
+    shape, names = tuple(shape), tuple(names)
+    if len(shape) != len(names):
+        raise ShardingError(f"Mesh.unflatten: shape {shape!r} and names {names!r} differ in length")
+    if math.prod(shape) != mesh.shape[i]:
+        raise ShardingError(
+            f"Mesh.unflatten: shape {shape!r} has {math.prod(shape)} devices but axis {axis!r} has {mesh.shape[i]}"
+        )
+    for n in names:
+        if n in mesh.axis_names and n != axis:
+            raise ShardingError(f"Mesh.unflatten: name {n!r} is already an axis of {mesh!r}")
+    return Mesh((*mesh.shape[:i], *shape, *mesh.shape[i + 1:]), (*mesh.axis_names[:i], *names, *mesh.axis_names[i + 1:]),
+                backend=mesh.backend, device_type=mesh.device_type)

@@ -1,0 +1,252 @@
+"""Rules of the kernels torch reaches on CUDA, tested on CPU.
+
+Layouts and collectives on meta meshes (torch's meta kernels stand in for the CUDA ones);
+values and gradients on CPU meshes through test-only CPU kernels for the CUDA-only ops
+(``torch.library``, registered for this module only), against the same call unsharded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn import P
+
+aten = torch.ops.aten
+B, H, S, D = 4, 4, 8, 16
+
+
+# -- test-only CPU kernels: attention by the math formula ------------------------------------------
+
+
+def _scores(q, k, bias, causal, scale):  # noqa: ANN001, ANN202
+    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if bias is not None:
+        s = s + bias
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s
+
+
+def _expand_kv(q, k, v):  # noqa: ANN001, ANN202
+    rep = q.shape[-3] // k.shape[-3]
+    return k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3), rep
+
+
+def _forward(q, k, v, bias, causal, scale):  # noqa: ANN001, ANN202
+    k, v, _ = _expand_kv(q, k, v)
+    s = _scores(q, k, bias, causal, scale)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _backward(g, q, k, v, bias, causal, scale):  # noqa: ANN001, ANN202
+    k2, v2, rep = _expand_kv(q, k, v)
+    sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    p = torch.softmax(_scores(q, k2, bias, causal, scale), -1)
+    dv = p.transpose(-1, -2) @ g
+    dp = g @ v2.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq, dk = ds @ k2 * sc, ds.transpose(-1, -2) @ q * sc
+    if rep > 1:
+        dk = dk.unflatten(-3, (-1, rep)).sum(-3)
+        dv = dv.unflatten(-3, (-1, rep)).sum(-3)
+    dbias = None
+    if bias is not None and bias.numel():
+        dbias = ds.sum_to_size(bias.shape) if bias.shape != ds.shape else ds
+    return dq, dk, dv, dbias
+
+
+def _like_meta(op, args, kwargs, values):  # noqa: ANN001, ANN202
+    """The op's outputs shaped as its meta kernel says, ``values`` (index -> tensor) filled in."""
+    meta = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
+              **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
+    out = []
+    for i, m in enumerate(meta):
+        if not isinstance(m, torch.Tensor):
+            out.append(m)
+            continue
+        t = torch.zeros(m.shape, dtype=m.dtype)
+        if i in values and values[i] is not None:
+            val = values[i]
+            if val.dim() + 1 == m.dim():  # cudnn's logsumexp has a trailing 1
+                val = val.unsqueeze(-1)
+            t[tuple(slice(0, n) for n in val.shape)] = val.to(m.dtype)
+        out.append(t)
+    return tuple(out)
+
+
+def _flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # noqa: ANN001, ANN202
+    o, lse = _forward(q, k, v, None, is_causal, scale)
+    return _like_meta(aten._scaled_dot_product_flash_attention.default, (q, k, v, dropout_p, is_causal,
+                      return_debug_mask), {"scale": scale}, {0: o, 1: lse})
+
+
+def _flash_bwd(g, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset, *, scale=None):  # noqa: ANN001, ANN202
+    dq, dk, dv, _ = _backward(g, q, k, v, None, is_causal, scale)
+    return dq, dk, dv
+
+
+def _efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
+    o, lse = _forward(q, k, v, bias, is_causal, scale)
+    return _like_meta(aten._scaled_dot_product_efficient_attention.default, (q, k, v, bias, compute_lse, dropout_p,
+                      is_causal), {"scale": scale}, {0: o, 1: lse if compute_lse else None})
+
+
+def _efficient_bwd(g, q, k, v, bias, out, lse, seed, offset, dropout_p, mask, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
+    dq, dk, dv, db = _backward(g, q, k, v, bias, is_causal, scale)
+    return dq, dk, dv, db if db is not None and mask[3] else torch.empty(0)
+
+
+def _cudnn(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # noqa: ANN001, ANN202
+    o, lse = _forward(q, k, v, bias, is_causal, scale)
+    return _like_meta(aten._scaled_dot_product_cudnn_attention.default, (q, k, v, bias, compute_lse, dropout_p,
+                      is_causal, return_debug_mask), {"scale": scale}, {0: o, 1: lse})
+
+
+def _cudnn_bwd(g, q, k, v, out, lse, seed, offset, bias, cq, ck, mq, mk, dropout_p, is_causal, *, scale=None):  # noqa: ANN001, ANN202
+    dq, dk, dv, _ = _backward(g, q, k, v, bias, is_causal, scale)
+    return dq, dk, dv
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels() -> Iterator[None]:
+    lib = torch.library.Library("aten", "IMPL")
+    for name, fn in [("_scaled_dot_product_flash_attention", _flash),
+                     ("_scaled_dot_product_flash_attention_backward", _flash_bwd),
+                     ("_scaled_dot_product_efficient_attention", _efficient),
+                     ("_scaled_dot_product_efficient_attention_backward", _efficient_bwd),
+                     ("_scaled_dot_product_cudnn_attention", _cudnn),
+                     ("_scaled_dot_product_cudnn_attention_backward", _cudnn_bwd)]:
+        lib.impl(name, fn, "CPU")
+    yield
+    lib._destroy()
+
+
+# -- calling each kernel as CUDA's SDPA does -------------------------------------------------------
+
+
+def attend(kernel: str, q, k, v, bias=None, causal=False, scale=None, dropout=0.0):  # noqa: ANN001, ANN201
+    """(output, all outputs) of one SDPA kernel."""
+    if kernel == "flash":
+        outs = aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, False, scale=scale)
+    elif kernel == "efficient":
+        outs = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout, causal, scale=scale)
+    else:
+        outs = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, dropout, causal, False, scale=scale)
+    return outs[0], outs
+
+
+KERNELS = ["flash", "efficient", "cudnn"]
+CASES = {  # name: (kv heads, bias kind, causal, scale)
+    "plain": (H, None, False, None),
+    "causal_scale": (H, None, True, 0.3),
+    "gqa": (H // 2, None, True, None),
+    "bias_full": (H, "full", False, None),
+    "bias_broadcast": (H, "broadcast", True, 0.5),
+}
+
+
+def _inputs(hkv: int, bias: str | None, device: str = "cpu") -> tuple:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, S, D, generator=g)
+    k, v = torch.randn(B, hkv, S, D, generator=g), torch.randn(B, hkv, S, D, generator=g)
+    b = None
+    if bias == "full":
+        b = torch.randn(B, H, S, S, generator=g)
+    elif bias == "broadcast":
+        b = torch.randn(1, 1, S, S, generator=g)
+    return tuple(t.to(device) if t is not None else None for t in (q, k, v, b))
+
+
+def _cases(kernel: str) -> list[str]:
+    """Flash takes no bias; grouped-query heads reach only flash (SDPA repeats k/v for the others)."""
+    return [c for c, (hkv, bias, *_) in CASES.items()
+            if not (bias and kernel == "flash") and not (hkv != H and kernel != "flash")]
+
+
+def _shard(mesh: sf.Mesh, q, k, v, b):  # noqa: ANN001, ANN202
+    """Batch over dp, heads over tp; a full bias likewise, a broadcast one replicated."""
+    qs, ks, vs = (sf.distribute(t, P("dp", "tp"), mesh=mesh).requires_grad_() for t in (q, k, v))
+    bs = None if b is None else sf.distribute(b, P("dp", "tp") if b.shape[0] == B else P(), mesh=mesh)
+    return qs, ks, vs, bs
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_head_sharded_attention_on_meta_mesh_moves_nothing(kernel: str) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    for case in _cases(kernel):
+        hkv, bias, causal, scale = CASES[case]
+        qs, ks, vs, bs = _shard(mesh, *_inputs(hkv, bias, "meta"))
+        with sf.debug.CommCounter() as cc:
+            out, outs = attend(kernel, qs, ks, vs, bs, causal, scale)
+            grads = torch.autograd.grad(out.sum(), (qs, ks, vs))
+        assert [r.kind for r in cc.records] == [], (kernel, case)
+        assert out.spec == P("dp", "tp") and out.shape == (B, H, S, D)
+        assert outs[1].spec == P("dp", "tp")  # logsumexp follows batch and heads
+        for extra in outs[2:]:
+            if isinstance(extra, sf.ShardedArray) and extra.dim() < 2:
+                assert extra.spec == P()  # philox seed/offset, sequence offsets: replicated
+        assert [g.spec for g in grads] == [P("dp", "tp")] * 3 and grads[1].shape == (B, hkv, S, D)
+        assert all(isinstance(t, sf.ShardedArray) and t.device.type == "meta" for t in (out, *grads))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dropout_keeps_heads_sharded(kernel: str) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    qs, ks, vs, _ = _shard(mesh, *_inputs(H, None, "meta"))
+    with sf.debug.CommCounter() as cc:
+        out, _ = attend(kernel, qs, ks, vs, dropout=0.1)
+        grads = torch.autograd.grad(out.sum(), (qs, ks, vs))
+    assert cc.records == [] and out.spec == P("dp", "tp") and [g.spec for g in grads] == [P("dp", "tp")] * 3
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_values_and_grads_equal_unsharded(kernel: str, cpu_kernels: None) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    for case in _cases(kernel):
+        hkv, bias, causal, scale = CASES[case]
+        q, k, v, b = _inputs(hkv, bias)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        want, _ = attend(kernel, q, k, v, b, causal, scale)
+        want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
+        qs, ks, vs, bs = _shard(mesh, q.detach(), k.detach(), v.detach(), b)
+        with sf.debug.CommCounter() as cc:
+            got, _ = attend(kernel, qs, ks, vs, bs, causal, scale)
+        grads = torch.autograd.grad((got * got).sum(), (qs, ks, vs))
+        assert cc.records == [], (kernel, case)
+        torch.testing.assert_close(got.full_tensor(), want, msg=f"{kernel} {case}")
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g.full_tensor(), w, msg=f"{kernel} {case} grad")
+
+
+def test_test_kernels_match_torch_math() -> None:
+    # the test-only kernels are the math path (checked against torch's own SDPA)
+    q, k, v, b = _inputs(H // 2, "broadcast")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b, scale=0.5, enable_gqa=True)
+    torch.testing.assert_close(_forward(q, k, v, b, False, 0.5)[0], want)
+
+
+@pytest.mark.parametrize("mesh_device", ["meta", "cpu"])
+def test_fused_rms_norm_keeps_rows_sharded(mesh_device: str) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type=mesh_device)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(B, S, D, generator=g).requires_grad_(), torch.randn(D, generator=g).requires_grad_()
+    xs = sf.distribute(x.detach().to(mesh_device), P("dp", "tp"), mesh=mesh).requires_grad_()
+    ws = sf.distribute(w.detach().to(mesh_device), P(), mesh=mesh).requires_grad_()
+    with sf.debug.CommCounter() as cc:
+        out, rstd = aten._fused_rms_norm(xs, [D], ws, 1e-6)
+        gx, gw = torch.autograd.grad(out.sum(), (xs, ws))
+    # on meta (as on CUDA) the backward is the fused kernel; on CPU torch decomposes it
+    assert [r.phase for r in cc.records if mesh_device == "meta" or r.phase == "forward"] == []
+    assert out.spec == P("dp", "tp") and rstd.spec == P("dp", "tp")
+    assert gx.spec == P("dp", "tp") and gw.spec == P(partial=("dp", "tp"))
+    if mesh_device == "cpu":
+        want, _ = aten._fused_rms_norm(x, [D], w, 1e-6)
+        wgx, wgw = torch.autograd.grad(want.sum(), (x, w))
+        torch.testing.assert_close(out.full_tensor(), want)
+        torch.testing.assert_close(gx.full_tensor(), wgx)
+        torch.testing.assert_close(gw.full_tensor(), wgw)
