@@ -14,6 +14,8 @@ import torch
 import shardfn as sf
 from shardfn import P
 from shardfn.arrays import dispatch as d
+from shardfn.arrays.entries import _Entry
+from shardfn.values.schema import op_name
 from shardfn.backends.local import PerDeviceCall, StackedCall
 
 MESH = sf.Mesh((2, 2), ("x", "y"), backend="local")
@@ -22,7 +24,7 @@ F = torch.nn.functional
 
 def _entries(op_names: set[str]) -> list:
     """The cached entries of these ops (each once: an entry is filed under two keys)."""
-    found = {id(e): e for e in d._cache.values() if isinstance(e, d._Entry) and d._op_name(e.func) in op_names}
+    found = {id(e): e for e in d._cache.values() if isinstance(e, _Entry) and op_name(e.func) in op_names}
     return list(found.values())
 
 

@@ -345,3 +345,19 @@ def test_plain_parameter_with_a_sharded_gradient() -> None:
     new, _ = opt.step(params, grads, opt.init(params))
     assert not isinstance(new["b"], sf.ShardedArray)
     torch.testing.assert_close(new["b"], -0.1 * grads["b"].full_tensor())
+
+
+def test_state_structure_is_fixed_from_init() -> None:
+    """init's state has every entry a step writes (SGD's momentum buffer starts as zeros,
+    which gives torch's first step), so a checkpoint of it can be loaded like init's."""
+    import optree
+
+    mesh = sf.Mesh((2,), ("x",))
+    p = {"w": sf.distribute(torch.randn(4), P("x"), mesh=mesh)}
+    g = {"w": sf.distribute(torch.randn(4), P("x"), mesh=mesh)}
+    for opt in (sf.optim.SGD(0.1, momentum=0.9), sf.optim.Adam(amsgrad=True), sf.optim.from_torch(torch.optim.NAdam)):
+        s0 = opt.init(p)
+        s1 = opt.step(p, g, s0)[1]
+        assert optree.tree_structure(s0) == optree.tree_structure(s1), opt
+    s0 = sf.optim.SGD(0.1, momentum=0.9, dampening=0.5).init(p)
+    assert s0["w"]["momentum_buffer"] is None  # dampened: torch's first step differs from zeros

@@ -502,3 +502,56 @@ def test_uneven_closure_under_torch_func_raises_not_wrong():
     passed = sf.shard_map(lambda x, w: lax.psum(torch.tanh(x @ w).sum(), "i"), mesh=mesh, in_specs=(P("i"), P()),
                           out_specs=P())
     _close(torch.func.grad(lambda w: sf.gather(passed(x, w)))(w0), torch.func.grad(ref)(w0), "passed as argument")
+
+
+# -- JAX parity leftovers (issue 23), each compared with JAX 0.10's behaviour --------------------
+
+
+@pytest.mark.parametrize("spec", [P(None), P("i")])
+def test_spec_longer_than_a_python_scalar_is_jaxs_rank_error(spec):
+    """JAX: a Python scalar is a rank-0 value; an in_spec of length 1 is 'too long' (ValueError)."""
+    mesh = sf.Mesh((4,), ("i",), backend="local")
+    f = sf.shard_map(lambda a: a, mesh=mesh, in_specs=spec, out_specs=P())
+    with pytest.raises(ValueError, match=r"is a float, a rank-0 value: the spec has length 1 \(and 0 < 1\), too long.*use P\(\)"):
+        f(3.0)
+    assert sf.shard_map(lambda a: a, mesh=mesh, in_specs=P(), out_specs=P())(3.0) == 3.0
+
+
+def test_in_specs_none_with_a_plain_argument_is_a_type_error_as_in_jax():
+    mesh = sf.Mesh((4,), ("i",), backend="local")
+    f = sf.shard_map(lambda a: a, mesh=mesh, in_specs=None, out_specs=P())
+    with pytest.raises(TypeError, match=r"did you mean in_specs=P\(\)"):
+        f(torch.arange(4.0))
+    with pytest.raises(sf.ShardingError, match=r"args\[0\] is a plain tensor"):
+        f(torch.arange(4.0))
+
+
+def test_ppermute_accepts_a_one_shot_iterator():
+    mesh = sf.Mesh((4,), ("i",), backend="local")
+    f = sf.shard_map(lambda a: lax.ppermute(a, "i", zip(range(4), [1, 2, 3, 0])), mesh=mesh, in_specs=P("i"),
+                     out_specs=P("i"))
+    assert torch.equal(sf.gather(f(torch.arange(4.0))), torch.tensor([3.0, 0.0, 1.0, 2.0]))
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_unchecked_output_transposes_as_jax(n):
+    """check_vma=False, out_spec P() on a value varying over 'i': the value is device 0's, and
+    (JAX's transpose) every device gets the cotangent over 4, so grad = cos(x) / 4; the same
+    under vmap of grad, plain autograd and torch.func.grad."""
+    mesh = sf.Mesh((4,), ("i",), backend="local")
+
+    def f(x):
+        return sf.gather(sf.shard_map(torch.sin, mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False)(x))
+
+    x = torch.linspace(-2, 2, n, dtype=torch.float64)
+    torch.testing.assert_close(f(x), torch.sin(x[: n // 4]))
+    want = torch.cos(x) / 4
+    torch.testing.assert_close(torch.func.grad(lambda t: f(t).sum())(x), want)
+    xs = torch.stack([x, 2 * x])
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(lambda t: f(t).sum()))(xs), torch.cos(xs) / 4)
+    xr = x.clone().requires_grad_()
+    f(xr).sum().backward()
+    torch.testing.assert_close(xr.grad, want)
+    # a psum result is replicated: the shared-out cotangent sums back to the whole (as JAX)
+    g = sf.shard_map(lambda a: lax.psum(torch.sin(a), "i"), mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False)
+    torch.testing.assert_close(torch.func.grad(lambda t: sf.gather(g(t)).sum())(x), torch.cos(x))

@@ -155,15 +155,20 @@ def test_specs_on_python_scalars_must_hold(mesh, m):
 def test_partial_manual_body_propagates_over_the_automatic_axes(mesh):
     """Inside, values are sharded over 'tp' as in_specs say: a contraction over 'tp' is a
     pending sum that reshard reduces with one all_reduce over the 'tp' submesh."""
-    x, w = torch.randn(8, 6), torch.randn(6, 4)
-    counts = []
+    x, w = sf.distribute(torch.randn(8, 6), P("dp", "tp"), mesh=mesh), sf.distribute(torch.randn(6, 4), P("tp"), mesh=mesh)
+    specs = []
 
     def body(a, b):
-        with sf.debug.CommCounter() as c:
-            y = sf.reshard(a @ b, P())
-        counts.append(dict(c.counts))
+        assert isinstance(a, sf.ShardedArray) and a.mesh.axis_names == ("tp",)
+        y = sf.reshard(a @ b, P())
+        specs.append((a.spec, (a @ b).spec))
         return y
 
     f = sf.shard_map(body, mesh=mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P("dp"), axis_names={"dp"})
-    _close(f(x, w).full_tensor(), x @ w)
-    assert counts == [{"all_reduce": 1}]
+    with sf.debug.CommCounter() as c:
+        out = f(x, w)
+    # one run per 'dp' coordinate, on its devices' shards (no gather on entry or exit); the
+    # sub-mesh all_reduce is one collective over the mesh, counted once
+    assert dict(c.counts) == {"all_reduce": 1}
+    assert specs == [(P(None, "tp"), P(partial="tp"))] * 2
+    _close(out.full_tensor(), x.full_tensor() @ w.full_tensor())

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
 from shardfn.arrays import dispatch as _dispatch  # noqa: E402
+from shardfn.arrays import entries as _entries  # noqa: E402
 
 aten = torch.ops.aten
 SDPA_KERNELS = ("flash", "efficient", "cudnn", "math")
@@ -184,7 +185,7 @@ def recording_fallbacks() -> Iterator[set[str]]:
     cached by an earlier run still reports)."""
     ops: set[str] = set()
     _dispatch._cache.clear()
-    _dispatch._warned.clear()
+    _entries._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", sf.FallbackWarning)
         try:
@@ -195,7 +196,7 @@ def recording_fallbacks() -> Iterator[set[str]]:
                     m = _OP_IN_MESSAGE.search(str(w.message))
                     ops.add(m.group(1) if m else str(w.message)[:80])
             _dispatch._cache.clear()
-            _dispatch._warned.clear()
+            _entries._warned.clear()
 
 
 def dtensor_strategy(op_name: str) -> str:

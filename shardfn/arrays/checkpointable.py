@@ -119,7 +119,8 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     backend's shards are views of one stacked buffer. Writes through the result reach ``t``."""
     if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes or t.numel() == 0:
         return t
-    flat = torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy())  # numpy keeps t alive
+    # as_strided, not reshape: a contiguous tensor may carry any stride on a size-1 dim (even 0)
+    flat = torch.from_numpy(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())  # numpy keeps t alive
     return flat.view(t.dtype).view(t.shape)
 
 

@@ -37,7 +37,7 @@ def _fragment(x: Any) -> Any:
     return k
 
 
-def fragment_of(layout: Any, shape: tuple, dtype: torch.dtype) -> Any:
+def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype) -> Any:
     """A unique object per (layout, shape, dtype): fast keys hash it by identity. Never
     reused for another triple (dropping the table only makes new objects)."""
     k = _fragments.get((layout, shape, dtype))

@@ -173,6 +173,8 @@ def _check_world(mesh: Mesh) -> int:
 
 def _make_state(mesh: Mesh) -> _State:
     """Create the groups of every non-empty set of mesh axes; collective over all ranks."""
+    if mesh.within is not None:
+        return _view_state(mesh)
     rank = _check_world(mesh)
     timeout = _default_timeout()
     groups = {}
@@ -180,6 +182,29 @@ def _make_state(mesh: Mesh) -> _State:
         for axes in itertools.combinations(mesh.axis_names, k):
             groups[axes] = _make_group(mesh, axes, rank, timeout)
     return _State(mesh, rank, mesh.coords(rank), groups)
+
+
+def _view_state(mesh: Mesh) -> _State:
+    """A sub-mesh view (``mesh.submesh``): this rank's place in it, and the parent's groups
+    over its axes with members renumbered as the view's devices (no new process group)."""
+    parent, fixed = mesh.within
+    pst = _state(parent)
+    for a, c in fixed:
+        if pst.coords[parent.axis_index(a)] != c:
+            raise ShardingError(
+                f"{mesh!r} is a view at {a}={c}, but this rank (coords {pst.coords} on {parent!r}) is not in it"
+            )
+    pos = [parent.axis_index(a) for a in mesh.axis_names]
+
+    def device(r: int) -> int:
+        c = parent.coords(r)
+        return mesh.device_at(tuple(c[i] for i in pos))
+
+    groups = {
+        axes: Group(axes, tuple(device(r) for r in g.ranks), g.pg, g.timeout)
+        for axes, g in pst.groups.items() if all(a in mesh.axis_names for a in axes)
+    }
+    return _State(mesh, device(pst.rank), tuple(pst.coords[i] for i in pos), groups)
 
 
 def _make_group(mesh: Mesh, axes: tuple[str, ...], rank: int, timeout: datetime.timedelta | None) -> Group:
@@ -828,6 +853,13 @@ class DistBackend:
     def shard_map(self, f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
         """This rank's part of the body, collectives through ``transforms/shard_map/dist.py``."""
         return SHARD_MAP_RUNNERS["dist"](f, inputs, out_specs, check_vma, kwargs)
+
+    def submesh(self, mesh: Mesh, axes: Sequence[str]) -> Mesh:
+        from ..values.mesh import submesh
+
+        coords = _state(mesh).coords
+        fixed = tuple((a, coords[i]) for i, a in enumerate(mesh.axis_names) if a not in axes)
+        return submesh(mesh, axes, fixed)
 
     def default_device_type(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

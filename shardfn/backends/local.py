@@ -773,6 +773,9 @@ class LocalBackend:
     def check_replicas(self, mesh: Mesh, t: torch.Tensor, over: Sequence[str], what: str) -> None:
         pass  # one process passed the one value
 
+    def submesh(self, mesh: Mesh, axes: Sequence[str]) -> None:
+        return None  # every device is here: the caller simulates the manual axes
+
     def zero_cotangent(self, like: torch.Tensor) -> None:
         return None  # one autograd graph over every device: no gradient is no work
 

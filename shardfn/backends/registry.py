@@ -152,6 +152,11 @@ class Backend(Protocol):
         """This process's torch.distributed group over mesh ``axes`` (``dist.Group``),
         or None when the devices are simulated in this process."""
 
+    def submesh(self, mesh: Any, axes: Sequence[str]) -> Any:
+        """The mesh over ``axes`` of the devices sharing this process's coordinates on the
+        other axes (a partial-manual shard_map body's mesh, over the backend's existing
+        groups), or None where this process holds every device (the caller simulates)."""
+
     def default_device_type(self) -> str:
         """The device type of a mesh made without ``device_type=``."""
 

@@ -2,7 +2,7 @@
 
 The tree is flattened to DCP's flat state dict (keys: the path's entries joined with ".",
 as DCP names nested dicts), and DCP does the I/O through the arrays' checkpointable-tensor
-protocol (``shardfn/_checkpointable.py``): each distinct shard is one chunk, written once;
+protocol (``shardfn/arrays/checkpointable.py``): each distinct shard is one chunk, written once;
 loading builds fresh arrays of the requested layout and reads, per held distinct shard, only
 the slices of the saved chunks it overlaps (DCP's resharding read items).
 """

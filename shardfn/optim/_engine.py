@@ -29,11 +29,15 @@ _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 @attrs.frozen
 class _Keys:
     """What a torch optimizer keeps per parameter: state entries laid out like it, entries
-    torch creates at the first step (None before it), and the rest (step counters, ...)."""
+    torch creates at the first step (``lazy``), and the rest (step counters, ...). A lazy
+    entry in ``zeros`` starts as zeros (the first step gives the same result from zeros as
+    from none, e.g. SGD without dampening), so the state's structure never changes; the
+    other lazy entries are None until the first step."""
 
     buffers: tuple[str, ...]
     lazy: tuple[str, ...]
     scalars: tuple[str, ...]
+    zeros: tuple[str, ...] = ()
 
 
 def _fresh_state(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict]:
@@ -67,7 +71,24 @@ def _keys(cls: type, frozen_kwargs: tuple) -> _Keys:
     buffers = tuple(k for k, v in first.items() if like(v))
     lazy = tuple(k for k, v in after.items() if k not in first and like(v))
     scalars = tuple(k for k in first if k not in buffers)
-    return _Keys(buffers, lazy, scalars)
+    zeros = tuple(k for k in lazy if _zeros_equivalent(cls, kwargs, k))
+    return _Keys(buffers, lazy, scalars, zeros)
+
+
+def _zeros_equivalent(cls: type, kwargs: dict, key: str) -> bool:
+    """Whether two steps from a zero ``key`` entry equal two from none, bit for bit."""
+    results = []
+    for start in (None, 0.0):
+        p = torch.tensor([0.5, -1.25, 3.0])
+        opt = cls([p], **kwargs)
+        _fresh_state(opt, [p])
+        if start is not None:
+            opt.state[p][key] = torch.zeros_like(p)
+        for g in ([0.25, -2.0, 1.5], [-0.75, 0.5, 2.25]):
+            p.grad = torch.tensor(g)
+            opt.step()
+        results.append((p.detach().clone(), opt.state[p][key].clone()))
+    return all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def _freeze(kwargs: dict) -> tuple:
@@ -122,8 +143,9 @@ class TorchOptimizer:
     def init(self, params: Any) -> Any:
         """The optimizer state for ``params`` (a pytree of ShardedArrays and/or tensors): the
         same pytree with each parameter replaced by a dict of its torch.optim state entries;
-        those laid out like the parameter are ShardedArrays in its (update) layout, entries
-        torch creates at the first step (SGD's ``momentum_buffer``) are None until then."""
+        those laid out like the parameter are ShardedArrays in its (update) layout. An entry
+        torch creates at the first step starts as zeros where that gives torch's results
+        (SGD's ``momentum_buffer`` without dampening), else None until then."""
         leaves, spec, _ = _flatten(params, "params")
         states = []
         for p in leaves:
@@ -132,10 +154,11 @@ class TorchOptimizer:
             parts = [s.clone(memory_format=torch.contiguous_format) for s in storage(pu, layout)]
             opt = self.optimizer_cls(parts, **self.kwargs)
             fresh = _fresh_state(opt, parts)
-            states.append(self._wrap_state(fresh, layout, p))
+            states.append(self._wrap_state(fresh, layout, p, parts))
         return optree.tree_unflatten(spec, states)
 
-    def _wrap_state(self, per_part: list[dict], layout: Layout | None, p: torch.Tensor) -> dict:
+    def _wrap_state(self, per_part: list[dict], layout: Layout | None, p: torch.Tensor,
+                    parts: list[torch.Tensor] | None = None) -> dict:
         out: dict[str, Any] = {}
         first = per_part[0]
         for k in first:
@@ -145,7 +168,9 @@ class TorchOptimizer:
             else:
                 out[k] = v  # the same for every shard (a step count, a running product)
         for k in self._keys.lazy:
-            out.setdefault(k, None)
+            if out.get(k) is None:
+                out[k] = (from_storage([torch.zeros_like(t) for t in parts], layout, p.shape, p.dtype)
+                          if k in self._keys.zeros and parts is not None else None)
         return out
 
     # -- step ----------------------------------------------------------------------------------

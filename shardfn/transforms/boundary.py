@@ -16,6 +16,8 @@ unsharded computation):
 
 from __future__ import annotations
 
+import math
+
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -277,7 +279,9 @@ class ExitParts(torch.autograd.Function):
 
     Replicas are taken from the first replica. With ``first_only`` the cotangent of a
     replicated output goes to that replica alone (see the module docstring); without,
-    every replica receives it (DTensor's from_local convention).
+    every replica receives it (DTensor's from_local convention); with ``"mean"`` every
+    replica receives it divided by their number (JAX's transpose of a check_vma=False
+    output, whose replicas may differ).
     """
 
     @staticmethod
@@ -303,6 +307,9 @@ class ExitParts(torch.autograd.Function):
         # a later replica's cotangent: None, or zeros built from the cotangent where a
         # traced backward must keep the collectives it feeds (Backend.zero_cotangent)
         zero = backend_for(mesh).zero_cotangent
+        if first_only == "mean":  # JAX's transpose of an unchecked (check_vma=False) output
+            n = math.prod(mesh.axis_size(a) for a in mesh.axis_names if a not in used_axes(layout))
+            return (None, None, None, *[p / n if n > 1 else p for p in parts])
         cts = [
             zero(parts[i]) if first_only and first_replica(layout, d) != d else parts[i]
             for i, d in enumerate(my_devices(mesh))

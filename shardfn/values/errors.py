@@ -7,6 +7,11 @@ class ShardingError(ValueError):
     """A bad mesh, spec, shape, or an incompatible combination of shardings."""
 
 
+class ShardingTypeError(ShardingError, TypeError):
+    """A ShardingError that JAX reports as a TypeError (e.g. shard_map ``in_specs=None`` with a
+    plain tensor argument): catchable as either."""
+
+
 class ImmutableError(TypeError):
     """An in-place operation was applied to an immutable ShardedArray.
 

@@ -146,6 +146,8 @@ class Mesh(metaclass=ValueMeta):
     axis_names: tuple[str, ...]
     backend: str
     device_type: str
+    # a dist sub-mesh view (see :func:`submesh`): (parent mesh, ((fixed axis, coordinate), ...))
+    within: tuple | None = None
 
     def __init__(
         self,
@@ -216,6 +218,10 @@ class Mesh(metaclass=ValueMeta):
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        if self.within is not None:
+            parent, fixed = self.within
+            at = ", ".join(f"{a}={c}" for a, c in fixed)
+            return f"Mesh({axes}, backend={self.backend!r}, within {parent!r} at {at})"
         return f"Mesh({axes}, backend={self.backend!r})"
 
     def __enter__(self) -> Mesh:
@@ -226,11 +232,24 @@ class Mesh(metaclass=ValueMeta):
         _stack().pop()
 
 
+def submesh(parent: Mesh, axes: Sequence[str], fixed: Sequence[tuple[str, int]]) -> Mesh:
+    """The view of ``parent`` over its ``axes`` (in mesh order) at the coordinates ``fixed``
+    of its other axes: the devices that share those coordinates, numbered row-major over
+    ``axes``. A dist partial-manual shard_map body's mesh (the ranks that share this rank's
+    manual coordinates); its backend reuses the parent's per-axis process groups."""
+    axes = tuple(a for a in parent.axis_names if a in axes)
+    mesh = object.__new__(Mesh)
+    mesh.__attrs_init__(tuple(parent.axis_size(a) for a in axes), axes, parent.backend, parent.device_type,
+                        (parent, tuple(fixed)))
+    return mesh
+
+
 def _rebuild_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...], backend: str, device_type: str) -> Mesh:
     return Mesh(shape, axis_names, backend=backend, device_type=device_type)
 
 
 torch.serialization.add_safe_globals([_rebuild_mesh])
+
 
 _coords_cache: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
 

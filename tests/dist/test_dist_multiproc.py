@@ -96,4 +96,78 @@ def printing_without_collectives(mesh: sf.Mesh) -> None:
         assert total.startswith("ShardedArray(45.,")
 
 
+
+# -- partial-manual shard_map on real sub-meshes ------------------------------------------------------
+
+
+def _pm_data(rows: int):
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(rows, 8, dtype=torch.float64, generator=g),
+            torch.randn(8, 3, dtype=torch.float64, generator=g))
+
+
+@scenario(meshes=("2x2",))
+def partial_manual_submesh_values_counts_grads(mesh: sf.Mesh) -> None:
+    for rows in (8, 7):  # even and uneven
+        t, w = _pm_data(rows)
+        x = sf.distribute(t, P("x", "y"), mesh=mesh)
+        seen = []
+
+        def ew(a):
+            seen.append(a)
+            return a * 2 + 1
+
+        with sf.debug.CommCounter() as c:
+            y = sf.shard_map(ew, mesh=mesh, in_specs=P("x", "y"), out_specs=P("x", "y"), axis_names={"x"})(x)
+        assert dict(c.counts) == {}, c.counts  # elementwise: nothing moves
+        a = seen[0]
+        assert isinstance(a, sf.ShardedArray) and a.mesh.axis_names == ("y",) and a.spec == P(None, "y")
+        if is_dist(mesh):
+            assert torch.equal(a.to_local(), x.to_local())  # this rank's piece
+        assert torch.equal(y.full_tensor(), t * 2 + 1) and y.spec == P("x", "y")
+
+        xg = sf.distribute(t, P("x", "y"), mesh=mesh).requires_grad_()
+        wg = sf.distribute(w, P("y"), mesh=mesh).requires_grad_()
+        for out_spec, kind in ((P("x", None), "all_reduce"), (P("x", "y"), "reduce_scatter")):
+            with sf.debug.CommCounter() as c:
+                z = sf.shard_map(lambda p, q: p @ q, mesh=mesh, in_specs=(P("x", "y"), P("y")), out_specs=out_spec,
+                                 axis_names={"x"})(xg, wg)
+            assert dict(c.counts) == {kind: 1}, (out_spec, c.counts)  # exactly what the out_spec needs
+            torch.testing.assert_close(z.full_tensor(), t @ w)
+
+        def loss(p, q):
+            return sf.lax.psum((torch.tanh(p @ q) ** 2).sum(), "x")
+
+        out = sf.shard_map(loss, mesh=mesh, in_specs=(P("x", "y"), P("y")), out_specs=P(), axis_names={"x"})(xg, wg)
+        out.backward()
+        tr, wr = t.clone().requires_grad_(), w.clone().requires_grad_()
+        ref = (torch.tanh(tr @ wr) ** 2).sum()
+        ref.backward()
+        torch.testing.assert_close(out.full_tensor(), ref.detach())
+        torch.testing.assert_close(xg.grad.full_tensor(), tr.grad)
+        torch.testing.assert_close(wg.grad.full_tensor(), wr.grad)
+        with pytest.raises(sf.ShardingError, match=r"varies over mesh axis 'x'"):
+            sf.shard_map(lambda p: p.sum(0), mesh=mesh, in_specs=P("x", "y"), out_specs=P("y"), axis_names={"x"})(x)
+
+
+@scenario(meshes=("2x2",))
+def partial_manual_collectives_on_submesh_arrays(mesh: sf.Mesh) -> None:
+    t, _ = _pm_data(8)
+    x = sf.distribute(t, P("x", "y"), mesh=mesh).requires_grad_()
+
+    def body(a):
+        g = sf.lax.all_gather(a, "x", axis=0, tiled=True)  # rows over 'x' gathered, columns stay over 'y'
+        s = sf.lax.psum(a.sum(0), "x")
+        i = sf.lax.axis_index("x")
+        return g, s, a + i
+
+    g, s, shifted = sf.shard_map(body, mesh=mesh, in_specs=P("x", "y"), out_specs=(P(None, "y"), P("y"), P("x", "y")),
+                                 axis_names={"x"})(x)
+    torch.testing.assert_close(g.full_tensor(), t)
+    torch.testing.assert_close(s.full_tensor(), t.sum(0))
+    torch.testing.assert_close(shifted.full_tensor(), t + torch.arange(2.0, dtype=t.dtype).repeat_interleave(4)[:, None])
+    (g.full_tensor().pow(2).sum() + s.full_tensor().sum()).backward()
+    torch.testing.assert_close(x.grad.full_tensor(), 2 * t + 1)
+
+
 test_local, test_dist = collect(globals())

@@ -25,7 +25,8 @@ import opinfo_common as oc  # noqa: E402
 
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
-from shardfn.arrays import dispatch as _dispatch  # noqa: E402
+from shardfn.arrays import entries as _entries  # noqa: E402
+from shardfn.values.schema import op_name  # noqa: E402
 
 MESH = sf.Mesh(oc.MESH_SHAPE, oc.AXES, backend="local")
 OPS = oc.op_db()
@@ -59,21 +60,21 @@ class _FallbackCounter:
     def __init__(self) -> None:
         self.n = 0
         self.ops: set[str] = set()
-        self._orig = _dispatch._Fallback.run
+        self._orig = _entries._Fallback.run
 
     def __enter__(self) -> "_FallbackCounter":
         counter, orig = self, self._orig
 
         def run(entry: Any, *a: Any, **k: Any) -> Any:
             counter.n += 1
-            counter.ops.add(_dispatch._op_name(entry.func))
+            counter.ops.add(op_name(entry.func))
             return orig(entry, *a, **k)
 
-        _dispatch._Fallback.run = run
+        _entries._Fallback.run = run
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _dispatch._Fallback.run = self._orig
+        _entries._Fallback.run = self._orig
 
 
 def _distribute(tree: Any, config: str) -> Any:

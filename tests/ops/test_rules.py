@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import shardfn as sf
 from shardfn import P, ShardingError
 from shardfn.arrays import dispatch as _dispatch
+from shardfn.arrays import entries as _entries
 from shardfn.arrays import rule_table as _rules
 
 MESHES = [((2, 2), ("x", "y")), ((4,), ("x",)), ((2, 4), ("x", "y"))]
@@ -318,7 +319,7 @@ def test_shape_mismatch_error_names_op_and_layouts(mesh22: sf.Mesh) -> None:
 def test_op_without_rule_falls_back_with_one_warning(mesh22: sf.Mesh) -> None:
     a = torch.randn(4, 4)
     x = sf.distribute(a, P("x"), mesh=mesh22)
-    _dispatch._warned.discard("aten.trace")
+    _entries._warned.discard("aten.trace")
     expected = r"aten\.trace: f32\[4,4\] P\('x', None\) has no sharding rule.*register_sharding"
     with pytest.warns(sf.FallbackWarning, match=expected):
         out = torch.trace(x)

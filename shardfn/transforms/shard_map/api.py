@@ -57,9 +57,13 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
             out_spec leaves out (psum / all_gather results count as replicated), or
             when ``partial=`` names an axis the output does not vary over.
         axis_names: the mesh axes the body is manual over (default: all). Collectives
-            may name only these; over the other axes the body sees whole values (the
-            arguments are gathered over them on entry and the results laid out as their
-            out_specs say on exit, without communication).
+            may name only these. The body runs once per coordinate of the manual axes
+            (once per rank on dist) on ShardedArrays over the sub-mesh of the other axes
+            (that coordinate's devices; on dist a view using the mesh's process groups),
+            laid out there as the in_specs say, with ordinary propagation; nothing is
+            gathered on entry, and results are resharded there to their out_specs (the
+            communication the specs need). Under torch.func transforms the body sees
+            whole values over the automatic axes instead.
 
     Returns:
         The mapped function. Results and gradients equal those of the unsharded

@@ -289,7 +289,7 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
     paths, idx, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
     vma = _traced_vma(f, inputs, leaves, kwargs) if check_vma else None
     return optree.tree_unflatten(treespec, [
-        assemble_parts(p, [flat[i]], s, mesh, vma is not None, (lambda o, i=i: vma[i]) if vma else None,
+        assemble_parts(p, [flat[i]], s, mesh, check_vma, (lambda o, i=i: vma[i]) if vma else None,
                        exchange=not inputs.even())
         for p, i, s in zip(paths, idx, specs)
     ])
@@ -319,24 +319,25 @@ class _Replicated(torch.autograd.Function):
     mesh axes; differentiable, so higher orders hold too)."""
 
     @staticmethod
-    def forward(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple | None = None) -> torch.Tensor:
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.mesh = inputs[1]
+        ctx.axes = inputs[2] if len(inputs) > 2 else None
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
-        return _SumParts.apply(ct, ctx.mesh), None
+        return _SumParts.apply(ct, ctx.mesh, ctx.axes), None, None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
         return t.view_as(t)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh) -> tuple:
-        return _Replicated.apply(x, mesh), in_dims[0]
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, axes: tuple | None = None) -> tuple:
+        return _Replicated.apply(x, mesh, axes), in_dims[0]
 
 
 class _SumParts(torch.autograd.Function):
@@ -345,24 +346,25 @@ class _SumParts(torch.autograd.Function):
     whole: the transpose is the identity."""
 
     @staticmethod
-    def forward(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        return _all_reduce(x, mesh, mesh.axis_names, "sum")
+    def forward(x: torch.Tensor, mesh: Mesh, axes: tuple | None = None) -> torch.Tensor:
+        return _all_reduce(x, mesh, mesh.axis_names if axes is None else axes, "sum")
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.mesh = inputs[1]
+        ctx.axes = inputs[2] if len(inputs) > 2 else None
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
-        return ct.view_as(ct), None
+        return ct.view_as(ct), None, None
 
     @staticmethod
-    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
-        return _SumParts.apply(t, ctx.mesh)
+    def jvp(ctx: Any, t: torch.Tensor, *_: Any) -> torch.Tensor:
+        return _SumParts.apply(t, ctx.mesh, ctx.axes)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh) -> tuple:
-        return _SumParts.apply(x, mesh), in_dims[0]
+    def vmap(info: Any, in_dims: tuple, x: torch.Tensor, mesh: Mesh, axes: tuple | None = None) -> tuple:
+        return _SumParts.apply(x, mesh, axes), in_dims[0]
 
 
 def _next_sequence_nr() -> int:
@@ -419,7 +421,7 @@ class _Closures(TorchFunctionMode):
         from ...arrays.array import gather
 
         full = gather(t) if array else t
-        rep = _Replicated.apply(full, self.mesh) if full.requires_grad else full
+        rep = _Replicated.apply(full, self.mesh, None) if full.requires_grad else full
         self.seen[id(rep)] = None
         self.seen[key] = (t, rep)
         return rep

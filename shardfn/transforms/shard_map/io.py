@@ -59,9 +59,12 @@ def _own_specs(args: tuple) -> tuple:
     specs = []
     for path, v in zip(paths, leaves):
         if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
-            raise ShardingError(
+            from ...values.errors import ShardingTypeError
+
+            raise ShardingTypeError(  # a TypeError too, as JAX's in_specs=None error
                 f"shard_map with in_specs=None takes each argument's own spec, but {_path_str('args', path)} "
-                f"is a plain tensor with no spec; pass in_specs=, or sf.distribute it first"
+                f"is a plain tensor with no spec; pass in_specs= (instead of in_specs=None, did you mean "
+                f"in_specs=P()?), or sf.distribute it first"
             )
         specs.append(v._layout if isinstance(v, ShardedArray) else None)
     return tuple(optree.tree_unflatten(treespec, specs))
@@ -99,7 +102,16 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
 def check_scalar_spec(path: str, v: Any, spec: Any, what: str) -> None:
     """A non-tensor leaf (a Python number) is the same on every device: only a spec that
     shards nothing and sums nothing can hold for it."""
-    if spec is None or _is_trivial(spec):
+    if spec is None:
+        return
+    n = len(spec) if isinstance(spec, P) else len(spec.spec) if isinstance(spec, NamedSharding) else 0
+    if n:  # JAX: a Python number is a rank-0 value, and a spec longer than its rank is an error
+        raise ShardingError(
+            f"shard_map {what} for {path} is {spec!r}, but {path} is a {type(v).__name__}, a rank-0 value: the "
+            f"spec has length {n} (and 0 < {n}), too long for it; entries in {what} must be of length no greater "
+            f"than the number of axes of the value. For scalar values (rank 0) use P() (or None), or make it a tensor"
+        )
+    if _is_trivial(spec):
         return
     raise ShardingError(
         f"shard_map {what} for {path} is {spec!r}, but {path} is a {type(v).__name__}, not a tensor: "
@@ -135,7 +147,9 @@ def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool
     layout = _out_layout(path, spec, outs[0].dim(), mesh)
     if check_vma and vma_of is not None:
         check_output_vma(path, spec, layout, set().union(*(vma_of(o) for o in outs)))
-    return B.ExitParts.apply(layout, _global_shape(path, outs, layout, exchange), True, *outs)
+    # unchecked outputs (their replicas may differ): JAX's transpose, the cotangent shared out
+    first_only = True if check_vma else "mean"
+    return B.ExitParts.apply(layout, _global_shape(path, outs, layout, exchange), first_only, *outs)
 
 
 def _global_shape(path: str, outs: list, layout: Layout, exchange: bool = False) -> tuple[int, ...]:

@@ -22,6 +22,7 @@ import torch
 
 from .. import lax
 from ...arrays.array import ShardedArray, distribute, gather, reshard
+from ...backends import backend_for
 from ...values.context import ThreadStack
 from ...values.errors import ShardingError
 from ...values.layout import Layout
@@ -43,6 +44,15 @@ def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: A
     body = _restricted(f, manual)
     if not auto:
         return _shard_map(body, m, in_specs, out_specs, check_vma, args, kwargs)
+    if _plain_autograd():
+        sub = backend_for(m).submesh(m, auto)
+        if sub is not None:  # one device per process: the body runs on the sub-mesh of this rank's manual coordinates
+            from .sub_dist import shard_map_dist
+
+            return shard_map_dist(f, inputs, sub, manual, out_specs, check_vma, kwargs)
+        from . import sub_sim as _sim_manual  # every device here: one run per manual coordinate, on sub-mesh arrays
+
+        return _sim_manual.run(f, inputs, manual, auto, out_specs, check_vma, kwargs)
     sub = Mesh(tuple(m.axis_size(a) for a in auto), auto, backend="local", device_type=m.device_type)
     body = _on_submesh(body, sub, [None if l is None else _keep(l, sub) for l in inputs.layouts])
     whole_in = inputs.rebuild([None if l is None else _drop(l, auto) for l in inputs.layouts])
@@ -54,6 +64,16 @@ def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: A
         for p, v, s in zip(paths, outs, specs)
     ]
     return optree.tree_unflatten(treespec, laid)
+
+
+def _plain_autograd() -> bool:
+    """No torch.func transform, forward-AD level or make_fx trace is active (the sub-mesh
+    path's crossings are first-order autograd Functions; under those the body runs on
+    whole values over the automatic axes, as before)."""
+    from torch.autograd.forward_ad import _current_level
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return not torch._C._are_functorch_transforms_active() and _current_level < 0 and get_proxy_mode() is None
 
 
 def _is_spec_leaf(s: Any) -> bool:
@@ -124,7 +144,9 @@ def _as_body_value(v: Any) -> Any:
     its submesh (so gradients never mix plain tensors and ShardedArrays)."""
     subs = _subs()
     if not subs or not isinstance(v, torch.Tensor):
-        return v
+        from .sub_dist import as_body_value
+
+        return as_body_value(v)
     return distribute(v, Layout(subs[-1], ((),) * v.dim(), ()))
 
 
@@ -190,9 +212,15 @@ def _strip(spec: Any, auto: tuple[str, ...], mesh: Mesh) -> Any:
 
 
 def _nested(f: Callable, in_specs: Any, out_specs: Any, axis_names: Any, args: tuple, kwargs: dict) -> Any:
-    mesh = lax._bodies()[-1].mesh
+    body = lax._bodies()[-1]
+    mesh = body.mesh
     outer = lax._manual_set(mesh)
     inner = _check_axis_names(axis_names, mesh, outer, "nested shard_map")
+    sub = getattr(body, "submesh", None)
+    if sub is not None:  # a simulated partial-manual run: its values are arrays on the sub-mesh
+        from .sub_sim import nested_on_submesh
+
+        return nested_on_submesh(f, sub, in_specs, out_specs, inner, args, kwargs)
     if in_specs is None:
         raise ShardingError("a nested shard_map needs in_specs: inside a shard_map body values are local tensors with no spec")
     specs = _arg_specs(in_specs, args, "nested shard_map in_specs")

@@ -250,6 +250,33 @@ def _run_stacked(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, 
     return optree.tree_unflatten(treespec, results)
 
 
+class _Unchecked(torch.autograd.Function):
+    """Device 0's value along mesh dim ``k`` of an output that varies over an axis its
+    out_spec leaves out (check_vma=False); the cotangent goes to every device divided by
+    their number: JAX's transpose of such an output."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(c: torch.Tensor, k: int) -> torch.Tensor:
+        return c.narrow(k, 0, 1).clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        c, k = inputs
+        ctx.k, ctx.n = k, c.shape[k]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        sizes = list(g.shape)
+        sizes[ctx.k] = ctx.n
+        return g.expand(sizes) / ctx.n, None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return t.narrow(ctx.k, 0, 1).clone()
+
+
 def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool) -> Any:
     if not isinstance(c, torch.Tensor):
         check_scalar_spec(path, c, spec, "out_specs")
@@ -262,7 +289,7 @@ def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool)
     used = B.used_axes(layout)
     for k, a in enumerate(mesh.axis_names):
         if a in varying and a not in used:
-            c = c.narrow(k, 0, 1)
+            c = c.narrow(k, 0, 1) if check_vma else _Unchecked.apply(c, k)
     shape = tuple(
         n * math.prod(mesh.axis_size(a) for a in axes) for n, axes in zip(c.shape[m:], layout.dims)
     )

@@ -1,0 +1,284 @@
+"""Dispatch cache entries: the rule table's candidates for one call signature costed by
+the bytes their input moves send, the cheapest compiled into an :class:`_Entry` (input
+moves, the backend's local call, output wrapping); the replicate fallback where no rule fits."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable
+
+import attrs
+import torch
+
+from ..backends.registry import backend_for
+from ..plans.planner import cost_model, plan_layouts
+from ..values.errors import FallbackWarning, ShardingError
+from ..values.layout import Layout
+from ..values.schema import op_name as _op_name
+from . import functorch as _ft
+from . import rule_table as _rules
+from .array import ShardedArray, _wrap_output, check_partial_dtype, wrap
+from .fragments import fragment_of
+from .op_calls import _describe_call, _meta_run, _replace
+from .reduced import reduced_forms
+from .array import raw_full, raw_reshard
+from .strategies import Candidate, OpCall
+
+
+_warned: set[str] = set()
+
+
+def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
+    arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
+    meshes = {v.mesh for _, v in arrays}
+    if len(meshes) > 1:
+        raise ShardingError(
+            f"{_describe_call(func, leaves)}: inputs live on different meshes "
+            f"{sorted(map(repr, meshes))}; reshard them onto one mesh first"
+        )
+    mesh = next(iter(meshes))
+    try:
+        out_meta = _meta_run(func, args, kwargs)
+    except NotImplementedError:
+        out_meta = None  # data-dependent output shape: only the fallback can run it
+    except (RuntimeError, IndexError, ValueError, TypeError) as e:
+        raise ShardingError(
+            f"{_describe_call(func, leaves)}: shape mismatch or invalid arguments (the op rejects "
+            f"these global shapes, whatever the sharding): {e}"
+        ) from None
+    call = OpCall(func, args, kwargs, arrays, out_meta, mesh)
+    rule = _rules.lookup(func)
+    cands = rule.candidates(call) if rule is not None and out_meta is not None else []
+    if not cands:
+        why = "has no sharding rule" if rule is None else (
+            "has a sharding rule that does not cover this call" if out_meta is not None
+            else "has an output shape that depends on the data")
+        return _fallback_entry(func, call, why)
+    best = min(cands, key=lambda c: _cost(c, call))
+    _check_ranks(func, call, best)
+    return _Entry(func, call, best)
+
+
+def _check_ranks(func: Any, call: OpCall, cand: Candidate) -> None:
+    """A rule's layouts must fit the values they describe (a bug in the rule otherwise)."""
+    for l, m in zip(cand.out_layouts, call.out_metas):
+        if l is not None and (not isinstance(m, torch.Tensor) or l.ndim != m.dim()):
+            raise RuntimeError(f"{_op_name(func)}: sharding rule gave output layout {l!r} for {m!r}")
+
+
+# how much of a pending output's eventual reduction a strategy is charged: a pending sum
+# may merge with others or pass through linear ops before it is reduced once
+_PENDING_WEIGHT = 0.5
+
+
+def _cost(c: Candidate, call: OpCall) -> float:
+    """Seconds by the mesh's cost model (latency and bytes): the input moves (a reduction
+    already at hand is free), plus part of what resolving each pending output will cost,
+    so ties go to the strategy a person would pick (reduce the activation once rather than
+    gather a weight and leave a pending sum downstream)."""
+    model = cost_model(call.mesh)
+    total = 0.0
+    for (_, v), want in zip(call.arrays, c.in_layouts):
+        if want == v._layout:
+            continue
+        shape, dtype = tuple(v.shape), v.dtype
+        forms = reduced_forms(v) if v._layout.partial else ()
+        if want in forms:
+            continue
+        total += min(_seconds(model, plan_layouts(f, want, shape, dtype)) for f in (v._layout, *forms))
+    for l, m in zip(c.out_layouts, call.out_metas):
+        if l is not None and l.partial:
+            total += _PENDING_WEIGHT * _seconds(model, plan_layouts(l, l.without_partial(), tuple(m.shape), m.dtype))
+    return total
+
+
+def _seconds(model: Any, plan: Any) -> float:
+    return model.alpha * plan.collectives + plan.bytes_per_device / model.beta
+
+
+def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:
+    if isinstance(out, (tuple, list)):
+        kind = type(out)
+        return list(out), (lambda xs: kind(xs))
+    return [out], (lambda xs: xs[0])
+
+
+@attrs.define
+class _Entry:
+    """A compiled strategy for one cache key: which inputs to reshard, the backend's
+    local call (``compile_call``: everything about running it is decided here, once),
+    and the output metadata."""
+
+    func: Any
+    call: OpCall
+    cand: Candidate
+    out_shapes: list = attrs.field(init=False)
+    out_dtypes: list = attrs.field(init=False)
+    rebuild: Callable = attrs.field(init=False)
+    stacked: bool = attrs.field(init=False)  # the local call keeps symbolic sizes symbolic
+    # hot-path precomputations: where the sharded args sit, which inputs need
+    # resharding, the backend's local call
+    positional: tuple | None = attrs.field(init=False)
+    paths: tuple = attrs.field(init=False)  # where the sharded arguments sit (fixed by the key)
+    any_move: bool = attrs.field(init=False)
+    out_fragments: list = attrs.field(init=False)  # the outputs' fast-key fragments
+    single: tuple | None = attrs.field(init=False)  # a lone tensor output's (layout, shape, dtype, fragment)
+    moves: list = attrs.field(init=False)
+    local: Any = attrs.field(init=False)
+    lean: Callable | None = attrs.field(init=False)  # the local call's fast form (``warm``)
+    pending_view: bool = attrs.field(init=False)  # outputs pending a reduction (``dispatch._note_derived``)
+
+    def __attrs_post_init__(self) -> None:
+        metas, self.rebuild = _flat_outputs(self.call.out_meta)
+        self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
+        self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
+        # the key holds the input layouts and shapes, so which inputs need resharding is fixed
+        self.moves = [
+            v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
+            for (_, v), want in zip(self.call.arrays, self.cand.in_layouts)
+        ]
+        paths = tuple(p for p, _ in self.call.arrays)
+        self.positional = paths if all(isinstance(p, int) for p in paths) else None
+        self._precompute_warm_path(paths)
+        self.local = backend_for(self.call.mesh).compile_call(
+            self.func, self.call, self.cand, self.out_shapes, self.positional)
+        self.stacked = self.local.keeps_symbolic
+        self.pending_view = any(l is not None and l.partial for l in self.cand.out_layouts)
+        lone = self.positional is not None and not self.any_move and self.single is not None
+        self.lean = self.local.lean if lone else None
+        # the cache must not keep the first call's arrays alive (nor count as holding them)
+        self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
+
+    def _precompute_warm_path(self, paths: tuple) -> None:
+        """What ``run`` needs per call, fixed by the cache key: where the arrays sit, whether
+        any moves, the outputs' key fragments (and a lone output's wrap arguments)."""
+        self.paths, self.any_move = paths, any(self.moves)
+        for l, d in zip(self.cand.out_layouts, self.out_dtypes):
+            if l is not None and l.partial:
+                check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
+        self.out_fragments = [
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
+            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+        ]
+        single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
+        self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
+                       self.out_fragments[0]) if single else None
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        """``run`` for dispatch's fast path, whose arrays are stored canonically (``_fragment``):
+        one local call and one wrap when the backend has a lean form for it."""
+        lean = self.lean
+        if lean is not None:
+            out = lean(args, kwargs)
+            if out is not None:
+                return _wrap_output(out, *self.single)
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
+        """Reshard the inputs that need it, run the backend's local call, wrap the outputs
+        (the sharded arguments sit where ``paths`` says: the cache key fixes it, ``leaves``
+        is unused)."""
+        if self.positional is not None and not self.any_move:
+            values = {p: args[p]._local for p in self.positional}
+        else:
+            values = {p: raw_reshard(v, want) if move else v._local
+                      for p, want, move in zip(self.paths, self.cand.in_layouts, self.moves)
+                      for v in (_at(args, kwargs, p),)}
+        locals_ = self.local(args, kwargs, values, symbolic)
+        if symbolic:
+            return self.rebuild(self._wrap_symbolic(args, kwargs, locals_))
+        if self.single is not None:  # one tensor output (most ops): no lists, no rebuild
+            return _wrap_output(locals_[0], *self.single)
+        return self.rebuild([
+            local if layout is None else _wrap_output(local, layout, shape, dtype, frag)
+            for local, layout, shape, dtype, frag in zip(
+                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments)
+        ])
+
+    def _wrap_symbolic(self, args: tuple, kwargs: dict, locals_: list) -> list:
+        """Outputs of a symbolic call: global sizes read off the stacked local outputs."""
+        results = []
+        for local, layout, dtype in zip(locals_, self.cand.out_layouts, self.out_dtypes):
+            if layout is None:
+                results.append(local)
+                continue
+            shape = _global_of_stacked(local, layout)
+            if not _ft.is_symbolic(shape):
+                shape = _check_static_output(self.func, args, kwargs, len(results), shape)
+            results.append(ShardedArray(local, layout, shape, dtype))
+        return results
+
+
+def _at(args: tuple, kwargs: dict, path: Any) -> Any:
+    """The argument at ``path`` (a position, a (position, index) pair, or a keyword)."""
+    if isinstance(path, int):
+        return args[path]
+    if isinstance(path, tuple):
+        return args[path[0]][path[1]]
+    return kwargs[path]
+
+
+def _check_static_output(func: Any, args: tuple, kwargs: dict, i: int, shape: tuple) -> tuple:
+    """A call with symbolic inputs gave an output of concrete sizes: fine when the op's
+    output really has those sizes; a rule that baked hint sizes in would silently bake
+    them into the graph, so the call is redone with its sizes specialised (guarded)."""
+    outs, _ = _flat_outputs(_meta_run(func, args, kwargs))
+    want = tuple(outs[i].shape)
+    if _ft.is_symbolic(want):
+        raise _BakedSizes(f"{_op_name(func)}: {want}")
+    return shape
+
+
+def _global_of_stacked(local: torch.Tensor, layout: Layout) -> tuple:
+    """The global shape of a stacked value of an even layout (symbolic sizes kept)."""
+    mesh = layout.mesh
+    return tuple(
+        n * math.prod(mesh.axis_size(a) for a in axes)
+        for n, axes in zip(local.shape[mesh.ndim:], layout.dims)
+    )
+
+
+def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
+    """Replicate-run-replicate; ``why`` is warned about once per op (no path replicates
+    silently)."""
+    name = _op_name(func)
+    if why is not None and name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"{_describe_call(func, call.arrays)} {why}: its inputs are replicated and it runs on the full "
+            f"tensors; add a rule with sf.register_sharding({name.replace('aten.', 'torch.ops.aten.')}, ...)",
+            FallbackWarning,
+            stacklevel=4,
+        )
+    return _Fallback(func, call.mesh)
+
+
+@attrs.define
+class _Fallback:
+    func: Any
+    mesh: Any
+    pending_view: bool = False  # outputs are replicated
+
+    def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
+        # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
+        # trust a contiguous-looking argument; a replicated value is an expanded view)
+        a, k = _replace(args, kwargs, lambda p, v: raw_full(v).contiguous() if isinstance(v, ShardedArray) else v)
+        out = self.func(*a, **k)
+        backend = backend_for(self.mesh)
+        outs, rebuild = _flat_outputs(out)
+        res = []
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                layout = Layout(self.mesh, ((),) * o.dim())
+                res.append(wrap(backend.replicated(o, self.mesh), layout, o.shape, o.dtype))
+            else:
+                res.append(o)
+        return rebuild(res)
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        return self.run(args, kwargs)
+
+
+class _BakedSizes(Exception):
+    """A rule computed local sizes from the hints where the output's are symbolic."""

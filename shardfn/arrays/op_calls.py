@@ -1,0 +1,113 @@
+"""One op call as dispatch sees it: the sharded leaves of its arguments, plain tensors
+lifted to replicated arrays, arguments swapped for meta tensors, a description for messages."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..backends.registry import backend_for
+from ..values import replica_checks as _replicas
+from ..values.layout import Layout, describe
+from ..values.schema import op_name as _op_name
+from .array import ShardedArray, wrap
+from .array import raw_distribute
+
+
+def _leaves(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
+    """(path, value) of every argument, lists flattened one level."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            out.extend(((i, j), b) for j, b in enumerate(a))
+            out.append(((i, "len"), len(a)))
+        else:
+            out.append((i, a))
+    for k, v in kwargs.items():
+        out.append((k, v))
+    return out
+
+
+def _lift_plain(func: Any, args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict]:
+    """Plain tensors next to ShardedArrays take part as replicated values (only in
+    Tensor parameters: a 0-d tensor passed as a Scalar stays a number to the op)."""
+    mesh = next((v.mesh for _, v in leaves if isinstance(v, ShardedArray)), None)
+    if mesh is None:
+        return args, kwargs
+    slots = _tensor_slots(func)
+
+    checked = _replicas.checking()
+
+    def lift(path: Any, v: Any) -> Any:
+        slot = path[0] if isinstance(path, tuple) else path
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) and slot in slots:
+            if checked:
+                what = f"{_op_name(func)}: {_arg_name(func, path)}, a plain tensor,"
+                backend_for(mesh).check_replicas(mesh, v, mesh.axis_names, what)
+            layout = Layout(mesh, ((),) * v.dim())
+            return wrap(raw_distribute(v, layout), layout, v.shape, v.dtype)
+        return v
+
+    return _replace(args, kwargs, lift)
+
+
+def _arg_name(func: Any, path: Any) -> str:
+    """``argument 'other' (position 1)`` for an op argument at ``path`` (index or keyword, then list index)."""
+    slot, rest = (path[0], path[1:]) if isinstance(path, tuple) else (path, ())
+    if isinstance(slot, int):
+        args = func._schema.arguments
+        name = f"argument {args[slot].name!r} (position {slot})" if slot < len(args) else f"argument {slot}"
+    else:
+        name = f"argument {slot!r}"
+    return name + "".join(f"[{i}]" for i in rest)
+
+
+_SLOTS: dict[Any, frozenset] = {}
+
+
+def _tensor_slots(func: Any) -> frozenset:
+    """Positions and names of the parameters typed Tensor (or Tensor list / optional)."""
+    slots = _SLOTS.get(func)
+    if slots is None:
+        found = set()
+        for i, a in enumerate(func._schema.arguments):
+            if "Tensor" in str(a.type):
+                found.update((i, a.name))
+        slots = _SLOTS[func] = frozenset(found)
+    return slots
+
+
+def _replace(args: tuple, kwargs: dict, fn: Callable[[Any, Any], Any]) -> tuple[tuple, dict]:
+    """Rebuild args/kwargs with ``fn(path, value)`` applied to every leaf."""
+    new_args = []
+    for i, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            new_args.append(type(a)(fn((i, j), b) for j, b in enumerate(a)))
+        else:
+            new_args.append(fn(i, a))
+    return tuple(new_args), {k: fn(k, v) for k, v in kwargs.items()}
+
+
+def _to_meta(path: Any, v: Any) -> Any:
+    if isinstance(v, ShardedArray):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    if isinstance(v, torch.Tensor):
+        return v.to("meta")
+    return v
+
+
+def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op on meta tensors of the global shapes: the outputs' global metadata. A
+    ``device=`` argument (``.to(device)``, a cast's backward) is read as meta too: the
+    shards' device is the backend's business, the output's shape and dtype are not."""
+    with torch.no_grad():
+        margs, mkwargs = _replace(args, kwargs, _to_meta)
+        if isinstance(mkwargs.get("device"), (torch.device, str)):
+            mkwargs["device"] = "meta"
+        return func(*margs, **mkwargs)
+
+
+def _describe_call(func: Any, leaves: list) -> str:
+    arrays = [v for _, v in leaves if isinstance(v, ShardedArray)]
+    return f"{_op_name(func)}: " + " x ".join(describe(tuple(a.shape), a.dtype, a._layout) for a in arrays)

@@ -1,0 +1,79 @@
+"""Ops dispatch runs by hand rather than by a rule: aliases of an immutable array (the
+array itself), size and storage queries, whole-value comparisons, and ``.item()``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..backends.registry import backend_for
+from ..values.errors import ShardingError
+from .array import ShardedArray, wrap
+from .array import raw_full, raw_reshard
+
+aten = torch.ops.aten
+
+
+def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    return wrap(x._local, x._layout, x.shape, x.dtype)
+
+
+def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
+    return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+def _same_storage_numel(func: Any, args: tuple, kwargs: dict) -> bool:
+    # forward AD (jvp) asks before reusing a tangent; a ShardedArray's "storage" is its
+    # global extent (wrappers are always contiguous)
+    return args[0].numel() == args[1].numel()
+
+
+def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Like ``equal``: shard by shard in one layout (broadcasting operands: on full values)."""
+    a, b, *rest = args
+    if tuple(a.shape) != tuple(b.shape):
+        full = [raw_full(t) if isinstance(t, ShardedArray) else t for t in (a, b)]
+        return bool(func(*full, *rest, **kwargs))
+    return _equal(func, (a, b), {}, compare=lambda x, y: func(x, y, *rest, **kwargs))
+
+
+def _equal(func: Any, args: tuple, kwargs: dict, compare: Callable = torch.equal) -> bool:
+    a, b = args
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if not isinstance(a, ShardedArray):
+        a, b = b, a
+    layout = a._layout.without_partial()
+    if isinstance(b, ShardedArray) and b.mesh != a.mesh:
+        raise ShardingError(f"aten.equal: operands live on different meshes {a.mesh!r} and {b.mesh!r}")
+    from .array import raw_distribute
+
+    va = raw_reshard(a, layout)
+    vb = raw_reshard(b, layout) if isinstance(b, ShardedArray) else raw_distribute(b, layout)
+    return backend_for(a.mesh).all_true(
+        [compare(x, y) for x, y in zip(_shards(va, a.mesh), _shards(vb, a.mesh))], a.mesh
+    )
+
+
+def _shards(value: Any, mesh: Any) -> tuple:
+    return backend_for(mesh).shard_list(value, mesh)
+
+
+def _scalar(func: Any, args: tuple, kwargs: dict) -> Any:
+    return func(raw_full(args[0]))
+
+
+HANDLERS: dict[Any, Callable] = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.clone.default: _alias,
+    aten._lazy_clone.default: _alias,
+    aten.lift_fresh.default: _alias,
+    aten.is_same_size.default: _is_same_size,
+    aten._has_same_storage_numel.default: _same_storage_numel,
+    aten.equal.default: _equal,
+    aten.allclose.default: _allclose,
+    aten._local_scalar_dense.default: _scalar,
+}
