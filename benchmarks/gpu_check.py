@@ -47,6 +47,8 @@ from shardfn import P  # noqa: E402
 
 GPU_SIZE = {"dim": 1024, "heads": 16, "hidden": 4096, "seq": 256, "batch": 32}
 SMALL_SIZE = dict(bench_sim.FULL)  # dim 256, heads 8, hidden 1024, seq 64, batch 16
+# ``--quick`` (a smoke run: every section's code, little of its work): this configuration only
+QUICK_CONFIG = "dp x tp (2, 4)"
 # relative error (norm of the difference over the norm) allowed against unsharded
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
@@ -94,13 +96,16 @@ def block_loss_and_grads(params: dict[str, Any], cfg: dict[str, int], device: st
     return loss, list(torch.autograd.grad(loss, list(params.values())))
 
 
-def check_block_values(cfg: dict[str, int], device: str) -> list[str]:
-    """The block's loss and gradients in every bench_sim configuration vs unsharded."""
+def check_block_values(cfg: dict[str, int], device: str, quick: bool = False) -> list[str]:
+    """The block's loss and gradients in every bench_sim configuration vs unsharded
+    (``quick``: bfloat16 in the Megatron configuration only)."""
     bad = []
     for dtype in (torch.float32, torch.bfloat16):
         plain = bench_sim.init_params(cfg, device=device, dtype=dtype)
         want_loss, want_grads = block_loss_and_grads(plain, cfg, device, dtype, None)
         for config, (shape, names, specs) in bench_sim.CONFIGS.items():
+            if quick and dtype != torch.float32 and config != QUICK_CONFIG:
+                continue
             mesh = sf.Mesh(shape, names, backend="local", device_type=device)
             params = {k: sf.distribute(v, (specs or {}).get(k, P()), mesh=mesh) for k, v in plain.items()}
             loss, grads = block_loss_and_grads(params, cfg, device, dtype, mesh)
@@ -115,7 +120,8 @@ def check_block_values(cfg: dict[str, int], device: str) -> list[str]:
 
 
 def check_hf_values(device: str, quick: bool) -> list[str]:
-    """HF families TP-sharded (tp=2, local backend) vs unsharded, loss and gradients."""
+    """HF families TP-sharded (tp=2, local backend) vs unsharded, loss and gradients
+    (``quick``: the first family in float32)."""
     families = fallback_census.hf_families()
     if quick:
         families = dict(list(families.items())[:1])
@@ -124,7 +130,7 @@ def check_hf_values(device: str, quick: bool) -> list[str]:
         return []
     bad = []
     for name, build in families.items():
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32,) if quick else (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             model = build().to(device=device, dtype=dtype)
             params = {n: p.detach().requires_grad_() for n, p in model.named_parameters()}
@@ -171,17 +177,18 @@ def _peak_line(peaks: dict) -> str:
 def sim_runs(device: str, quick: bool, budget_s: float, start: float) -> None:
     import torch._dynamo  # noqa: F401 - its counters
     sizes = {"quick": bench_sim.QUICK} if quick else {"GPU": GPU_SIZE, "small": SMALL_SIZE}
-    steps = 2 if quick else 10
+    steps = 1 if quick else 10  # a time is the fastest step after the first
+    configs = (QUICK_CONFIG,) if quick else tuple(bench_sim.CONFIGS)
     rtol = 1e-5 if device == "cpu" else 1e-3  # other kernels for other shapes on a GPU
     for label, cfg in sizes.items():
         peaks: dict = {}
-        rows, losses = bench_sim.measure(cfg, steps, device=device, rtol=rtol, peaks=peaks)
+        rows, losses = bench_sim.measure(cfg, steps, device=device, rtol=rtol, configs=configs, peaks=peaks)
         say(f"[eager, {label} size] " + bench_sim.report(cfg, rows, losses, rtol))
         if peaks:
             say(_peak_line(peaks))
     backend = "inductor" if device == "cuda" else "aot_eager"
     for label, cfg in sizes.items():
-        for config in ("dp x tp (2, 4)",) if quick else bench_sim.CONFIGS:
+        for config in configs:
             if time.perf_counter() - start > budget_s:
                 say(f"[compiled, {label} size, {config}] skipped: over the --budget of {budget_s:.0f} s")
                 continue
@@ -214,7 +221,7 @@ def dist_values(device: str, quick: bool) -> None:
     """The block on the dist backend's 1-rank world (Megatron specs on a (1, 1) mesh)."""
     cfg = bench_sim.QUICK if quick else SMALL_SIZE
     mesh = sf.Mesh((1, 1), ("dp", "tp"), backend="dist", device_type=device)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32,) if quick else (torch.float32, torch.bfloat16):
         plain = bench_sim.init_params(cfg, device=device, dtype=dtype)
         want_loss, want_grads = block_loss_and_grads(plain, cfg, device, dtype, None)
         params = {k: sf.distribute(v, bench_sim.MEGATRON.get(k, P()), mesh=mesh) for k, v in plain.items()}
@@ -260,7 +267,8 @@ def with_world(device: str, fns: list[tuple[str, Callable[[], None]]], failures:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (a smoke run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: tiny sizes, one step timed, one configuration, bfloat16 checked once")
     ap.add_argument("--budget", type=float, default=200.0,
                     help="seconds after which the remaining compiled runs are skipped")
     ns = ap.parse_args(argv)
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench_sim.QUICK if quick else SMALL_SIZE
     bad: list[str] = []
     with section("1. values and gradients vs unsharded (block: bench_sim configurations; HF: TP)", failures):
-        bad += check_block_values(cfg, device)
+        bad += check_block_values(cfg, device, quick)
         bad += check_hf_values(device, quick)
         if bad:
             raise AssertionError(f"values differ from unsharded: {bad}")

@@ -78,6 +78,6 @@ def test_gpu_check_runs_every_section_on_cpu() -> None:
         assert f"=== {title}" in out and f"--- {title}" in out
     assert "FAIL" not in out
     values = [line for line in out.splitlines() if "worst rel err" in line]
-    assert len(values) >= 8 and all(line.rstrip().endswith(("ok", ")")) for line in values)
+    assert len(values) >= 5 and all(line.rstrip().endswith(("ok", ")")) for line in values)
     assert "distinct ops that fell back: 0; runs that raised: 0" in out  # the CUDA kernels have rules
     assert "[compiled aot_eager, quick size] dp x tp (2, 4)" in out

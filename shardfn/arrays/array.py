@@ -19,7 +19,7 @@ from ..values import layout as _lay
 from ..values import replica_checks as _replicas
 from ..values.errors import ImmutableError, ShardingError
 from ..values.layout import Layout
-from ..values.mesh import Mesh, current_mesh
+from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from ..values.sharded import Sharded
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
@@ -437,12 +437,15 @@ _NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
-def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any) -> ShardedArray:
-    """``ShardedArray(local, layout, shape, dtype)`` (contiguous) for an op output whose
-    layout, shape and dtype dispatch has checked once; ``frag`` is its fast-key fragment."""
+def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, frag: Any,
+                 stride: tuple | None = None) -> ShardedArray:
+    """``ShardedArray(local, layout, shape, dtype)`` for an op output whose layout, shape and
+    dtype dispatch has checked once; ``frag`` is its fast-key fragment; ``stride`` the strides
+    and storage offset torch gives the op's output (None: contiguous)."""
     # positional (cls, size, strides, storage_offset, memory_format, dtype, layout, device):
     # parsed faster than keywords
-    r = _make_wrapper(ShardedArray if len(shape) < _BATCHED_NDIM else _BatchedArray, shape, None, None, None,
+    r = _make_wrapper(ShardedArray if len(shape) < _BATCHED_NDIM else _BatchedArray, shape,
+                      *(stride if stride is not None else (None, None)), None,
                       dtype, torch.strided,
                       (local[0] if type(local) is tuple else local).device)
     r._local = local
@@ -479,6 +482,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
     layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
+    tensor = to_mesh_device(tensor, layout.mesh)  # the mesh owns the device
     backend = backend_for(layout.mesh)
     backend.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     if _replicas.checking():
@@ -768,6 +772,7 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
     ndim = shards[0].dim()
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
+    shards = [to_mesh_device(t, layout.mesh) for t in shards]  # the mesh owns the device
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
     checked = _replicas.checking()

@@ -235,7 +235,8 @@ def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
         if isinstance(v, ShardedArray):
-            parts.append((path, v._layout, v.shape, v.dtype, reduced_forms(v) if v._layout.partial else None))
+            parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset(),
+                          reduced_forms(v) if v._layout.partial else None))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
         elif isinstance(v, float):

@@ -19,14 +19,32 @@ from ..values.schema import op_name as _op_name
 from . import functorch as _ft
 from . import rule_table as _rules
 from .array import ShardedArray, _wrap_output, check_partial_dtype, wrap
-from .fragments import fragment_of
-from .op_calls import _describe_call, _meta_run, _replace
+from .fragments import _odd_stride, fragment_of
+from .op_calls import _describe_call, _replace, _to_meta
 from .reduced import reduced_forms
 from .array import raw_full, raw_reshard
 from .strategies import Candidate, OpCall
 
 
 _warned: set[str] = set()
+
+aten = torch.ops.aten
+
+# reductions whose meta kernels accept an empty input that torch's kernels reject (only these:
+# shardfn's own compositions call amax on empty shards torch's ops never see)
+_EMPTY_CHECKED = frozenset({aten.max.default, aten.min.default, aten.argmax.default, aten.argmin.default})
+
+
+def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op on meta tensors of the global shapes: the outputs' global metadata. A
+    ``device=`` argument (``.to(device)``, a cast's backward, factories) is read as meta too:
+    the shards' device is the mesh's business, the output's shape and dtype are not (on a
+    real device it raised here and was read as a data-dependent shape: a silent fallback)."""
+    with torch.no_grad():
+        margs, mkwargs = _replace(args, kwargs, _to_meta)
+        if isinstance(mkwargs.get("device"), (torch.device, str)):
+            mkwargs["device"] = "meta"
+        return func(*margs, **mkwargs)
 
 
 def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
@@ -38,8 +56,12 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
             f"{sorted(map(repr, meshes))}; reshard them onto one mesh first"
         )
     mesh = next(iter(meshes))
+    if func in _EMPTY_CHECKED and all(v.numel() == 0 for _, v in arrays):
+        _check_empty(func, args, kwargs)
     try:
         out_meta = _meta_run(func, args, kwargs)
+    except ZeroDivisionError:  # a Python meta kernel dividing by numel() of empty inputs
+        out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
@@ -58,6 +80,36 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
     return _Entry(func, call, best)
+
+
+def _check_empty(func: Any, args: tuple, kwargs: dict) -> None:
+    """Run ``func`` on real empty tensors of the global shapes, for torch's own errors
+    (``max()`` of an empty tensor raises; its meta kernel does not check). Empty tensors
+    hold no data, so this costs no copy; a call that raises is never cached."""
+    def empty(path: Any, v: Any) -> Any:
+        return torch.empty(v.shape, dtype=v.dtype) if isinstance(v, ShardedArray) else v
+
+    with torch.no_grad():
+        eargs, ekwargs = _replace(args, kwargs, empty)
+        func(*eargs, **ekwargs)
+
+
+def _empty_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op's output metadata from a run on real tensors holding no data: empty ones, and
+    an expanded zero for the others."""
+    def empty(path: Any, v: Any) -> Any:
+        if not isinstance(v, ShardedArray):
+            return v
+        if v.numel():
+            return torch.zeros((), dtype=v.dtype).expand(v.shape)
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+
+    with torch.no_grad():
+        eargs, ekwargs = _replace(args, kwargs, empty)
+        out = func(*eargs, **ekwargs)
+    outs, rebuild = _flat_outputs(out)
+    return rebuild([torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta")
+                    if isinstance(o, torch.Tensor) else o for o in outs])
 
 
 def _check_ranks(func: Any, call: OpCall, cand: Candidate) -> None:
@@ -115,6 +167,7 @@ class _Entry:
     cand: Candidate
     out_shapes: list = attrs.field(init=False)
     out_dtypes: list = attrs.field(init=False)
+    out_strides: list = attrs.field(init=False)  # None: contiguous
     rebuild: Callable = attrs.field(init=False)
     stacked: bool = attrs.field(init=False)  # the local call keeps symbolic sizes symbolic
     # hot-path precomputations: where the sharded args sit, which inputs need
@@ -133,6 +186,8 @@ class _Entry:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
         self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
+        self.out_strides = [None if not isinstance(m, torch.Tensor) or _ft.is_symbolic(m.shape)
+                            else _odd_stride(tuple(m.shape), m.stride(), m.storage_offset()) for m in metas]
         # the key holds the input layouts and shapes, so which inputs need resharding is fixed
         self.moves = [
             v._layout != want and bool(plan_layouts(v._layout, want, _ft.hint_shape(v.shape), v.dtype).steps)
@@ -158,12 +213,12 @@ class _Entry:
             if l is not None and l.partial:
                 check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
         self.out_fragments = [
-            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d)
-            for l, s, d in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes)
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d, st)
+            for l, s, d, st in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_strides)
         ]
         single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
         self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],
-                       self.out_fragments[0]) if single else None
+                       self.out_fragments[0], self.out_strides[0]) if single else None
 
     def warm(self, args: tuple, kwargs: dict) -> Any:
         """``run`` for dispatch's fast path, whose arrays are stored canonically (``_fragment``):
@@ -191,9 +246,9 @@ class _Entry:
         if self.single is not None:  # one tensor output (most ops): no lists, no rebuild
             return _wrap_output(locals_[0], *self.single)
         return self.rebuild([
-            local if layout is None else _wrap_output(local, layout, shape, dtype, frag)
-            for local, layout, shape, dtype, frag in zip(
-                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments)
+            local if layout is None else _wrap_output(local, layout, shape, dtype, frag, stride)
+            for local, layout, shape, dtype, frag, stride in zip(
+                locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments, self.out_strides)
         ])
 
     def _wrap_symbolic(self, args: tuple, kwargs: dict, locals_: list) -> list:
@@ -254,6 +309,22 @@ def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
     return _Fallback(func, call.mesh)
 
 
+def _as_reported(v: ShardedArray) -> torch.Tensor:
+    """``v``'s full value in memory laid out with its reported strides and storage offset
+    (contiguous where those overlap)."""
+    full = raw_full(v)
+    shape, stride, off = tuple(v.shape), v.stride(), v.storage_offset()
+    if full.numel() == 0 or _odd_stride(shape, stride, off) is None or 0 in stride:
+        return full.contiguous()
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    out = torch.empty(off + extent, dtype=full.dtype, device=full.device).as_strided(shape, stride, off)
+    try:
+        out.copy_(full)
+    except RuntimeError:  # overlapping strides
+        return full.contiguous()
+    return out
+
+
 @attrs.define
 class _Fallback:
     func: Any
@@ -261,9 +332,9 @@ class _Fallback:
     pending_view: bool = False  # outputs are replicated
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
-        # contiguous like the wrapper claims to be (kernels such as native_group_norm_backward
-        # trust a contiguous-looking argument; a replicated value is an expanded view)
-        a, k = _replace(args, kwargs, lambda p, v: raw_full(v).contiguous() if isinstance(v, ShardedArray) else v)
+        # laid out as the wrapper says (kernels such as native_group_norm_backward trust the
+        # strides; as_strided reads the storage; a replicated value is an expanded view)
+        a, k = _replace(args, kwargs, lambda p, v: _as_reported(v) if isinstance(v, ShardedArray) else v)
         out = self.func(*a, **k)
         backend = backend_for(self.mesh)
         outs, rebuild = _flat_outputs(out)

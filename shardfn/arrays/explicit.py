@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..values.context import ThreadStack
 from ..plans.planner import COMM_KINDS, plan_layouts
 from ..values.errors import ImplicitReshardError, ImplicitReshardWarning, ShardingError
 from ..values.layout import Layout, describe
@@ -26,7 +27,8 @@ from .array import ShardedArray
 __all__ = ["explicit"]
 
 _MODES = ("raise", "warn", "off")
-_stack: list[str] = []
+_stack: list[str] = []  # the active modes of every thread (dispatch's cheap "any active?" test)
+_local = ThreadStack()  # this thread's modes, innermost last
 _warned: set[tuple] = set()
 _moves: dict[int, tuple[Any, list]] = {}
 
@@ -51,15 +53,18 @@ class explicit(contextlib.ContextDecorator):
 
     def __enter__(self) -> explicit:
         _stack.append(self.mode)
+        _local.items.append(self.mode)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _stack.pop()
+        _local.items.pop()
+        _stack.remove(self.mode)
 
 
 def current_mode() -> str:
     """The innermost active mode (``"off"`` outside any context)."""
-    return _stack[-1] if _stack else "off"
+    items = _local.items
+    return items[-1] if items else "off"
 
 
 def check(func: Any, entry: Any, leaves: list) -> None:

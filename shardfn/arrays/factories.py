@@ -17,7 +17,7 @@ from .array import ShardedArray, wrap
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
 from ..values.layout import Box, Layout, device_box
-from ..values.mesh import Mesh
+from ..values.mesh import Mesh, mesh_device
 from ..values.spec import Sharding, to_layout
 
 ShapeLike = int | Sequence[int]
@@ -49,9 +49,7 @@ def _layout(shape: tuple[int, ...], sharding: Sharding, mesh: Mesh | None) -> La
 
 def _mesh_device(mesh: Mesh) -> torch.device:
     """The device this process puts its shards on."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+    return mesh_device(mesh)
 
 
 def _local_devices(mesh: Mesh) -> list[int]:

@@ -27,7 +27,8 @@ def _fragment(x: Any) -> Any:
         if forms:
             layout = (layout, forms)
     try:
-        k = fragment_of(layout, tuple(x.shape), x.dtype)
+        shape = tuple(x.shape)
+        k = fragment_of(layout, shape, x.dtype, _odd_stride(shape, x.stride(), x.storage_offset()))
     except TypeError:  # SymInts do not hash
         return None
     if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
@@ -37,15 +38,34 @@ def _fragment(x: Any) -> Any:
     return k
 
 
-def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype) -> Any:
-    """A unique object per (layout, shape, dtype): fast keys hash it by identity. Never
-    reused for another triple (dropping the table only makes new objects)."""
-    k = _fragments.get((layout, shape, dtype))
+def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype, stride: tuple | None = None) -> Any:
+    """A unique object per (layout (with the reductions at hand, if any), shape, dtype, stride;
+    None: contiguous): fast keys hash it by identity. Never reused for another tuple (dropping
+    the table only makes new objects)."""
+    key = (layout, shape, dtype) if stride is None else (layout, shape, dtype, stride)
+    k = _fragments.get(key)
     if k is None:
         if len(_fragments) >= _FRAGMENTS_MAX:
             _fragments.clear()
-        k = _fragments[(layout, shape, dtype)] = _Fragment()
+        k = _fragments[key] = _Fragment()
     return k
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _odd_stride(shape: tuple, stride: tuple, offset: int = 0) -> tuple | None:
+    """``(stride, storage offset)`` unless they are the contiguous ones of ``shape`` (None
+    then). An array reports the strides and offset torch would give the same op on a plain
+    tensor (the meta run's), so ``x.t().is_contiguous()`` is False and autograd's
+    ``as_strided`` on views reads the right elements; shards are stored however the backend
+    likes."""
+    return None if not offset and stride == _contiguous_strides(shape) else (tuple(stride), offset)
 
 
 class _Fragment:

@@ -46,10 +46,19 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict, leaves: list) -> tuple[tup
                 what = f"{_op_name(func)}: {_arg_name(func, path)}, a plain tensor,"
                 backend_for(mesh).check_replicas(mesh, v, mesh.axis_names, what)
             layout = Layout(mesh, ((),) * v.dim())
-            return wrap(raw_distribute(v, layout), layout, v.shape, v.dtype)
+            return wrap(raw_distribute(_materialized(v), layout), layout, v.shape, v.dtype)
         return v
 
     return _replace(args, kwargs, lift)
+
+
+def _materialized(v: torch.Tensor) -> torch.Tensor:
+    """``v`` without lazy flags: a ZeroTensor (forward AD's zero tangent) as real zeros, conj/neg
+    views resolved. Inside ``__torch_dispatch__`` those dispatch keys are skipped, so the local
+    kernels would read a ZeroTensor's missing storage or ignore the flag."""
+    if v._is_zerotensor():
+        return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    return v.resolve_conj().resolve_neg() if v.is_conj() or v.is_neg() else v
 
 
 def _arg_name(func: Any, path: Any) -> str:
@@ -90,22 +99,13 @@ def _replace(args: tuple, kwargs: dict, fn: Callable[[Any, Any], Any]) -> tuple[
 
 
 def _to_meta(path: Any, v: Any) -> Any:
-    if isinstance(v, ShardedArray):
-        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    if isinstance(v, ShardedArray):  # with the array's strides: outputs get torch's strides
+        meta = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        off = v.storage_offset()
+        return meta.as_strided(v.shape, v.stride(), off) if off else meta
     if isinstance(v, torch.Tensor):
         return v.to("meta")
     return v
-
-
-def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
-    """The op on meta tensors of the global shapes: the outputs' global metadata. A
-    ``device=`` argument (``.to(device)``, a cast's backward) is read as meta too: the
-    shards' device is the backend's business, the output's shape and dtype are not."""
-    with torch.no_grad():
-        margs, mkwargs = _replace(args, kwargs, _to_meta)
-        if isinstance(mkwargs.get("device"), (torch.device, str)):
-            mkwargs["device"] = "meta"
-        return func(*margs, **mkwargs)
 
 
 def _describe_call(func: Any, leaves: list) -> str:

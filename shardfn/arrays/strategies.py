@@ -70,7 +70,8 @@ class Candidate:
     - ``local_fn``: a computation on one device's shards that is not the op itself
       (vocabulary-sharded embedding, class-range nll, mean over uneven shards); it takes
       the op's arguments plus the ``facts`` (:class:`ShardFact`) as keywords.
-    - ``dense``: the local call needs contiguous tensors with conj/neg flags resolved.
+    - ``dense``: the local call needs contiguous tensors with conj/neg flags resolved
+      (``"last"``: only a last dim of stride 1, as fused attention kernels assume).
     - ``broadcast``: the local call is elementwise, its tensor operands broadcasting
       against each other right-aligned (pointwise ops).
     """
@@ -82,7 +83,7 @@ class Candidate:
     local_sizes: tuple[tuple[str, int], ...] = ()
     local_fn: Callable | None = None
     facts: tuple[ShardFact, ...] = ()
-    dense: bool = False
+    dense: bool | str = False
     broadcast: bool = False
 
 

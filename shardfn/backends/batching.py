@@ -170,8 +170,8 @@ class _Call:
                 x = _get(args, kwargs, where)
                 _set(args, kwargs, where, x.reshape(*x.shape[:m], *([1] * pad), *x.shape[m:]))
             if self.dense:
-                args = [dc.dense(a) for a in args]
-                kwargs = {k: dc.dense(v) for k, v in kwargs.items()}
+                args = [dc.dense(a, self.dense) for a in args]
+                kwargs = {k: dc.dense(v, self.dense) for k, v in kwargs.items()}
         return self.fn(*args, **kwargs)
 
 
@@ -304,7 +304,8 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _vdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.conj() * b).sum(-1, dtype=a.dtype)
+    # conj_physical, not conj(): inside __torch_dispatch__ a lazy conj view's flag is ignored
+    return (torch.conj_physical(a) * b).sum(-1, dtype=a.dtype)
 
 
 def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -453,7 +454,7 @@ def _attention(info: Info) -> "_Call | None":
             if not isinstance(a, torch.Tensor):
                 return a
             a = a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
-            return a.contiguous() if grouped else a
+            return a.contiguous() if grouped else dc.dense(a, "last")
 
         outs = op(*[fold(a) for a in args], **kwargs)
         return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)

@@ -69,12 +69,18 @@ def size_splits(layout: Layout) -> tuple[int, ...]:
     return tuple(math.prod(mesh.axis_size(a) for a in axes) for axes in layout.dims)
 
 
-def dense(v: Any) -> Any:
-    """A tensor (or tensors) contiguous with conj/neg flags resolved."""
+def dense(v: Any, mode: bool | str = True) -> Any:
+    """A tensor (or tensors) contiguous with conj/neg flags resolved; with ``mode="last"``
+    only a last dim of stride != 1 is made contiguous (what fused kernels such as CPU flash
+    attention assume: torch's front-end only picks them for such inputs, but a gathered
+    shard may carry other strides)."""
     if isinstance(v, torch.Tensor):
-        return v.resolve_conj().resolve_neg().contiguous()
+        v = v.resolve_conj().resolve_neg()
+        if mode == "last":
+            return v.contiguous() if v.dim() and v.shape[-1] > 1 and v.stride(-1) != 1 else v
+        return v.contiguous()
     if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
-        return type(v)(dense(t) for t in v)
+        return type(v)(dense(t, mode) for t in v)
     return v
 
 
@@ -154,8 +160,8 @@ class DeviceCall:
         if self.rebind is not None:
             args, kwargs = self.rebind(args, kwargs)
         if self.dense:
-            args = tuple(dense(a) for a in args)
-            kwargs = {k: dense(v) for k, v in kwargs.items()}
+            args = tuple(dense(a, self.dense) for a in args)
+            kwargs = {k: dense(v, self.dense) for k, v in kwargs.items()}
         facts = self.facts[dev]
         out = self.fn(*args, **kwargs, **facts) if facts else self.fn(*args, **kwargs)
         return list(out) if isinstance(out, (tuple, list)) else [out]

@@ -614,7 +614,11 @@ class StackedCall:
         if self.mode == "batched":
             m = self.m
             sig = tuple([v.shape[:m] for v in values.values()])
-            settled = self.verified.get(sig)
+            try:
+                settled = self.verified.get(sig)
+            except TypeError:  # torch.compile(dynamic=True) made the mesh dims symbolic: they are not
+                sig = tuple(tuple(n if isinstance(n, int) else n.node.hint for n in s) for s in sig)
+                settled = self.verified.get(sig)
             a, k = substitute(args, kwargs, values, self.positional)
             if settled is True:
                 out = self.direct(*a, **k) if self.direct is not None else self.fn(a, k, symbolic)

@@ -11,6 +11,7 @@ import torch
 
 from . import counter_rng as _rng
 from ..arrays.array import ShardedArray, raw_full, raw_reshard
+from ..values.context import ThreadStack
 from ..values.errors import ShardingError
 from ..arrays.factories import ShapeLike, _allocating, _build, _from_boxes, _layout, _mesh_device, _shape, _shard_of
 from ..values.layout import Box, Layout
@@ -215,7 +216,13 @@ class _SeedState:
     count: int = 0
 
 
-_state = _SeedState()
+_state = _SeedState()  # set_seed: every thread's (as torch.manual_seed is)
+_scoped = ThreadStack()  # seeded(): this thread's block only (innermost last)
+
+
+def _current() -> _SeedState:
+    items = _scoped.items
+    return items[-1] if items else _state
 
 
 def set_seed(seed: KeyLike | int | None) -> None:
@@ -239,22 +246,26 @@ def set_seed(seed: KeyLike | int | None) -> None:
 
 @contextlib.contextmanager
 def seeded(seed: KeyLike | int | None) -> Iterator[None]:
-    """:func:`set_seed` for the duration of a ``with`` block (the previous state returns)."""
-    saved = (_state.key, _state.count)
-    set_seed(seed)
+    """:func:`set_seed` for the duration of a ``with`` block, in this thread only (the
+    previous state returns; other threads keep theirs)."""
+    st = _SeedState()
+    if seed is not None:
+        st.key = key(seed) if isinstance(seed, int) and not isinstance(seed, bool) else _check_key(seed)
+    _scoped.items.append(st)  # this thread only: another thread's random ops keep their state
     try:
         yield
     finally:
-        _state.key, _state.count = saved
+        _scoped.items.pop()
 
 
 def _next_key(generator: torch.Generator | None = None, device: torch.device | str | None = None) -> Key:
     """A fresh key for one random op: from the :func:`set_seed` key if set (and no
     ``generator``), else two 32-bit words drawn from ``generator`` / torch's default
     generator of ``device`` (a fixed amount of state, whatever the shape or sharding)."""
-    if generator is None and _state.key is not None:
-        k = fold_in(_state.key, _state.count)
-        _state.count += 1
+    st = _current()
+    if generator is None and st.key is not None:
+        k = fold_in(st.key, st.count)
+        st.count += 1
         return k
     dev = torch.device(generator.device if generator is not None else device or "cpu")
     if dev.type == "meta":

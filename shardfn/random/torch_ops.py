@@ -243,6 +243,9 @@ SPECIAL: dict[Any, Callable] = {
     aten.native_dropout.default: _native_dropout,
     aten.empty_like.default: _empty_like,
     aten.new_empty.default: _new_empty,
+    # autograd's gradient layout contract asks for one when a gradient's strides differ from its
+    # leaf's (as torch's do, e.g. flash attention's); the result is contiguous, like most leaves
+    aten.new_empty_strided.default: _new_empty,
     aten.normal_functional.default: _normal_fill,
 }
 

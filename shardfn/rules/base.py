@@ -34,3 +34,30 @@ def norm_dims(dim: Any, ndim: int) -> tuple[int, ...]:
 def letters(n: int, start: int = 0) -> tuple[str, ...]:
     """``n`` distinct dim letters."""
     return tuple(chr(ord("a") + start + i) for i in range(n))
+
+
+def out_of_range(index: torch.Tensor, size: int, allowed: int | None = None) -> Any:
+    """The first entry of ``index`` outside ``[0, size)`` (other than ``allowed``), or None.
+    A rule whose local call sees only part of an indexed dim checks the global range this
+    way (torch's kernel would raise; the local one cannot tell). Traced values (fake or
+    functional tensors) are not checked: their data is unknown."""
+    if not isinstance(index, torch.Tensor) or type(index) is not torch.Tensor or index.device.type == "meta":
+        return None
+    if torch._C._functorch.is_functorch_wrapped_tensor(index):
+        return None
+    bad = (index < 0) | (index >= size)
+    if allowed is not None:
+        bad &= index != allowed
+    if not bad.any():
+        return None
+    return index[bad].flatten()[0].item()
+
+
+def sum_passes(call: OpCall, src: torch.dtype) -> bool:
+    """Whether a pending sum in dtype ``src`` may pass through ``call`` unresolved. Not
+    when the op widens the dtype (int8 ``(a @ b).sum()`` wraps the product's total in int8
+    first, the parts would not), nor in float16, whose total may overflow to inf where
+    the parts do not (the parts are summed in the dtype only when resolved)."""
+    if src == torch.float16:
+        return False
+    return all(m.dtype == src for m in call.out_metas if isinstance(m, torch.Tensor))

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import attrs
 
 from ..values.layout import Layout
-from .base import Candidate, OpCall
+from .base import Candidate, OpCall, sum_passes
 
 Letters = tuple[str | None, ...]
 
@@ -56,7 +56,7 @@ def compile_dims(call: OpCall, spec: Dims, **fns: Any) -> list[Candidate]:
     ``local_sizes``) are passed on to every Candidate."""
     mesh = call.mesh
     layouts = call.layouts
-    options = [_axis_options(a, layouts, spec) for a in mesh.axis_names]
+    options = [_axis_options(a, layouts, spec, call) for a in mesh.axis_names]
     seen: set = set()
     out: list[Candidate] = []
     for combo in itertools.product(*options):
@@ -68,14 +68,15 @@ def compile_dims(call: OpCall, spec: Dims, **fns: Any) -> list[Candidate]:
     return out
 
 
-def _axis_options(axis: str, layouts: Sequence[Layout], spec: Dims) -> list[tuple]:
+def _axis_options(axis: str, layouts: Sequence[Layout], spec: Dims, call: OpCall) -> list[tuple]:
     opts: list[tuple] = []
     for i, (lay, letters) in enumerate(zip(layouts, spec.ins)):
         d = lay.axis_dim.get(axis)
         if d is not None and letters[d] is not None and ("shard", letters[d]) not in opts:
             opts.append(("shard", letters[d]))
         op = lay.partial_ops.get(axis)
-        if op in spec.linear and _may_be_partial(spec, i) and ("partial", i, op) not in opts:
+        if (op in spec.linear and _may_be_partial(spec, i) and ("partial", i, op) not in opts
+                and sum_passes(call, call.arrays[i][1].dtype)):
             opts.append(("partial", i, op))
     opts.append(_REPLICATE)
     return opts

@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from ..values.layout import Layout
-from .base import Candidate, OpCall, ShardFact, bind
+from .base import Candidate, OpCall, ShardFact, bind, out_of_range
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ def _log_softmax_classes(func: Any, args: tuple, kwargs: dict) -> Any:
     """log_softmax over a sharded dim: max and sum-of-exp all_reduces of the other dims."""
     b = bind(func, args, kwargs)
     x, dim = b["self"], b["dim"]
-    if not _sharded(x) or x.dim() == 0 or not x._layout.dims[dim % x.dim()]:
+    if not _sharded(x) or x.dim() == 0 or not x._layout.dims[dim % x.dim()] or x.numel() == 0:
         return NotImplemented
     with torch.no_grad():
         if b["half_to_float"]:
@@ -128,7 +128,7 @@ class ClassSharded:
             outs = (loss, Layout(mesh, (), _order(mesh, part_cls + tuple((a, "sum") for a in rows))))
         i = names.index("self")
         facts = (ShardFact("lo", "offset", i, 1), ShardFact("classes", "size", i, 1))
-        return [Candidate(tuple(ins), outs, local_fn=_ClassRange(call.func), facts=facts)]
+        return [Candidate(tuple(ins), outs, local_fn=_ClassRange(call.func, x.shape[1]), facts=facts)]
 
 
 def _order(mesh: Any, partial: tuple) -> tuple:
@@ -146,13 +146,18 @@ def _arg_name(func: Any, path: Any) -> str:
 @attrs.frozen
 class _ClassRange:
     """The op on one device's shards, whose classes are ``[lo, lo + classes)``: targets
-    outside that range become ``ignore_index``, the others are shifted into it."""
+    outside that range become ``ignore_index``, the others are shifted into it. A target
+    outside all ``n_classes`` raises IndexError, as torch's kernel does."""
 
     func: Any
+    n_classes: int
 
     def __call__(self, *args: Any, lo: Any, classes: Any, **kwargs: Any) -> Any:
         b = bind(self.func, args, kwargs)
         t, ii = b["target"], b["ignore_index"]
+        bad = out_of_range(t, self.n_classes, ii)
+        if bad is not None:
+            raise IndexError(f"Target {bad} is out of bounds.")
         inside = (t >= lo) & (t < lo + classes)
         b["target"] = torch.where(inside, t - lo, torch.full_like(t, ii))
         names = [a.name for a in self.func._schema.arguments]

@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from ..values.layout import local_shapes
-from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters, replicated
+from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters, out_of_range, replicated
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .loss import ClassSharded
 
@@ -145,9 +145,10 @@ class Attention:
             cands = [c for c in rule.candidates(call)
                      if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
         # the CPU kernel misreads grouped-query heads from transposed strides (which gathers
-        # produce): those calls need dense inputs; other layouts it reads as they are
+        # produce): those calls need dense inputs; others a last dim of stride 1 (torch's front-end
+        # checks it before picking the kernel; a gathered shard may lack it)
         grouped = self.dense_gqa and q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
-        return [attrs.evolve(c, dense=grouped, local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
+        return [attrs.evolve(c, dense=True if grouped else "last", local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
 
 
 def _no_heads_somewhere(call: OpCall, c: Candidate) -> bool:
@@ -200,7 +201,7 @@ class Embedding:
         for c in compile_dims(call, spec):
             axes = c.in_layouts[0].dims[0]
             if axes:
-                c = attrs.evolve(c, local_fn=_vocab_embedding, facts=_VOCAB_FACTS)
+                c = attrs.evolve(c, local_fn=_VocabEmbedding(w.shape[0]), facts=_VOCAB_FACTS)
             out.append(c)
         return out
 
@@ -208,9 +209,21 @@ class Embedding:
 _VOCAB_FACTS = (ShardFact("lo", "offset", 0, 0), ShardFact("rows", "size", 0, 0))
 
 
-def _vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, *rest: Any, lo: Any, rows: Any) -> torch.Tensor:
+@attrs.frozen
+class _VocabEmbedding:
     """One device's lookup in its vocabulary rows ``[lo, lo + rows)``: zeros for the
-    indices outside (the output is a pending sum over the vocabulary axes)."""
+    indices outside (the output is a pending sum over the vocabulary axes); an index
+    outside the whole vocabulary raises IndexError, as torch does."""
+
+    vocab: int
+
+    def __call__(self, weight: torch.Tensor, indices: torch.Tensor, *rest: Any, lo: Any, rows: Any) -> torch.Tensor:
+        if out_of_range(indices, self.vocab) is not None:
+            raise IndexError("index out of range in self")
+        return _vocab_embedding(weight, indices, lo, rows)
+
+
+def _vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: Any, rows: Any) -> torch.Tensor:
     inside = (indices >= lo) & (indices < lo + rows)
     local = torch.where(inside, indices - lo, torch.zeros_like(indices))
     if weight.shape[0] == 0:

@@ -7,13 +7,16 @@ reduces first.
 
 from __future__ import annotations
 
+import cmath
+import math
 from typing import Any
 
 import attrs
 import torch
 
+from ..values.errors import ShardingError
 from ..values.layout import Layout
-from .base import Candidate, OpCall
+from .base import Candidate, OpCall, sum_passes
 
 aten = torch.ops.aten
 
@@ -49,6 +52,13 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
     func = call.func
     if not partial or any(op not in _LINEAR_PARTIAL_OPS for _, op in partial):
         return set()
+    if not all(sum_passes(call, v.dtype) for _, v in call.arrays if v._layout.partial):
+        return set()
+    if func in (aten.div.Tensor, aten.div.Scalar) and not _nonzero_number(call.args[1]):
+        return set()  # parts / 0 are ±inf or nan, whose sum need not be the total's ±inf
+    if func in (aten.mul.Tensor, aten.mul.Scalar) and any(
+            isinstance(a, float) and not math.isfinite(a) for a in call.args[:2]):
+        return set()  # parts * inf have mixed signs where the total's does not
     n = len(call.arrays)
     if func in _CASTS:
         return set(range(n)) if _float_cast(call) else set()
@@ -60,6 +70,11 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
         only = _MULTILINEAR[func]
         return {base} if only is None or call.arrays[base][0] == only else set()
     return set()
+
+
+def _nonzero_number(v: Any) -> bool:
+    """A finite nonzero Python number (a divisor a pending sum may pass)."""
+    return isinstance(v, (int, float, complex)) and not isinstance(v, bool) and v != 0 and cmath.isfinite(v)
 
 
 def _scalar_operands(call: OpCall) -> bool:
@@ -148,9 +163,28 @@ class Materialised:
 POINTWISE = Pointwise()
 LIKE = Like()
 
+
+@attrs.frozen
+class ToCopy:
+    """``_to_copy`` (``.to``, ``.type``, casts): dtype, layout and memory format change
+    shard by shard; the device type is the mesh's (the mesh owns the device), so a move to
+    another device type is a ShardingError naming the ways to get there."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        dev = call.kwargs.get("device")
+        if dev is not None and torch.device(dev).type != call.mesh.device_type:
+            kind = torch.device(dev).type
+            raise ShardingError(
+                f"_to_copy(device={str(dev)!r}): the ShardedArray lives on its mesh's device type "
+                f"{call.mesh.device_type!r} (the mesh owns the device); for a plain tensor there use "
+                f"x.full_tensor().to({kind!r}), or distribute onto a Mesh(..., device_type={kind!r})"
+            )
+        return POINTWISE.candidates(call)
+
+
 # Elementwise ops that torch does not tag as pointwise.
 _UNTAGGED = (
-    "_to_copy", "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
+    "copy", "fill", "hardtanh_backward", "elu_backward", "leaky_relu_backward",
     "softplus_backward", "hardswish_backward", "hardsigmoid_backward", "log_sigmoid_backward",
     "mish_backward", "rrelu_with_noise_backward", "conj_physical", "resolve_conj",
     "resolve_neg", "relu6", "rsub", "floor_divide", "log_sigmoid_forward",
@@ -161,6 +195,7 @@ _UNTAGGED = (
 
 TABLE = {
     **{getattr(aten, n): POINTWISE for n in _UNTAGGED if hasattr(aten, n)},
+    aten._to_copy: ToCopy(),
     aten._conj: Materialised(POINTWISE, aten.conj_physical.default),
     aten._neg_view: Materialised(POINTWISE, aten.neg.default),
     aten.zeros_like: LIKE,

@@ -101,8 +101,21 @@ class View:
     def candidates(self, call: OpCall) -> list[Candidate]:
         (_, x), = call.arrays
         out_shape = tuple(call.out_metas[0].shape)
+        if call.func is aten.view.dtype:
+            return [_view_dtype(call, x)]
         src, dst = view_layouts(x._layout, tuple(x.shape), out_shape)
         return [_local_shape_candidate(call, (src,), dst, out_shape, "size")]
+
+
+def _view_dtype(call: OpCall, x: Any) -> Candidate:
+    """view(dtype): the bits reinterpreted shard by shard; a change of element size scales
+    the last dim, which must then be whole (and of stride 1 locally). A pending sum is
+    resolved first (the bits of the parts are not parts of the bits)."""
+    dims = x._layout.dims
+    if x.dtype.itemsize != call.out_metas[0].dtype.itemsize and dims:
+        dims = dims[:-1] + ((),)
+    lay = Layout(call.mesh, dims)
+    return Candidate((lay,), (lay,), dense="last")
 
 
 def _local_shape_candidate(call: OpCall, ins: tuple, dst: Layout, out_shape: tuple, arg: str) -> Candidate:

@@ -46,7 +46,11 @@ def einsum(equation: str, *operands: torch.Tensor, out_sharding: Sharding | None
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     with explicit(mode="off"):
-        out = torch.einsum(equation, *operands)
+        try:
+            out = torch.einsum(equation, *operands)
+        except RuntimeError as e:  # a bad equation, or operands that do not fit it
+            shapes = ", ".join(str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in operands)
+            raise ShardingError(f"sf.einsum({equation!r}) on operands of shapes {shapes}: {e}") from None
     return _lay_out(out, out_sharding, operands, f"sf.einsum({equation!r})")
 
 

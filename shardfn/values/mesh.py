@@ -280,6 +280,21 @@ def current_mesh() -> Mesh | None:
     return stack[-1] if stack else None
 
 
+# -- the device the mesh owns -------------------------------------------------------------------
+
+
+def mesh_device(mesh: Mesh) -> torch.device:
+    """The device this process puts the mesh's shards on (the current CUDA device for "cuda")."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def to_mesh_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """``t`` itself if it is on the mesh's device type, else a copy there (differentiable)."""
+    return t if t.device.type == mesh.device_type else t.to(mesh_device(mesh))
+
+
 # -- views: the same devices, other axes --------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from ..specs import _match
 from . import recompute as _recompute
 from . import stacked as _stacked
 from .io import assemble_parts
-from .manual import _subs
+from .io import _subs
 
 _all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
 

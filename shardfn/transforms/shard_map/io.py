@@ -17,6 +17,7 @@ from ...values.layout import Layout, is_even
 from ...values.mesh import Mesh
 from ...values.spec import NamedSharding, P, Replicate, _is_placements, layout_to_spec
 from .. import boundary as B
+from ...values.context import ThreadStack
 from ..lax import _in_shard_map
 from ..specs import _arg_specs, _layout, _match, _mesh_for, _path_str
 
@@ -162,3 +163,16 @@ def _global_shape(path: str, outs: list, layout: Layout, exchange: bool = False)
         return backend_for(layout.mesh).output_shape(B.first_replicas(outs, layout), layout, exchange)
     except ShardingError as e:
         raise ShardingError(f"{path}: {e}") from None
+
+
+_submeshes = ThreadStack()
+
+
+def _subs() -> list[Mesh]:
+    """The submeshes of the partial-manual bodies running in this thread."""
+    return _submeshes.items
+
+
+# The public ``shard_map`` (registered by ``api``): a shard_map nested in a simulated
+# partial-manual run calls it without importing the module above this one.
+SHARD_MAP: list = []

@@ -23,13 +23,12 @@ import torch
 from .. import lax
 from ...arrays.array import ShardedArray, distribute, gather, reshard
 from ...backends import backend_for
-from ...values.context import ThreadStack
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
 from ...values.spec import NamedSharding, P, Replicate, _is_placements
 from ..specs import _arg_specs, _is_spec, _layout, _match
-from .io import _Inputs, _shard_map
+from .io import _Inputs, _shard_map, _submeshes, _subs  # noqa: F401  (the running sub-meshes live in io)
 
 
 def shard_map_manual(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: Any, check_vma: bool,
@@ -129,14 +128,6 @@ def _on_submesh(f: Callable, sub: Mesh, layouts: list) -> Callable:
         return optree.tree_map(_whole_value, out, none_is_leaf=True)
 
     return body
-
-
-_submeshes = ThreadStack()
-
-
-def _subs() -> list[Mesh]:
-    """The submeshes of the partial-manual bodies running in this thread."""
-    return _submeshes.items
 
 
 def _as_body_value(v: Any) -> Any:

@@ -25,6 +25,7 @@ import optree
 import torch
 
 from . import per_device as _per_device
+from .. import lax
 from ...arrays.array import ShardedArray, distribute, reshard, wrap
 from ...backends import backend_for
 from ...values.errors import ShardingError
@@ -217,7 +218,6 @@ def _touched(name: str, ndim: int, args: tuple, kwargs: dict) -> tuple[int, ...]
         return None
     import inspect
 
-    from .. import lax
 
     sig = inspect.signature(getattr(lax, name))
     bound = sig.bind_partial(None, *args, **kwargs)
@@ -448,3 +448,6 @@ class _SubClosures(torch.overrides.TorchFunctionMode):
         self.seen[id(rep)] = None
         self.seen[key] = (a, rep)
         return rep
+
+
+lax.register_submesh_collective(on_submesh, collective)

@@ -1,0 +1,26 @@
+"""The differential fuzzer's quick profile (``tools/fuzz.py`` is the long one): random op
+chains on random layouts must match plain torch in values, dtypes, shapes, errors and
+gradients. Hypothesis draws every choice, so a failure shrinks to a short program."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+_spec = importlib.util.spec_from_file_location("shardfn_fuzz", Path(__file__).parent.parent / "tools" / "fuzz.py")
+fuzz = importlib.util.module_from_spec(_spec)
+sys.modules["shardfn_fuzz"] = fuzz  # dataclasses look their module up
+_spec.loader.exec_module(fuzz)
+
+
+# derandomized: the suite sees the same programs every run (tools/fuzz.py explores)
+@settings(max_examples=30, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_random_programs_match_torch(data):
+    case = fuzz.draw_case(fuzz.Chooser(data=data), seed=0)
+    failure = fuzz.run_case(case)
+    assert failure is None, f"{case.describe()}\n{failure}"

@@ -1,0 +1,810 @@
+"""Differential fuzzer: random programs on ShardedArrays checked against plain torch.
+
+A case is a simulated mesh (up to 8 devices), an input tensor (dtypes incl. complex, int,
+bool, half; uneven and zero-size dims) laid out with a random spec (sharded, nested,
+replicated or a pending sum), and a chain of 1-4 ops (pointwise, reductions, views,
+matmul/einsum, indexing, nn ops, losses; auxiliary operands laid out at random too). The
+chain runs on the plain tensor (the oracle) and on the ShardedArray; values, dtypes and
+shapes must agree, and where torch raises shardfn must raise. Real floating chains also
+compare gradients by autograd and by ``torch.func.grad``; ``--compile`` adds
+``torch.compile`` cases (slow: a few seconds each).
+
+    python tools/fuzz.py --minutes 10            # prints cases run and failures
+    python tools/fuzz.py --replay 12345          # one case again, with its trace
+
+Each failure prints its seed (``--replay SEED`` reruns it) and the program. The same
+generator drives ``tests/test_fuzz.py`` through hypothesis (a ``Chooser`` over
+``data.draw``), so hypothesis shrinks failures there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import shardfn as sf
+from shardfn import P
+
+MESH_SHAPES = [(1,), (2,), (3,), (4,), (8,), (2, 2), (2, 4), (4, 2), (2, 3), (2, 2, 2), (1, 2, 3)]
+NAMES = ("x", "y", "z")
+SIZES = [0, 1, 2, 3, 4, 5, 7, 8]
+FLOATS = [torch.float64, torch.float32, torch.complex128]
+DTYPES = FLOATS * 3 + [torch.complex64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.bool]
+
+
+class Chooser:
+    """Random choices: from a ``random.Random`` (the command) or hypothesis's ``data.draw``."""
+
+    def __init__(self, rng: random.Random | None = None, data: Any = None) -> None:
+        self.rng, self.data = rng, data
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        seq = list(seq)
+        if self.data is not None:
+            from hypothesis import strategies as st
+
+            return seq[self.data.draw(st.integers(0, len(seq) - 1))]
+        return seq[self.rng.randrange(len(seq))]
+
+    def integer(self, lo: int, hi: int) -> int:
+        return self.choice(range(lo, hi + 1))
+
+    def chance(self, p: float) -> bool:
+        if self.data is not None:
+            from hypothesis import strategies as st
+
+            return self.data.draw(st.integers(0, 99)) < p * 100
+        return self.rng.random() < p
+
+
+# -- tensors and layouts ------------------------------------------------------------------------
+
+
+def make_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, *, positive: bool = False) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if not dtype.is_floating_point and not dtype.is_complex:
+        lo = 0 if positive else -5
+        return torch.randint(lo, 6, tuple(shape), generator=gen).to(dtype)
+    if dtype.is_complex:
+        t = torch.randn(tuple(shape), generator=gen, dtype=torch.complex128)
+    else:
+        t = torch.randn(tuple(shape), generator=gen, dtype=torch.float64)
+    if positive:
+        t = t.abs() + 0.5
+    return t.to(dtype)
+
+
+def draw_spec(ch: Chooser, mesh: sf.Mesh, ndim: int, partial: bool) -> P:
+    dims: list[list[str]] = [[] for _ in range(ndim)]
+    pend: dict[str, str] = {}
+    names = list(mesh.axis_names)
+    order = [names.pop(ch.integer(0, len(names) - 1)) for _ in range(len(names))]
+    for a in order:
+        c = ch.integer(0, 3)
+        if c <= 1 and ndim:
+            dims[ch.integer(0, ndim - 1)].append(a)
+        elif c == 2 and partial:
+            pend[a] = "sum"
+    entries = [None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims]
+    return P(*entries, partial=pend or None)
+
+
+def lay_out(t: torch.Tensor, spec: P, mesh: sf.Mesh, gen: torch.Generator) -> sf.ShardedArray:
+    """``t`` laid out as ``spec``; a pending sum holds random parts adding up to ``t`` (the
+    same part on devices that differ only along other axes, as a real pending sum would)."""
+    pend = dict(spec.partial) if getattr(spec, "partial", None) else {}
+    if not pend or t.dtype == torch.bool:
+        return sf.distribute(t, P(*tuple(spec)) if pend else spec, mesh=mesh)
+    whole = P(*tuple(spec))
+    axes = [mesh.axis_names.index(a) for a in pend]
+    combos = list(itertools.product(*(range(mesh.shape[i]) for i in axes)))
+    noise = {k: make_tensor(t.shape, t.dtype, gen) for k in combos[1:]}
+    first = t - sum(noise.values()) if noise else t
+    fulls = {combos[0]: first, **noise}
+    shards = {k: sf.distribute(v, whole, mesh=mesh).local_shards() for k, v in fulls.items()}
+    parts = []
+    for dev in range(mesh.size):
+        coords = list(itertools.product(*(range(n) for n in mesh.shape)))[dev]
+        parts.append(shards[tuple(coords[i] for i in axes)][dev])
+    return _from_parts(parts, spec, mesh, t)
+
+
+def _from_parts(parts: list[torch.Tensor], spec: P, mesh: sf.Mesh, t: torch.Tensor) -> sf.ShardedArray:
+    return sf.ShardedArray.from_local(parts, spec, mesh=mesh, shape=tuple(t.shape), run_check=False)
+
+
+# -- the op table ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Aux:
+    """An auxiliary operand: the plain tensor and its laid-out twin."""
+
+    plain: Any
+    sharded: Any = None
+    desc: str = ""
+
+
+@dataclass
+class Step:
+    name: str
+    fn: Callable[[Any, Callable[[Aux], Any]], Any]
+    desc: str
+
+
+@dataclass
+class Ctx:
+    ch: Chooser
+    mesh: sf.Mesh
+    gen: torch.Generator
+    aux_partial: bool = False
+
+    def aux(self, t: Any, partial: bool = False) -> Aux:
+        if not isinstance(t, torch.Tensor):
+            return Aux(t, t, repr(t))
+        if self.ch.chance(0.25):
+            return Aux(t, t, f"plain {tuple(t.shape)}")
+        spec = draw_spec(self.ch, self.mesh, t.dim(), partial and t.dtype in (torch.float64, torch.complex128, torch.int64))
+        return Aux(t, lay_out(t, spec, self.mesh, self.gen), f"{_dt(t.dtype)}{list(t.shape)} {spec}")
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _real(d: torch.dtype) -> bool:
+    return d.is_floating_point
+
+
+def _num(d: torch.dtype) -> bool:
+    return d != torch.bool
+
+
+OpMaker = Callable[[Ctx, torch.Tensor], "Step | None"]
+OPS: dict[str, tuple[str, OpMaker]] = {}
+
+
+def op(family: str) -> Callable[[OpMaker], OpMaker]:
+    def reg(f: OpMaker) -> OpMaker:
+        OPS[f.__name__] = (family, f)
+        return f
+
+    return reg
+
+
+def _pw(name: str, f: Callable, ok: Callable[[torch.dtype], bool] = lambda d: True) -> None:
+    def make(c: Ctx, x: torch.Tensor) -> Step | None:
+        return Step(name, lambda v, A: f(v), name) if ok(x.dtype) else None
+
+    make.__name__ = name
+    op("pointwise")(make)
+
+
+for _n, _f, _ok in [
+    ("neg", torch.neg, _num),
+    ("abs", torch.abs, lambda d: True),
+    ("exp", torch.exp, lambda d: d.is_floating_point or d.is_complex),
+    ("sin", torch.sin, lambda d: d.is_floating_point),
+    ("tanh", torch.tanh, lambda d: d.is_floating_point),
+    ("sigmoid", torch.sigmoid, _real),
+    ("relu", torch.relu, lambda d: _real(d) or d in (torch.int64, torch.int32)),
+    ("sqrt", torch.sqrt, _real),
+    ("log", torch.log, _real),
+    ("reciprocal", torch.reciprocal, _real),
+    ("square", torch.square, _num),
+    ("sign", torch.sign, lambda d: not d.is_complex and _num(d)),
+    ("conj", torch.conj, lambda d: True),
+    ("real", torch.real, lambda d: d.is_complex),
+    ("imag", torch.imag, lambda d: d.is_complex),
+    ("angle", torch.angle, lambda d: d.is_complex or _real(d)),
+    ("isnan", torch.isnan, lambda d: True),
+    ("logical_not", torch.logical_not, lambda d: True),
+    ("bitwise_not", torch.bitwise_not, lambda d: not d.is_floating_point and not d.is_complex),
+    ("gelu", F.gelu, _real),
+    ("silu", F.silu, _real),
+    ("softplus", F.softplus, _real),
+    ("x*2", lambda v: v * 2, _num),
+    ("x+1", lambda v: v + 1, _num),
+    ("x/2", lambda v: v / 2, _num),
+    ("x/0", lambda v: v / 0, _num),
+    ("x//2", lambda v: v // 2, lambda d: _num(d) and not d.is_complex),
+    ("x*0.5j", lambda v: v * 0.5j, _num),
+    ("pow2", lambda v: v**2, _num),
+    ("x>0", lambda v: v > 0, lambda d: not d.is_complex),
+    ("float", lambda v: v.float(), lambda d: not d.is_complex),
+    ("to_int8", lambda v: v.to(torch.int8), lambda d: not d.is_complex),
+    ("double", lambda v: v.double(), lambda d: not d.is_complex),
+    ("half", lambda v: v.half(), lambda d: not d.is_complex),
+    ("to_cfloat", lambda v: v.to(torch.complex64), lambda d: True),
+    ("long", lambda v: v.long(), lambda d: not d.is_complex),
+    ("clamp", lambda v: v.clamp(-1, 1), lambda d: _num(d) and not d.is_complex),
+    ("nan_to_num", torch.nan_to_num, lambda d: True),
+    ("detach", lambda v: v.detach(), lambda d: True),
+    ("clone", lambda v: v.clone(), lambda d: True),
+    ("contiguous", lambda v: v.contiguous(), lambda d: True),
+    ("cumsum-1", lambda v: v.cumsum(-1), lambda d: True),
+]:
+    _pw(_n, _f, _ok)
+
+
+@op("binary")
+def binary(c: Ctx, x: torch.Tensor) -> Step | None:
+    shape = list(x.shape)
+    if shape and c.ch.chance(0.3):  # broadcast: drop leading dims or make some 1
+        shape = [1 if c.ch.chance(0.5) else n for n in shape][c.ch.integer(0, len(shape)) :]
+    dt = c.ch.choice([x.dtype, x.dtype, torch.float64, torch.int64, torch.float32, torch.bool, torch.complex64])
+    o = c.aux(make_tensor(shape, dt, c.gen), partial=c.ch.chance(0.3))
+    name, f = c.ch.choice(
+        [
+            ("add", torch.add),
+            ("sub", torch.sub),
+            ("mul", torch.mul),
+            ("div", torch.div),
+            ("maximum", torch.maximum),
+            ("where", None),
+            ("eq", torch.eq),
+            ("atan2", torch.atan2),
+            ("rdiv", lambda a, b: b / a),
+            ("pow", torch.pow),
+            ("logical_and", torch.logical_and),
+        ]
+    )
+    if name == "where":
+        return Step(
+            name,
+            lambda v, A: torch.where(
+                A(o) > 0 if o.plain.dtype != torch.bool and not o.plain.dtype.is_complex else A(o).bool(), v, A(o)
+            ),
+            f"where(o>0, x, o) o={o.desc}",
+        )
+    return Step(name, lambda v, A: f(v, A(o)), f"{name}(x, o) o={o.desc}")
+
+
+def _dim(c: Ctx, x: torch.Tensor) -> int | None:
+    return c.ch.integer(-x.dim(), x.dim() - 1) if x.dim() else None
+
+
+@op("reduction")
+def reduction(c: Ctx, x: torch.Tensor) -> Step | None:
+    d = _dim(c, x)
+    kd = c.ch.chance(0.3)
+    name = c.ch.choice(
+        [
+            "sum",
+            "sum_dim",
+            "mean",
+            "mean_dim",
+            "amax",
+            "max",
+            "min",
+            "max_dim",
+            "prod",
+            "argmax",
+            "std",
+            "var",
+            "norm",
+            "logsumexp",
+            "all",
+            "any",
+            "count_nonzero",
+            "cumprod",
+            "aminmax",
+            "nansum",
+        ]
+    )
+    fns: dict[str, Callable] = {
+        "sum": lambda v: v.sum(),
+        "sum_dim": lambda v: v.sum(d, keepdim=kd),
+        "mean": lambda v: v.mean(),
+        "mean_dim": lambda v: v.mean(d, keepdim=kd),
+        "amax": lambda v: v.amax(d, keepdim=kd),
+        "max": lambda v: v.max(),
+        "min": lambda v: v.min(),
+        "max_dim": lambda v: v.max(d, keepdim=kd)[0],
+        "prod": lambda v: v.prod(d) if d is not None else v.prod(),
+        "argmax": lambda v: v.argmax(d),
+        "std": lambda v: v.std(d),
+        "var": lambda v: v.var(),
+        "norm": lambda v: torch.linalg.vector_norm(v),
+        "logsumexp": lambda v: torch.logsumexp(v, d if d is not None else 0),
+        "all": lambda v: v.all(),
+        "any": lambda v: v.any(d) if d is not None else v.any(),
+        "count_nonzero": lambda v: torch.count_nonzero(v),
+        "cumprod": lambda v: v.cumprod(d if d is not None else 0),
+        "aminmax": lambda v: torch.aminmax(v)[1],
+        "nansum": lambda v: v.nansum(),
+    }
+    f = fns[name]
+    return Step(name, lambda v, A: f(v), f"{name}(dim={d}, keepdim={kd})")
+
+
+@op("view")
+def view(c: Ctx, x: torch.Tensor) -> Step | None:
+    n = x.dim()
+    d0, d1 = _dim(c, x), _dim(c, x)
+    perm = list(range(n))
+    for i in range(n - 1, 0, -1):
+        j = c.ch.integer(0, i)
+        perm[i], perm[j] = perm[j], perm[i]
+    k = c.ch.integer(0, 3)
+    name = c.ch.choice(
+        [
+            "t",
+            "transpose",
+            "permute",
+            "reshape-1",
+            "flatten",
+            "unsqueeze",
+            "squeeze",
+            "slice",
+            "narrow",
+            "select",
+            "expand",
+            "view_as_real",
+            "mT",
+            "flip",
+            "roll",
+            "repeat",
+            "cat",
+            "stack",
+            "chunk0",
+            "view-1",
+            "unflatten",
+            "diagonal",
+            "tril",
+            "movedim",
+            "index_step",
+            "view_dtype",
+            "as_strided",
+            "unfold",
+            "is_contiguous",
+        ]
+    )
+    fns: dict[str, Callable] = {
+        "t": lambda v: v.t(),
+        "transpose": lambda v: v.transpose(d0, d1),
+        "permute": lambda v: v.permute(perm),
+        "reshape-1": lambda v: v.reshape(-1),
+        "flatten": lambda v: v.flatten(),
+        "unsqueeze": lambda v: v.unsqueeze(k % (n + 1)),
+        "squeeze": lambda v: v.squeeze(),
+        "slice": lambda v: v[..., k:],
+        "narrow": lambda v: v.narrow(d0, 0, min(k, v.shape[d0])),
+        "select": lambda v: v.select(d0, k - 2),
+        "expand": lambda v: v.unsqueeze(0).expand(2, *v.shape),
+        "view_as_real": torch.view_as_real,
+        "mT": lambda v: v.mT,
+        "flip": lambda v: v.flip(d0),
+        "roll": lambda v: v.roll(k, d0),
+        "repeat": lambda v: v.repeat(*([2] + [1] * (n - 1))),
+        "cat": lambda v: torch.cat([v, v], d0),
+        "stack": lambda v: torch.stack([v, v], k % (n + 1)),
+        "chunk0": lambda v: v.chunk(2, d0)[0],
+        "view-1": lambda v: v.view(-1),
+        "unflatten": lambda v: v.unflatten(d0, (1, v.shape[d0])),
+        "diagonal": lambda v: v.diagonal(),
+        "tril": lambda v: v.tril(),
+        "movedim": lambda v: v.movedim(d0, d1),
+        "index_step": lambda v: v[::2],
+        "view_dtype": lambda v: v.view(
+            torch.int32 if v.element_size() == 4 else torch.int64 if v.element_size() == 8 else torch.uint8
+        ),
+        "as_strided": lambda v: v.as_strided((2, 2), (1, 2)),
+        "unfold": lambda v: v.unfold(d0, 2, 1),
+        "is_contiguous": lambda v: (
+            torch.tensor([v.t().is_contiguous(), v.is_contiguous(), v.mT.is_contiguous()]) if n == 2 else torch.tensor(v.stride())
+        ),
+    }
+    f = fns[name]
+    return Step(name, lambda v, A: f(v), f"{name}(d0={d0}, d1={d1}, k={k}, perm={perm})")
+
+
+@op("matmul")
+def matmul(c: Ctx, x: torch.Tensor) -> Step | None:
+    if not _num(x.dtype):
+        return None
+    n = x.dim()
+    name = c.ch.choice(["xxT", "x@w", "einsum", "dot", "vdot", "inner", "outer", "mv", "tensordot", "vecdot", "sf.einsum"])
+    m = x.shape[-1] if n else 1
+    w = c.aux(make_tensor((m, c.ch.choice([0, 1, 3, 4])), x.dtype, c.gen), partial=c.ch.chance(0.2))
+    fns: dict[str, Callable] = {
+        "xxT": lambda v, A: v @ v.mT,
+        "x@w": lambda v, A: v @ A(w),
+        "einsum": lambda v, A: torch.einsum("...j,jk->...k", v, A(w)),
+        "dot": lambda v, A: torch.dot(v, v.conj()),
+        "vdot": lambda v, A: torch.vdot(v, v * 2),
+        "inner": lambda v, A: torch.inner(v, v),
+        "outer": lambda v, A: torch.outer(v, v),
+        "mv": lambda v, A: torch.mv(v, v[0]),
+        "tensordot": lambda v, A: torch.tensordot(v, v, dims=1),
+        "vecdot": lambda v, A: torch.linalg.vecdot(v, v),
+        "sf.einsum": lambda v, A: _sf_einsum(v, A(w)),
+    }
+    f = fns[name]
+    return Step(name, f, f"{name} w={w.desc}")
+
+
+def _sf_einsum(a: Any, b: Any) -> Any:
+    eq = "...j,jk->...k"
+    return sf.einsum(eq, a, b) if isinstance(a, sf.ShardedArray) else torch.einsum(eq, a, b)
+
+
+@op("indexing")
+def indexing(c: Ctx, x: torch.Tensor) -> Step | None:
+    if not x.dim():
+        return None
+    d = _dim(c, x)
+    size = x.shape[d]
+    hi = max(size, 1) + (2 if c.ch.chance(0.2) else 0)
+    lo = -size if c.ch.chance(0.2) else 0
+    idx_shape = [c.ch.choice([0, 1, 2, 3])]
+    idx = c.aux(torch.randint(lo, hi, idx_shape, generator=c.gen))
+    name = c.ch.choice(
+        ["index_select", "getitem", "gather", "take", "index_add", "scatter", "masked_fill", "embedding", "nonzero_like"]
+    )
+    if name == "index_select":
+        return Step(name, lambda v, A: v.index_select(d, A(idx)), f"index_select(d={d}, idx={idx.plain.tolist()} {idx.desc})")
+    if name == "getitem":
+        return Step(name, lambda v, A: v[A(idx)], f"v[idx={idx.plain.tolist()} {idx.desc}]")
+    if name == "gather":
+        gi = c.aux(torch.randint(lo, hi, tuple(x.shape), generator=c.gen))
+        return Step(name, lambda v, A: v.gather(d, A(gi)), f"gather(d={d}, {gi.desc})")
+    if name == "take":
+        return Step(name, lambda v, A: torch.take(v, A(idx)), f"take(idx={idx.plain.tolist()} {idx.desc})")
+    if name == "index_add":
+        src = c.aux(make_tensor([*x.shape[: d % x.dim()], idx_shape[0], *x.shape[d % x.dim() + 1 :]], x.dtype, c.gen))
+        return Step(
+            name, lambda v, A: v.index_add(d, A(idx), A(src)), f"index_add(d={d}, idx={idx.plain.tolist()}, src={src.desc})"
+        )
+    if name == "scatter":
+        gi = c.aux(torch.randint(lo, hi, tuple(x.shape), generator=c.gen))
+        return Step(name, lambda v, A: v.scatter(d, A(gi), 1), f"scatter(d={d}, {gi.desc})")
+    if name == "masked_fill":
+        mk = c.aux(torch.rand(tuple(x.shape), generator=c.gen) > 0.5)
+        return Step(name, lambda v, A: v.masked_fill(A(mk), 3), f"masked_fill({mk.desc})")
+    if name == "embedding":
+        if x.dim() != 2:
+            return None
+        ii = c.aux(torch.randint(lo, hi, (c.ch.integer(0, 3), 2), generator=c.gen))
+        return Step(name, lambda v, A: F.embedding(A(ii), v), f"embedding(x as weight, idx={ii.plain.tolist()} {ii.desc})")
+    return Step(name, lambda v, A: v[..., :1].sum(), "v[..., :1].sum()")
+
+
+@op("nn")
+def nn(c: Ctx, x: torch.Tensor) -> Step | None:
+    if not _real(x.dtype):
+        return None
+    n = x.dim()
+    d = _dim(c, x)
+    name = c.ch.choice(
+        [
+            "softmax",
+            "log_softmax",
+            "layer_norm",
+            "rms_norm",
+            "pad_const",
+            "pad_circ",
+            "pad_reflect",
+            "avg_pool1d",
+            "max_pool1d",
+            "group_norm",
+            "dropout0",
+            "linear",
+            "conv1d",
+            "sdpa",
+            "normalize",
+            "adaptive_avg_pool1d",
+        ]
+    )
+    if name in ("softmax", "log_softmax") and n:
+        f = getattr(F, name)
+        return Step(name, lambda v, A: f(v, d), f"{name}(dim={d})")
+    if name == "layer_norm" and n:
+        return Step(name, lambda v, A: F.layer_norm(v, v.shape[-1:]), name)
+    if name == "rms_norm" and n:
+        return Step(name, lambda v, A: F.rms_norm(v, v.shape[-1:]), name)
+    if name == "pad_const" and n:
+        return Step(name, lambda v, A: F.pad(v, (1, 2)), name)
+    if name in ("pad_circ", "pad_reflect") and n in (2, 3):
+        mode = "circular" if name == "pad_circ" else "reflect"
+        return Step(name, lambda v, A: F.pad(v, (1, 1), mode=mode), name)
+    if name in ("avg_pool1d", "max_pool1d", "adaptive_avg_pool1d") and n in (2, 3):
+        f = {
+            "avg_pool1d": lambda v: F.avg_pool1d(v, 2),
+            "max_pool1d": lambda v: F.max_pool1d(v, 2),
+            "adaptive_avg_pool1d": lambda v: F.adaptive_avg_pool1d(v, 2),
+        }[name]
+        return Step(name, lambda v, A: f(v), name)
+    if name == "group_norm" and n >= 2:
+        return Step(name, lambda v, A: F.group_norm(v, 1), name)
+    if name == "dropout0":
+        return Step(name, lambda v, A: F.dropout(v, 0.0), name)
+    if name == "linear" and n:
+        w = c.aux(make_tensor((3, x.shape[-1]), x.dtype, c.gen))
+        b = c.aux(make_tensor((3,), x.dtype, c.gen))
+        return Step(name, lambda v, A: F.linear(v, A(w), A(b)), f"linear w={w.desc} b={b.desc}")
+    if name == "conv1d" and n == 3:
+        w = c.aux(make_tensor((2, x.shape[1], 2), x.dtype, c.gen))
+        return Step(name, lambda v, A: F.conv1d(v, A(w)), f"conv1d w={w.desc}")
+    if name == "sdpa" and n == 4:
+        return Step(name, lambda v, A: F.scaled_dot_product_attention(v, v * 0.5, v), name)
+    if name == "normalize" and n:
+        return Step(name, lambda v, A: F.normalize(v, dim=d), f"normalize(dim={d})")
+    return None
+
+
+@op("loss")
+def loss(c: Ctx, x: torch.Tensor) -> Step | None:
+    if not _real(x.dtype) or not x.dim():
+        return None
+    name = c.ch.choice(["mse", "l1", "smooth_l1", "huber", "kl_div", "bce_logits", "cross_entropy", "nll", "ce_probs"])
+    red = c.ch.choice(["mean", "sum", "none"])
+    if name in ("cross_entropy", "nll"):
+        if x.dim() < 2 and c.ch.chance(0.5):
+            return None
+        ncls = x.shape[1] if x.dim() >= 2 else x.shape[0]
+        tshape = (x.shape[0], *x.shape[2:]) if x.dim() >= 2 else ()
+        hi = ncls + (3 if c.ch.chance(0.15) else 0)
+        lo = -2 if c.ch.chance(0.1) else 0
+        t = c.aux(torch.randint(lo, max(hi, 1), tshape, generator=c.gen))
+        f = F.cross_entropy if name == "cross_entropy" else F.nll_loss
+        return Step(name, lambda v, A: f(v, A(t), reduction=red), f"{name}(target={t.plain.tolist()} {t.desc}, reduction={red})")
+    y = c.aux(make_tensor(tuple(x.shape), x.dtype, c.gen, positive=name == "kl_div"))
+    if name == "ce_probs" and x.dim() >= 1:
+        return Step(
+            name, lambda v, A: F.cross_entropy(v, A(y).softmax(1 if v.dim() > 1 else 0), reduction=red), f"ce_probs y={y.desc}"
+        )
+    fns = {
+        "mse": F.mse_loss,
+        "l1": F.l1_loss,
+        "smooth_l1": F.smooth_l1_loss,
+        "huber": F.huber_loss,
+        "kl_div": lambda a, b, reduction: F.kl_div(a, b, reduction=reduction),
+        "bce_logits": lambda a, b, reduction: F.binary_cross_entropy_with_logits(a, b.sigmoid(), reduction=reduction),
+    }
+    f = fns.get(name)
+    if f is None:
+        return None
+    return Step(name, lambda v, A: f(v, A(y), reduction=red), f"{name}(y={y.desc}, reduction={red})")
+
+
+# -- cases ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    seed: int | None
+    mesh_shape: tuple
+    x: torch.Tensor
+    spec: P
+    steps: list[Step]
+    mode: str  # "value", "grad", "func_grad", "compile", "compile_dynamic"
+    lines: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        head = f"mesh {self.mesh_shape}, x {_dt(self.x.dtype)}{list(self.x.shape)} {self.spec}, mode {self.mode}"
+        return "\n".join([head] + [f"  {i}. {s.desc}" for i, s in enumerate(self.steps)])
+
+
+def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0) -> Case:
+    gen = torch.Generator().manual_seed(seed if seed is not None else ch.integer(0, 2**31))
+    mshape = ch.choice(MESH_SHAPES)
+    mesh = sf.Mesh(mshape, NAMES[: len(mshape)], backend="local")
+    ndim = ch.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])
+    shape = tuple(ch.choice(SIZES) for _ in range(ndim))
+    dtype = ch.choice(DTYPES)
+    x = make_tensor(shape, dtype, gen)
+    # pending sums of random parts: in 16-bit floats the parts' rounding alone exceeds any tolerance
+    spec = draw_spec(ch, mesh, ndim, partial=dtype not in (torch.bool, torch.float16, torch.bfloat16) and ch.chance(0.3))
+    ctx = Ctx(ch, mesh, gen)
+    steps: list[Step] = []
+    meta = x
+    for _ in range(ch.integer(1, 4)):
+        family = ch.choice(sorted({f for f, _ in OPS.values()}))
+        makers = [m for f, m in OPS.values() if f == family]
+        st = ch.choice(makers)(ctx, meta)
+        if st is None:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                meta = st.fn(meta, lambda a: a.plain)
+        except Exception:  # noqa: BLE001 - torch raises here: the chain ends with this step
+            steps.append(st)
+            break
+        if not isinstance(meta, torch.Tensor):
+            break
+        steps.append(st)
+    grads = x.dtype in (torch.float64, torch.complex128) and not (getattr(spec, "partial", None))
+    modes = ["value"] * 4 + (["grad", "grad", "func_grad"] if grads else [])
+    mode = ch.choice(modes)
+    if compile_rate and ch.chance(compile_rate):
+        mode = ch.choice(["compile", "compile_dynamic"])
+    return Case(seed, mshape, x, spec, steps, mode)
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    if dtype in (torch.float16, torch.bfloat16):
+        return dict(rtol=2e-2, atol=5e-2)
+    if dtype in (torch.float32, torch.complex64):
+        return dict(rtol=1e-4, atol=1e-4)
+    return dict(rtol=1e-7, atol=1e-7)
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def _compare(got: Any, ref: Any, what: str, input_dtype: torch.dtype) -> None:
+    if isinstance(ref, (tuple, list)):
+        for i, (g, r) in enumerate(zip(got, ref)):
+            _compare(g, r, f"{what}[{i}]", input_dtype)
+        return
+    if not isinstance(ref, torch.Tensor):
+        if got != ref:
+            raise Mismatch(f"{what}: {got!r} != {ref!r}")
+        return
+    if not isinstance(got, torch.Tensor):
+        raise Mismatch(f"{what}: got {type(got).__name__}, torch gives a tensor")
+    if isinstance(got, sf.ShardedArray):
+        got = got.full_tensor()
+    if got.dtype != ref.dtype:
+        raise Mismatch(f"{what}: dtype {got.dtype} != torch's {ref.dtype}")
+    if tuple(got.shape) != tuple(ref.shape):
+        raise Mismatch(f"{what}: shape {tuple(got.shape)} != torch's {tuple(ref.shape)}")
+    # the loosest of the input's and the result's precision (a float16 product stays rounded in float64)
+    tols = [_tolerance(input_dtype), _tolerance(ref.dtype)]
+    tol = max(tols, key=lambda t: t["atol"])
+    if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
+        if input_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.complex64):
+            return  # rounding of the inputs decides integer results (argmax, casts, comparisons)
+        tol = dict(rtol=0, atol=0)
+    try:
+        torch.testing.assert_close(got.detach(), ref.detach(), equal_nan=True, check_dtype=False, **tol)
+    except AssertionError as e:
+        raise Mismatch(f"{what}: {str(e).splitlines()[0]} ({'; '.join(str(e).splitlines()[1:4])})") from None
+
+
+def _chain(steps: list[Step], v: Any, lift: Callable[[Aux], Any]) -> Any:
+    for s in steps:
+        v = s.fn(v, lift)
+    return v
+
+
+def _scalar_loss(out: torch.Tensor) -> torch.Tensor:
+    if out.is_complex():
+        out = torch.view_as_real(out)
+    return (out * out).sum() if out.dtype.is_floating_point else out.sum() * 0.0
+
+
+def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
+    """None when shardfn agrees with torch, else what differs."""
+    mesh = mesh or sf.Mesh(case.mesh_shape, NAMES[: len(case.mesh_shape)], backend="local")
+    plain = lambda a: a.plain  # noqa: E731
+    shard = lambda a: a.sharded  # noqa: E731
+    x = case.x
+    gen = torch.Generator().manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ref = _chain(case.steps, x, plain)
+            ref_err = None
+        except Exception as e:  # noqa: BLE001
+            ref, ref_err = None, e
+        try:
+            X = lay_out(x, case.spec, mesh, gen)
+        except Exception as e:  # noqa: BLE001
+            return f"laying out the input raised {type(e).__name__}: {e}"
+        run = case.mode
+        if (
+            ref_err is not None
+            or not isinstance(ref, torch.Tensor)
+            or not ref.dtype.is_floating_point
+            and run in ("grad", "func_grad")
+        ):
+            run = "value" if run in ("grad", "func_grad") else run
+        rg = None
+        try:  # torch's gradient first: where torch cannot differentiate, compare values only
+            if run == "grad":
+                xl = x.clone().requires_grad_()
+                (rg,) = torch.autograd.grad(_scalar_loss(_chain(case.steps, xl, plain)), xl, allow_unused=True)
+                rg = rg if rg is not None else torch.zeros_like(x)
+            elif run == "func_grad":
+                rg = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, plain)))(x)
+        except Exception:  # noqa: BLE001
+            run = "value"
+        try:
+            if run == "value":
+                got = _chain(case.steps, X, shard)
+            elif run.startswith("compile"):
+                torch._dynamo.reset()
+                f = torch.compile(lambda v: _chain(case.steps, v, shard), backend="aot_eager", dynamic=run == "compile_dynamic")
+                got = f(X)
+            elif run == "grad":
+                xs = x.clone().requires_grad_()
+                got = _chain(case.steps, sf.distribute(xs, case.spec, mesh=mesh), shard)
+                (g,) = torch.autograd.grad(_scalar_loss(got), xs, allow_unused=True)
+                _compare(g if g is not None else torch.zeros_like(x), rg, "grad", x.dtype)
+            else:
+                g = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, shard)))(X)
+                _compare(g, rg, "func.grad", x.dtype)
+                got = _chain(case.steps, X, shard)
+        except Mismatch as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001
+            if ref_err is not None:
+                return None  # both raise
+            return f"shardfn raised where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
+        if ref_err is not None:
+            return f"torch raised {type(ref_err).__name__}: {str(ref_err)[:200]}; shardfn returned {got!r}"[:600]
+        try:
+            _compare(got, ref, "value", x.dtype)
+        except Mismatch as e:
+            return str(e)
+    return None
+
+
+def _where(e: BaseException) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in tb if "shardfn" in f.filename]
+    f = (ours or tb)[-1]
+    return f"  at {f.filename.split('/')[-1]}:{f.lineno} {f.name}"
+
+
+def case_for_seed(seed: int, compile_rate: float = 0.0) -> Case:
+    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None, help="first seed (default: from the clock)")
+    ap.add_argument("--replay", type=int, default=None, help="rerun one seed and print its trace")
+    ap.add_argument("--compile", type=float, default=0.02, help="share of cases under torch.compile (0 to skip)")
+    ap.add_argument("--max-print", type=int, default=40)
+    a = ap.parse_args(argv)
+    if a.replay is not None:
+        case = case_for_seed(a.replay, a.compile)
+        print(case.describe())
+        res = run_case(case)
+        print(res or "ok")
+        return 1 if res else 0
+    seed = a.seed if a.seed is not None else int(time.time()) % 10_000_000 * 1000
+    end = time.time() + a.minutes * 60
+    runs, fails, kinds = 0, 0, {}
+    while time.time() < end:
+        try:
+            case = case_for_seed(seed, a.compile)
+            res = run_case(case)
+        except Exception as e:  # noqa: BLE001 - the harness itself must not stop the run
+            res = f"harness error {type(e).__name__}: {e}"
+            case = None
+        runs += 1
+        if res:
+            fails += 1
+            key = res.split(":")[0][:60] + " | " + (" > ".join(st.name for st in case.steps) if case else "")
+            kinds[key] = kinds.get(key, 0) + 1
+            if fails <= a.max_print:
+                print(f"FAIL seed {seed}  (python tools/fuzz.py --replay {seed})")
+                print(case.describe() if case else "")
+                print("  " + res.replace("\n", "\n  "), flush=True)
+        seed += 1
+    print(f"cases run: {runs}, failures: {fails}")
+    for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:5d}  {k}")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
