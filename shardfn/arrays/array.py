@@ -668,9 +668,12 @@ class _Distribute(_Function):
 class _FullTensor(_Function):
     @staticmethod
     def forward(x: ShardedArray) -> torch.Tensor:
-        # a gather allocates; a replicated array's replica is copied (the result is fresh)
+        # a gather allocates; a replicated array's replica, and a pending value's reduction
+        # (kept on the array for later reads), are copied: the result is the caller's to write
         full = raw_full(x)
-        return full.clone(memory_format=torch.contiguous_format) if _shares_memory(full, x._local) else full.contiguous()
+        if x._layout.partial or _shares_memory(full, x._local):
+            return full.clone(memory_format=torch.contiguous_format)
+        return full.contiguous()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
