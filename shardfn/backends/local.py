@@ -116,10 +116,22 @@ def stack(shards: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
 
 
 def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
-    """Store shards in the preferred form for this layout."""
-    if is_even(layout, shape):
-        return compact(stack(shards, layout.mesh), layout)
-    return tuple(shards)
+    """Store shards in the preferred form for this layout: stacked over the mesh axes the
+    layout varies over, one device's shard standing for the devices it does not vary over
+    (they hold the same value; only those are stacked, so a replicated output is a view of
+    device 0's, and per-call constants such as a fused kernel's RNG state, which torch may
+    return on another device, never meet in a kernel)."""
+    if not is_even(layout, shape):
+        return tuple(shards)
+    mesh = layout.mesh
+    vary = varying(layout)
+    if all(vary):
+        return stack(shards, mesh)
+    keep = [s for d, s in enumerate(shards) if all(v or c == 0 for v, c in zip(vary, mesh.coords(d)))]
+    sizes = tuple(n if v else 1 for n, v in zip(mesh.shape, vary))
+    if len(keep) == 1:
+        return keep[0].view(sizes + tuple(keep[0].shape))
+    return torch.stack(keep).view(sizes + tuple(keep[0].shape))
 
 
 def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:
