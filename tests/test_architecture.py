@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import grimp
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_CYCLE = 3  # an array and its helpers may need each other; nothing larger
+DOC = ROOT / "docs" / "architecture.md"
+MODULES = sorted(str(p.relative_to(ROOT / "shardfn")) for p in (ROOT / "shardfn").rglob("*.py"))
 
 
 def test_layers_contract_is_kept() -> None:
@@ -80,3 +83,47 @@ def test_cycle_finder_sees_function_level_imports(tmp_path: Path, monkeypatch) -
     (pkg / "c.py").write_text("def g():\n    from . import a\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert _largest_cycle(grimp.build_graph("cyc_pkg", cache_dir=None)) == ["cyc_pkg.a", "cyc_pkg.b", "cyc_pkg.c"]
+
+
+def _doc_paths() -> set[str]:
+    """The ``*.py`` paths docs/architecture.md names (``arrays/array.py``, ``shard_map/io.py``, ...)."""
+    return set(re.findall(r"[\w./]*\w\.py\b", DOC.read_text()))
+
+
+def test_architecture_doc_names_only_modules_that_exist() -> None:
+    """Every file path docs/architecture.md mentions exists: paths of the repository as they
+    are, other paths as the tail of a shardfn module's path, bare names as a module's name."""
+    missing = []
+    for path in sorted(_doc_paths()):
+        if path.startswith(("shardfn/", "tests/", "tools/", "benchmarks/", "examples/")):
+            ok = (ROOT / path).exists()
+        elif "/" in path:
+            ok = any(("/" + m).endswith("/" + path) for m in MODULES)
+        else:
+            ok = any(m.rsplit("/", 1)[-1] == path for m in MODULES)
+        if not ok:
+            missing.append(path)
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+
+
+def test_architecture_doc_lists_every_module() -> None:
+    """Each module of shardfn (``__init__.py`` aside) is named by its path below shardfn/,
+    so a new or moved module shows up in the doc's list."""
+    text = DOC.read_text()
+    unlisted = [m for m in MODULES if not m.endswith("__init__.py") and f"`{m}`" not in text]
+    assert not unlisted, f"docs/architecture.md's module list lacks {unlisted}"
+
+
+def test_package_inits_only_re_export() -> None:
+    """A package's ``__init__.py`` holds imports (re-exports), ``__all__`` and a docstring only."""
+    import ast
+
+    for init in sorted((ROOT / "shardfn").rglob("__init__.py")):
+        if init.parent == ROOT / "shardfn":
+            continue  # the root also installs what needs every layer loaded (docs/architecture.md)
+        body = ast.parse(init.read_text()).body
+        for node in body:
+            doc = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            all_ = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+            assert isinstance(node, (ast.Import, ast.ImportFrom)) or doc or all_, (
+                f"{init.relative_to(ROOT)} line {node.lineno}: only re-exports belong in a package's __init__.py")

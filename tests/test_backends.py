@@ -98,7 +98,7 @@ def test_per_device_outputs_stack_only_over_the_axes_they_vary_on():
     """Per-device results are stacked only over the mesh axes their layout varies over; a
     replicated output is a view of device 0's (per-call constants such as a fused kernel's
     RNG state, which CUDA returns on the CPU, never meet in a stacking kernel)."""
-    from shardfn.backends import local
+    from shardfn.backends import local_values as local
     from shardfn.values.spec import to_layout
 
     mesh = sf.Mesh((2, 3), ("dp", "tp"))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import shardfn as sf
 from shardfn import P
-from shardfn.backends.local import varying
+from shardfn.backends.local_values import varying
 
 OPS = {
     "add": lambda a, b: a + b,

@@ -16,7 +16,7 @@ from shardfn import P
 from shardfn.arrays import dispatch as d
 from shardfn.arrays.entries import _Entry
 from shardfn.values.schema import op_name
-from shardfn.backends.local import PerDeviceCall, StackedCall
+from shardfn.backends.local_calls import PerDeviceCall, StackedCall
 
 MESH = sf.Mesh((2, 2), ("x", "y"), backend="local")
 F = torch.nn.functional

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import math
 import threading
 from typing import Any, Callable, Sequence
@@ -251,11 +250,8 @@ class ShardedArray(torch.Tensor):
         return reshard(self, flatten_spec[0])
 
     def _stable_hash_for_caching(self) -> str:
-        """A process-independent key for AOTAutograd's cache: layout, mesh, shape, dtype."""
-        lay = self._layout
-        key = (f"{lay.mesh.shape}|{lay.mesh.axis_names}|{lay.mesh.backend}|{lay.dims}|{lay.partial}|"
-               f"{tuple(self.shape)}|{self.dtype}|{self.requires_grad}|{isinstance(self._local, tuple)}")
-        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+        """A process-independent key for AOTAutograd's cache (metadata only, see checkpointable.stable_hash)."""
+        return _checkpointable.stable_hash(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickling (``torch.save``, multiprocessing) keeps mesh, sharding and values where

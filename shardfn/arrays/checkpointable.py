@@ -10,6 +10,7 @@ backends. Arrays layer: no imports from transforms or edge packages.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -138,6 +139,34 @@ def empty_value(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> A
 
 
 # -- pickling --------------------------------------------------------------------------------
+
+
+def _mesh_key(mesh: Mesh) -> str:
+    key = f"{mesh.shape}|{mesh.axis_names}|{mesh.backend}|{mesh.device_type}"
+    if mesh.within is not None:  # a sub-mesh: which part of which parent
+        parent, fixed = mesh.within
+        key += f"|within {_mesh_key(parent)} at {tuple(fixed)}"
+    return key
+
+
+def _inner_key(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)}|{t.stride()}|{t.dtype}|{t.device}"
+
+
+def stable_hash(x: Any) -> str:
+    """``_stable_hash_for_caching``: a process-independent key for torch.compile's caches
+    (AOTAutograd's cache key pickles a subclass input through this instead of the array):
+    mesh (shape, names, backend, device type, parent of a sub-mesh), layout, global shape,
+    stride and dtype, the metadata of the tensors ``__tensor_flatten__`` gives (never their
+    values), and the devices this process holds: on dist, ranks with equal shard shapes
+    trace different constants (shard offsets), so they must not share an entry."""
+    lay, mesh = x._layout, x._layout.mesh
+    local = x._local
+    inner = ";".join(_inner_key(t) for t in (local if isinstance(local, tuple) else (local,)))
+    held = tuple(backend_for(mesh).devices(mesh))
+    key = (f"{_mesh_key(mesh)}|{lay.dims}|{lay.partial}|{tuple(x.shape)}|{x.stride()}|{x.dtype}|"
+           f"{x.requires_grad}|{isinstance(local, tuple)}|{inner}|held {held if len(held) < mesh.size else 'all'}")
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
 def reduce_array(x: Any) -> tuple:

@@ -1,8 +1,9 @@
 """A pure optimizer over pytrees that runs a torch.optim optimizer's own kernels on storage.
 
-Each step builds the torch optimizer on fresh copies of the parameters' storage (each
-distinct shard once, see ``_storage.py``), hands it copies of the state, steps it, and wraps
-what it wrote: torch's defaults, math and foreach/fused kernels, nothing passed in changed.
+Each step builds the torch optimizer on aliases of the parameters' storage (each distinct
+shard once, see ``_storage.py``) and of the state, steps it under copy-on-write (``_cow.py``:
+the first in-place write to each goes to a buffer of its own, out of place), and wraps what
+it wrote: torch's defaults, math and foreach/fused kernels, nothing passed in changed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from ..arrays.array import ShardedArray, reshard
 from ..values.errors import ShardingError
 from ..values.layout import Layout
+from ._cow import BufferPool, CopyOnWrite
 from ._storage import from_storage, in_layout, resolved, storage, zero_layout
 
 # torch.optim optimizers whose update is not element-wise (a shard cannot be stepped alone)
@@ -127,6 +129,8 @@ class TorchOptimizer:
         self.shard_state_over = tuple(shard_state_over or ())
         self._frozen = _freeze(self.kwargs)
         self._keys = _keys(optimizer_cls, self._frozen)  # also checks the options, as torch's constructor does
+        self._pool = BufferPool()
+        self._fused = bool(self.kwargs.get("fused"))
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
@@ -202,10 +206,12 @@ class TorchOptimizer:
         if zero:
             ps.update(zip(zero, reshard([ps[i] for i in zero], [layouts[i] for i in zero])))
 
-        # one torch optimizer over every live parameter's storage
+        # one torch optimizer over every live parameter's storage: tensors aliasing the
+        # caller's (no copies), which the first in-place write moves to a buffer of their own
         parts: list[torch.Tensor] = []
         owner: list[tuple[int, int]] = []  # part -> (leaf, how many parts it has)
         opt_state: list[dict] = []
+        protected: list[torch.Tensor] = []
         for i in live:
             st = self._state_in(sleaves[i], layouts[i], paths[i])
             pparts = storage(ps[i], layouts[i])
@@ -213,15 +219,18 @@ class TorchOptimizer:
             bparts = {k: (None if v is None else storage(v, layouts[i])) for k, v in st.items()
                       if k in self._keys.buffers or k in self._keys.lazy}
             for j, (pp, gp) in enumerate(zip(pparts, gparts)):
-                new = pp.clone(memory_format=torch.contiguous_format)
-                new.grad = gp.contiguous()  # fused kernels read gradients as laid out like the parameter
+                new = pp.detach()
+                # fused kernels read gradients laid out like the (contiguous, once written) parameter
+                new.grad = (gp.contiguous() if self._fused else gp).detach()
+                protected += (new, new.grad)
                 parts.append(new)
                 owner.append((i, len(pparts)))
                 entry = {}
                 for k, v in st.items():
                     if k in bparts:
                         if bparts[k] is not None:
-                            entry[k] = bparts[k][j].clone(memory_format=torch.contiguous_format)
+                            entry[k] = bparts[k][j].detach()
+                            protected.append(entry[k])
                     else:
                         entry[k] = _copy(v)
                 opt_state.append(entry)
@@ -231,7 +240,9 @@ class TorchOptimizer:
                 opt.param_groups[0]["lr"] = lr
             for t, entry in zip(parts, opt_state):
                 opt.state[t] = entry  # replaces what a constructor initialised (Adagrad)
-            opt.step()
+            with CopyOnWrite(protected, self._pool):
+                opt.step()
+            self._pool.end_step()
 
         new_leaves = list(leaves)
         new_states = list(sleaves)

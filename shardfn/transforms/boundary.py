@@ -27,7 +27,7 @@ import torch._C._functorch as _ft
 
 from ..arrays.array import ShardedArray, raw_reshard, wrap
 from ..backends.registry import backend_for
-from ..backends.local import full, settle
+from ..backends.local_values import full, settle
 from ..values.layout import Layout, local_shapes
 from ..values.mesh import Mesh
 

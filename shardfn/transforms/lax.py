@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import optree
 import torch
 
-from ..backends.hooks import OBSERVERS, notify
+from ..backends.hooks import OBSERVERS, SUBMESH_COLLECTIVES, notify
 from ..values.context import ThreadStack
 from ..values.errors import ShardingError
 from ..values.mesh import Mesh
@@ -197,17 +197,6 @@ def _sharded_layout(x: Any) -> Any:
     return _ft.layout_of(x) if _ft.base_array(x) is not None else None
 
 
-# (on_submesh, collective) pairs registered by ``shard_map.sub_dist``: a dist partial-manual
-# body's collectives act on its sub-mesh. lax sits below shard_map's runners and never imports them.
-_SUBMESH_COLLECTIVES: list[tuple[Any, Any]] = []
-
-
-def register_submesh_collective(on_submesh: Any, collective: Any) -> None:
-    """Route collectives on values for which ``on_submesh(x)`` holds to ``collective(fn, x, args, kwargs)``."""
-    if (on_submesh, collective) not in _SUBMESH_COLLECTIVES:
-        _SUBMESH_COLLECTIVES.append((on_submesh, collective))
-
-
 def _on_whole(fn: Any) -> Any:
     """Run collective ``fn`` on the whole value of a ShardedArray first argument (a
     per-device value of the manual axes, sharded over the automatic ones) and lay the
@@ -222,7 +211,7 @@ def _on_whole(fn: Any) -> Any:
         stack = _bodies()
         if stack and getattr(stack[-1], "array_values", False):  # a simulated partial-manual run
             return fn(x, *args, **kwargs)
-        for on_submesh, collective in _SUBMESH_COLLECTIVES:
+        for on_submesh, collective in SUBMESH_COLLECTIVES:  # filled by shard_map/sub_dist.py
             if on_submesh(x):  # a dist partial-manual body: the collective acts on this rank's shard
                 return collective(fn, x, args, kwargs)
         from ..arrays.array import distribute, gather

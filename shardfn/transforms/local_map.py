@@ -19,7 +19,7 @@ from ..values.mesh import Mesh
 from ..values.spec import layout_to_spec
 from . import boundary as B
 from .shard_map.io import _global_shape
-from .specs import _arg_specs, _layout, _match, _mesh_for
+from .specs import _arg_specs, _layout, _match, _match_columns, _mesh_for
 
 
 def local_map(f: Callable, out_specs: Any, *, in_specs: Any = None, in_grad_specs: Any = None,
@@ -100,13 +100,9 @@ def _local_inputs(path: str, v: Any, spec: Any, gspec: Any, mesh: Mesh, redistri
 
 
 def _local_outputs(outs: list, out_specs: Any, mesh: Mesh, first_only: bool, exchange: bool) -> Any:
-    flats = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
-    treespec = flats[0][1]
-    out_tree = optree.tree_unflatten(treespec, list(range(treespec.num_leaves)))
-    paths, idx, specs, _ = _match(out_specs, out_tree, "local_map out_specs", "output")
+    treespec, columns = _match_columns(outs, out_specs, "local_map out_specs")
     results = []
-    for p, i, s in zip(paths, idx, specs):
-        column = [flat[i] for flat, _ in flats]
+    for p, column, s in columns:
         if s is None or not isinstance(column[0], torch.Tensor):
             results.append(backend_for(mesh).pack_local(column, mesh) if isinstance(column[0], torch.Tensor) else column[0])
             continue

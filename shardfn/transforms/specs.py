@@ -36,6 +36,20 @@ def _match(specs: Any, tree: Any, what: str, root: str) -> tuple[list, list, lis
     return [_path_str(root, p) for p in paths], leaves, flat_specs, treespec
 
 
+def _match_columns(outs: list, out_specs: Any, what: str) -> tuple[Any, list[tuple[str, list, Any]]]:
+    """``out_specs`` matched to the outputs of several bodies (one per device or run, each
+    the same structure): their treespec and, per leaf, (path, every body's leaf, spec)."""
+    flats = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
+    treespec = flats[0][1]
+    if any(t != treespec for _, t in flats):
+        raise ShardingError(
+            f"{what.split()[0]} devices returned differently structured outputs: {[t for _, t in flats]}"
+        )
+    out_tree = optree.tree_unflatten(treespec, list(range(treespec.num_leaves)))
+    paths, idx, specs, _ = _match(out_specs, out_tree, what, "output")
+    return treespec, [(p, [flat[i] for flat, _ in flats], s) for p, i, s in zip(paths, idx, specs)]
+
+
 def _arg_specs(in_specs: Any, args: tuple, what: str) -> Any:
     """in_specs for the positional args: one spec for all, or one entry per argument."""
     if _is_spec(in_specs):

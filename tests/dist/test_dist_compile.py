@@ -15,7 +15,7 @@ from dist_harness import collect, is_dist, scenario
 from torch._dynamo.backends.debugging import aot_eager
 
 import shardfn as sf
-import shardfn.backends.dist as dist_backend
+import shardfn.backends.dist_collectives as dist_collectives
 from shardfn import P
 
 W = torch.linspace(-1, 1, 48).reshape(8, 6)
@@ -38,19 +38,19 @@ _FUNCOL_OP = {"all_gather_single": "all_gather_into_tensor", "all_to_all_single"
 @contextlib.contextmanager
 def eager_collectives():
     """Counts, by op name, the functional collectives the dist backend issues in the block
-    (every plan step's collective goes through ``backends.dist.run_collective``)."""
+    (every plan step's collective goes through ``backends.dist_collectives.run_collective``)."""
     counts: collections.Counter = collections.Counter()
-    orig = dist_backend.run_collective
+    orig = dist_collectives.run_collective
 
     def counting(what, group, fn, *args):
         counts[_FUNCOL_OP[fn.__name__]] += 1
         return orig(what, group, fn, *args)
 
-    dist_backend.run_collective = counting
+    dist_collectives.run_collective = counting
     try:
         yield counts
     finally:
-        dist_backend.run_collective = orig
+        dist_collectives.run_collective = orig
 
 
 def _graph_counts(gm, live_only: bool) -> collections.Counter:

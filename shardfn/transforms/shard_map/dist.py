@@ -1,7 +1,7 @@
 """shard_map bodies on the dist backend: each rank runs the body on plain tensors.
 
 Collectives are torch functional collectives on the per-axis process groups that
-``backends/dist.py`` creates (``_group_of`` is the hook). Each is an autograd Function
+``backends/dist_groups.py`` creates (``_group_of`` is the hook). Each is an autograd Function
 whose backward is its transpose over the group (psum <-> psum, all_gather <->
 psum_scatter, all_to_all <-> all_to_all, ppermute <-> inverse ppermute); with the
 boundary conventions of ``transforms/boundary.py`` this makes gradients those of the unsharded
@@ -41,13 +41,13 @@ _all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.
 
 
 def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
-    """Hook into backends/dist.py: the process group over ``axes`` containing this rank,
+    """Hook into backends/dist_groups.py: the process group over ``axes`` containing this rank,
     and ``order[i]``: the group-order position (row-major over ``axes`` in mesh order)
     of the member ranked ``i`` row-major over ``axes`` as given."""
-    from ...backends import dist
+    from ...backends.dist_groups import _state
 
     mesh_order = tuple(a for a in mesh.axis_names if a in axes)
-    group = dist._state(mesh).groups[mesh_order]
+    group = _state(mesh).groups[mesh_order]
     sizes = {a: mesh.axis_size(a) for a in axes}
     order = []
     for i in range(group.size):
@@ -62,9 +62,9 @@ def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
 
 
 def _rank_in(mesh: Mesh, axes: tuple[str, ...]) -> int:
-    from ...backends import dist
+    from ...backends.dist_groups import rank_of
 
-    c = mesh.coords(dist.rank_of(mesh))
+    c = mesh.coords(rank_of(mesh))
     r = 0
     for a in axes:
         r = r * mesh.axis_size(a) + c[mesh.axis_index(a)]
@@ -85,7 +85,7 @@ def _chunks_to(x: torch.Tensor, dim: int, order: list[int], inverse: bool = Fals
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
-    from ...backends.dist import pin_in_real_trace
+    from ...backends.dist_collectives import pin_in_real_trace
 
     return pin_in_real_trace(funcol.wait_tensor(t))
 

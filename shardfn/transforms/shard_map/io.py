@@ -171,8 +171,3 @@ _submeshes = ThreadStack()
 def _subs() -> list[Mesh]:
     """The submeshes of the partial-manual bodies running in this thread."""
     return _submeshes.items
-
-
-# The public ``shard_map`` (registered by ``api``): a shard_map nested in a simulated
-# partial-manual run calls it without importing the module above this one.
-SHARD_MAP: list = []

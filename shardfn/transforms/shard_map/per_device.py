@@ -26,7 +26,7 @@ from ...values.layout import Layout, device_box
 from ...values.mesh import Mesh
 from .. import boundary as B
 from ..lax import _entered
-from ..specs import _match
+from ..specs import _match_columns
 from .io import _Inputs, assemble_parts
 
 _VMA = "_sf_vma"
@@ -126,11 +126,12 @@ class DeviceBody:
 
     def __init__(self, mesh: Mesh, dev: int, rv: _Rendezvous) -> None:
         self.mesh, self.dev, self.rv = mesh, dev, rv
+        self.group_mesh = mesh  # the mesh whose axes the collectives group over and ``dev`` indexes
         self.leader = dev == 0
 
     def _groups(self, axes: tuple[str, ...]) -> list[list[int]]:
         """Device groups over ``axes``, each ranked row-major over ``axes``."""
-        mesh = self.mesh
+        mesh = self.group_mesh
         ais = [mesh.axis_index(a) for a in axes]
         groups: dict[tuple, dict[int, int]] = {}
         for d in range(mesh.size):
@@ -202,34 +203,32 @@ class DeviceBody:
         return self._collective("ppermute", axes, x, vma_of(x) | set(axes), per_group, (perm,))
 
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
-        c = self.mesh.coords(self.dev)
+        mesh = self.group_mesh
+        c = mesh.coords(self.dev)
         rank = 0
         for a in axes:
-            k = self.mesh.axis_index(a)
-            rank = rank * self.mesh.shape[k] + c[k]
-        return tag(torch.tensor(rank, device=self.mesh.device_type), frozenset(axes))
+            k = mesh.axis_index(a)
+            rank = rank * mesh.shape[k] + c[k]
+        return tag(torch.tensor(rank, device=mesh.device_type), frozenset(axes))
 
 
-def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_closures: bool = False) -> list[Any]:
-    """Call ``f(*per_device_args[d], **kwargs)`` for every device ``d`` concurrently and
-    return the outputs, one per device (``traced_closures``: see :class:`_VmaMode`)."""
-    n = mesh.size
+def run_threads(n: int, body: Callable[[int, _Rendezvous], Any], name: str) -> list[Any]:
+    """``body(i, rv)`` for every ``i < n`` concurrently, each in its own thread, meeting
+    the others at ``rv`` (its collectives, and once more at the end); the results in order.
+    A failure in one thread aborts the others' barrier and is raised here."""
     rv = _Rendezvous(n)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    grad = torch.is_grad_enabled()
 
-    def work(dev: int) -> None:
+    def work(i: int) -> None:
         try:
-            with torch.set_grad_enabled(grad), mesh, _entered(DeviceBody(mesh, dev, rv)):
-                with _VmaMode(traced_closures):
-                    results[dev] = f(*per_device_args[dev], **kwargs)
-                rv.exchange(dev, ("end",), None, lambda xs: [None] * n)
+            results[i] = body(i, rv)
+            rv.exchange(i, ("end",), None, lambda xs: [None] * n)
         except BaseException as e:  # noqa: BLE001  re-raised by the caller's thread
-            errors[dev] = e
+            errors[i] = e
             rv.barrier.abort()
 
-    threads = [threading.Thread(target=work, args=(d,), name=f"shard_map-device-{d}") for d in range(n)]
+    threads = [threading.Thread(target=work, args=(i,), name=f"{name}-{i}") for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -240,6 +239,19 @@ def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_c
     if any(errors):
         raise next(e for e in errors if e is not None)
     return results
+
+
+def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_closures: bool = False) -> list[Any]:
+    """Call ``f(*per_device_args[d], **kwargs)`` for every device ``d`` concurrently and
+    return the outputs, one per device (``traced_closures``: see :class:`_VmaMode`)."""
+    grad = torch.is_grad_enabled()
+
+    def body(dev: int, rv: _Rendezvous) -> Any:
+        with torch.set_grad_enabled(grad), mesh, _entered(DeviceBody(mesh, dev, rv)):
+            with _VmaMode(traced_closures):
+                return f(*per_device_args[dev], **kwargs)
+
+    return run_threads(mesh.size, body, "shard_map-device")
 
 
 # -- the local backend's runner for uneven shards -------------------------------------------
@@ -303,16 +315,5 @@ def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any,
         columns.append([tag(p, vma) for p in _device_pieces(v, l)])
     per_device = [inputs.rebuild([col[d] for col in columns]) for d in range(mesh.size)]
     outs = run(mesh, f, per_device, kwargs, traced_closures)
-    flats = [optree.tree_flatten(o, none_is_leaf=True) for o in outs]
-    treespec = flats[0][1]
-    if any(t != treespec for _, t in flats):
-        raise ShardingError(
-            f"shard_map devices returned differently structured outputs: {[t for _, t in flats]}"
-        )
-    out_tree = optree.tree_unflatten(treespec, list(range(treespec.num_leaves)))
-    paths, idx, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
-    results = [
-        assemble_parts(p, [flat[i] for flat, _ in flats], s, mesh, check_vma, vma_of)
-        for p, i, s in zip(paths, idx, specs)
-    ]
-    return results, treespec
+    treespec, columns = _match_columns(outs, out_specs, "shard_map out_specs")
+    return [assemble_parts(p, column, s, mesh, check_vma, vma_of) for p, column, s in columns], treespec

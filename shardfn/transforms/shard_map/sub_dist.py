@@ -28,57 +28,14 @@ from . import per_device as _per_device
 from .. import lax
 from ...arrays.array import ShardedArray, distribute, reshard, wrap
 from ...backends import backend_for
-from ...values.errors import ShardingError
-from ...values.layout import Layout, device_box
+from ...backends.hooks import register_submesh_collective
+from ...values.layout import Layout
 from ...values.mesh import Mesh
+from ..specs import _match
+from .io import check_output_vma, check_scalar_spec
+from .sub_layouts import _block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _whole_shape
 
 _active: list[Mesh] = []  # the sub-meshes of the dist partial-manual bodies running (one thread per rank)
-
-
-def _order_check(layout: Layout, manual: frozenset, where: str) -> None:
-    for d, axes in enumerate(layout.dims):
-        seen_auto = False
-        for a in axes:
-            if a in manual and seen_auto:
-                raise ShardingError(
-                    f"{where} shards dim {d} over {axes!r}, an automatic axis before the manual axis {a!r}; "
-                    f"with axis_names= the manual axes must come first in a dim's axes (the body sees the "
-                    f"block of its manual coordinates, split over the automatic axes)"
-                )
-            seen_auto |= a not in manual
-
-
-def _sub_layout(layout: Layout, sub: Mesh) -> Layout:
-    """``layout`` over the sub-mesh's axes only."""
-    names = sub.axis_names
-    return Layout(sub, tuple(tuple(a for a in d if a in names) for d in layout.dims),
-                  tuple(p for p in layout.partial if p[0] in names))
-
-
-def _block_shape(layout: Layout, shape: tuple[int, ...], manual: frozenset, rank: int) -> tuple[int, ...]:
-    """The shape of this rank's block over the manual axes of ``layout``."""
-    mesh = layout.mesh
-    only = Layout(mesh, tuple(tuple(a for a in d if a in manual) for d in layout.dims), ())
-    return tuple(hi - lo for lo, hi in device_box(only, shape, rank))
-
-
-def _full_layout(sub_layout: Layout, outer: Layout, manual: frozenset, summed: bool) -> Layout:
-    """A sub-mesh layout said on the whole mesh: ``outer``'s manual axes first in each dim;
-    with ``summed``, Partial(sum) over the manual axes ``outer`` does not use."""
-    mesh = outer.mesh
-    dims = tuple(
-        tuple(a for a in od if a in manual) + sd for od, sd in zip(outer.dims, sub_layout.dims)
-    )
-    partial = dict(sub_layout.partial)
-    for a, op in outer.partial:
-        if a in manual:
-            partial[a] = op
-    if summed:
-        used = set(outer.axis_dim) | set(outer.partial_ops)
-        for a in manual:
-            if a not in used and mesh.axis_size(a) > 1:
-                partial[a] = "sum"
-    return Layout(mesh, dims, ()).with_partial(partial)
 
 
 def _rank(mesh: Mesh) -> int:
@@ -231,10 +188,6 @@ def _touched(name: str, ndim: int, args: tuple, kwargs: dict) -> tuple[int, ...]
 def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_specs: Any, check_vma: bool,
                    kwargs: dict) -> Any:
     """One rank's part of a partial-manual shard_map call (see the module docstring)."""
-    from .. import lax
-    from ..specs import _match
-    from .io import _out_layout, check_output_vma, check_scalar_spec
-
     mesh = inputs.mesh
     leaves = []
     for path, v, layout in zip(inputs.paths, inputs.leaves, inputs.layouts):
@@ -259,14 +212,7 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
             check_scalar_spec(p, o, s, "out_specs")
             results.append(o)
             continue
-        layout = _out_layout(p, s, o.dim(), mesh)
-        _order_check(layout, manual, f"shard_map out_specs for {p}")
-        if any(a not in manual for a, _ in layout.partial):
-            bad = next(a for a, _ in layout.partial if a not in manual)
-            raise ShardingError(
-                f"shard_map out_spec {s!r} for {p} has partial over {bad!r}, which is not a manual axis: the "
-                f"body's results are whole values over it; drop {bad!r} from partial="
-            )
+        layout = _manual_out_layout(p, s, o.dim(), mesh, manual)
         vma = _per_device.vma_of(o) & manual
         if check_vma:
             check_output_vma(p, s, layout, set(vma))
@@ -289,18 +235,7 @@ def _global_shape(o: ShardedArray, layout: Layout, manual: frozenset, even: bool
     from ...backends.dist import all_local_shapes
 
     blocks = all_local_shapes(torch.empty(block, device="meta"), mesh)  # the blocks' shapes, per rank
-    shape = []
-    for d, axes in enumerate(layout.dims):
-        ax = [a for a in axes if a in manual]
-        if not ax:
-            shape.append(block[d])
-            continue
-        seen: dict[tuple, int] = {}
-        for r in range(mesh.size):
-            c = mesh.coords(r)
-            seen.setdefault(tuple(c[mesh.axis_index(a)] for a in ax), blocks[r][d])
-        shape.append(sum(seen.values()))
-    return tuple(shape)
+    return _whole_shape(layout, block, blocks, mesh, manual)
 
 
 @contextlib.contextmanager
@@ -450,4 +385,4 @@ class _SubClosures(torch.overrides.TorchFunctionMode):
         return rep
 
 
-lax.register_submesh_collective(on_submesh, collective)
+register_submesh_collective(on_submesh, collective)  # sf.lax routes a body's collectives here

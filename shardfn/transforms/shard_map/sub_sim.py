@@ -20,20 +20,23 @@ arrays need is counted once (by the first run), as a collective over those devic
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 
-from . import per_device as _per_device
-from .sub_dist import _block_shape, _full_layout, _order_check, _sub_layout
 from ...arrays.array import ShardedArray, distribute, reshard, wrap
 from ...backends import backend_for
+from ...backends.hooks import SHARD_MAP, muted
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
+from .. import lax
+from ..specs import _match, _match_columns
+from . import per_device as _per_device
+from .io import _out_layout, check_output_vma, check_scalar_spec
+from .sub_layouts import _block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _whole_shape
 
 
 class _Grid:
@@ -139,41 +142,14 @@ class _RunBody(_per_device.DeviceBody):
     array_values = True  # lax hands sub-mesh arrays over as they are
 
     def __init__(self, mesh: Mesh, manual_mesh: Mesh, sub: Mesh, run: int, rv: Any) -> None:
-        super().__init__(manual_mesh, run, rv)
-        self.manual_mesh = manual_mesh
+        super().__init__(manual_mesh, run, rv)  # groups and ``run`` over the manual mesh
         self.mesh = mesh
         self.submesh = sub  # a shard_map nested in the body runs on it (``nested_on_submesh``)
-
-    def _groups(self, axes: tuple[str, ...]) -> list[list[int]]:
-        mm = self.manual_mesh
-        ais = [mm.axis_index(a) for a in axes]
-        groups: dict[tuple, dict[int, int]] = {}
-        for d in range(mm.size):
-            c = mm.coords(d)
-            rank = 0
-            for k in ais:
-                rank = rank * mm.shape[k] + c[k]
-            groups.setdefault(tuple(v for k, v in enumerate(c) if k not in ais), {})[rank] = d
-        return [[g[r] for r in sorted(g)] for g in groups.values()]
-
-    def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
-        mm = self.manual_mesh
-        c = mm.coords(self.dev)
-        rank = 0
-        for a in axes:
-            k = mm.axis_index(a)
-            rank = rank * mm.shape[k] + c[k]
-        return _per_device.tag(torch.tensor(rank, device=self.mesh.device_type), frozenset(axes))
 
 
 def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_specs: Any, check_vma: bool,
         kwargs: dict) -> Any:
     """A partial-manual shard_map call on the simulated mesh (see the module docstring)."""
-    from ...backends import hooks as _comm_hooks
-    from .. import lax
-    from ..specs import _match
-    from .io import _out_layout, check_output_vma, check_scalar_spec
-
     mesh = inputs.mesh
     sub = Mesh(tuple(mesh.axis_size(a) for a in auto), auto, backend=mesh.backend, device_type=mesh.device_type)
     names = tuple(a for a in mesh.axis_names if a in manual)
@@ -190,39 +166,20 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
         vma = frozenset(a for a in layout.axis_dim if a in manual)
         columns.append([_per_device.tag(p, vma) for p in _Pick.apply(arr, grid, manual)])
     per_run = [inputs.rebuild([col[c] for col in columns]) for c in range(n)]
-    rv = _per_device._Rendezvous(n)
-    results: list[Any] = [None] * n
-    errors: list[BaseException | None] = [None] * n
     grad = torch.is_grad_enabled()
 
-    def work(c: int) -> None:
-        try:
-            body = _RunBody(mesh, mm, sub, c, rv)
-            quiet = _comm_hooks.muted() if c else contextlib.nullcontext()  # counted once, by the first run
-            with torch.set_grad_enabled(grad), quiet, sub, lax._entered(body), lax._manual_axes(manual):
-                with _per_device._VmaMode():
-                    out = f(*per_run[c], **kwargs)
-                results[c] = _laid_out(out, out_specs, mesh, sub)
-            rv.exchange(c, ("end",), None, lambda xs: [None] * n)
-        except BaseException as e:  # noqa: BLE001  re-raised by the caller's thread
-            errors[c] = e
-            rv.barrier.abort()
+    def body(c: int, rv: Any) -> Any:
+        run_body = _RunBody(mesh, mm, sub, c, rv)
+        quiet = muted() if c else contextlib.nullcontext()  # counted once, by the first run
+        with torch.set_grad_enabled(grad), quiet, sub, lax._entered(run_body), lax._manual_axes(manual):
+            with _per_device._VmaMode():
+                out = f(*per_run[c], **kwargs)
+            return _laid_out(out, out_specs, mesh, sub)
 
-    threads = [threading.Thread(target=work, args=(c,), name=f"shard_map-manual-{c}") for c in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-    if real or any(errors):
-        raise (real or [e for e in errors if e is not None])[0]
-    flats = [optree.tree_flatten(o, none_is_leaf=True) for o in results]
-    treespec = flats[0][1]
-    out_tree = optree.tree_unflatten(treespec, list(range(treespec.num_leaves)))
-    paths, idx, specs, _ = _match(out_specs, out_tree, "shard_map out_specs", "output")
+    results = _per_device.run_threads(n, body, "shard_map-manual")
+    treespec, columns = _match_columns(results, out_specs, "shard_map out_specs")
     joined = []
-    for p, i, s in zip(paths, idx, specs):
-        column = [flat[i] for flat, _ in flats]
+    for p, column, s in columns:
         o = column[0]
         if not isinstance(o, torch.Tensor):
             check_scalar_spec(p, o, s, "out_specs")
@@ -231,28 +188,19 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
         layout = _out_layout(p, s, o.dim(), mesh)
         if check_vma:
             check_output_vma(p, s, layout, set().union(*(_per_device.vma_of(v) for v in column)) & set(manual))
-        joined.append(_Join.apply(layout, _shape(layout, column, grid, manual), grid, manual, *column))
+        shape = _whole_shape(layout, column[0].shape, [v.shape for v in column], grid.manual_mesh, manual)
+        joined.append(_Join.apply(layout, shape, grid, manual, *column))
     return optree.tree_unflatten(treespec, joined)
 
 
 def _laid_out(out: Any, out_specs: Any, mesh: Mesh, sub: Mesh) -> Any:
     """A run's results resharded on the sub-mesh to their out_specs' layout there."""
-    from ..specs import _match
-    from .io import _out_layout
-
+    manual = frozenset(a for a in mesh.axis_names if a not in sub.axis_names)
     paths, leaves, specs, treespec = _match(out_specs, out, "shard_map out_specs", "output")
     laid = []
     for p, v, s in zip(paths, leaves, specs):
         if isinstance(v, torch.Tensor):
-            layout = _out_layout(p, s, v.dim(), mesh)
-            _order_check(layout, frozenset(a for a in mesh.axis_names if a not in sub.axis_names),
-                         f"shard_map out_specs for {p}")
-            bad = [a for a, _ in layout.partial if a in sub.axis_names]
-            if bad:
-                raise ShardingError(
-                    f"shard_map out_spec {s!r} for {p} has partial over {bad[0]!r}, which is not a manual axis: "
-                    f"the body's results are whole values over it; drop {bad[0]!r} from partial="
-                )
+            layout = _manual_out_layout(p, s, v.dim(), mesh, manual)
             vma = _per_device.vma_of(v)
             sl = _sub_layout(layout, sub)
             v = _per_device.tag(reshard(v, sl) if isinstance(v, ShardedArray) else distribute(v, sl), vma)
@@ -260,32 +208,11 @@ def _laid_out(out: Any, out_specs: Any, mesh: Mesh, sub: Mesh) -> Any:
     return optree.tree_unflatten(treespec, laid)
 
 
-def _shape(layout: Layout, column: list, grid: _Grid, manual: frozenset) -> tuple[int, ...]:
-    """The whole output's shape from the runs' blocks."""
-    mm = grid.manual_mesh
-    block0 = tuple(column[0].shape)
-    shape = []
-    for d, axes in enumerate(layout.dims):
-        ax = [a for a in axes if a in manual]
-        if not ax:
-            shape.append(block0[d])
-            continue
-        seen: dict[tuple, int] = {}
-        for c in range(mm.size):
-            coords = mm.coords(c)
-            seen.setdefault(tuple(coords[mm.axis_index(a)] for a in ax), column[c].shape[d])
-        shape.append(sum(seen.values()))
-    return tuple(shape)
-
-
 def nested_on_submesh(f: Callable, sub: Mesh, in_specs: Any, out_specs: Any, inner: frozenset, args: tuple,
                       kwargs: dict) -> Any:
     """A shard_map nested in a run over (some of) the automatic axes: a shard_map on the
     run's sub-mesh arrays (collectives inside may name only its axes)."""
-    from .. import lax
-    from .io import SHARD_MAP
-
-    shard_map = SHARD_MAP[0]
+    shard_map = SHARD_MAP[0]  # the public one (``api`` registers it; this module is below it)
 
     if in_specs is None:
         raise ShardingError("a nested shard_map needs in_specs: give one P per argument over the automatic axes")

@@ -1,0 +1,130 @@
+"""The dist backend's collectives: a functional collective issued on a mesh group and waited
+on (fused with its wait under real-tensor tracing), failures turned into :class:`CollectiveError`
+naming the step, the axes and the ranks; dtypes gloo/nccl do not take move as bytes; the
+choice between the library's reductions and ordered ones (``dist_groups`` holds the mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from ..values.torch_compat import funcol_gather_scatter
+from .dist_groups import Group, _mode
+
+_all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
+
+# dtypes every backend's collectives take; others move as raw bytes, or reduce widened
+_WIRE = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                   torch.int32, torch.int64})
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the dist backend failed or timed out."""
+
+
+# -- collectives: issue, wait, and turn failures into clear errors --------------------------------
+
+
+def _issued(op: Any, *args: Any) -> torch.Tensor:
+    """A functional collective and its wait as one graph node that FX treats as side-
+    effecting (neither dead-code eliminated nor constant folded)."""
+    return funcol.wait_tensor(op(*args))
+
+
+torch.fx.node.has_side_effect(_issued)
+
+
+def pin_in_real_trace(out: torch.Tensor) -> torch.Tensor:
+    """Under ``make_fx`` on real tensors (``torch.func.linearize`` traces so and then
+    constant-folds the graph), fuse the collective that made ``out`` with its wait into
+    one side-effecting node. Otherwise a collective on constants is folded apart from
+    its wait: the folded copy is taken before the collective completes (wrong, rank-
+    dependent values, then mismatched collectives: a hang)."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None or is_fake(out):
+        return out
+    slot = get_proxy_slot(out, mode.tracer, None)
+    node = slot.proxy.node if slot is not None else None
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    while node is not None and node.target is wait and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    if node is not None and getattr(node.target, "namespace", None) == "_c10d_functional":
+        node.args = (node.target, *node.args)
+        node.target = _issued
+    return out
+
+
+def run_collective(what: str, group: Group, fn: Callable[..., Any], *args: Any) -> torch.Tensor:
+    """``fn(*args, group.pg)`` (a functional collective), waited on; a failure or timeout
+    becomes a :class:`CollectiveError` naming ``what``, the axes and the ranks."""
+    try:
+        return pin_in_real_trace(funcol.wait_tensor(fn(*args, group.pg)))
+    except RuntimeError as e:
+        timeout = group.timeout if group.timeout is not None else "torch's default"
+        raise CollectiveError(
+            f"shardfn dist backend: {what} over mesh axes {group.axes} (ranks {list(group.ranks)}) failed on "
+            f"rank {dist.get_rank()}: {e}\nEvery rank must make the same shardfn calls in the same order; "
+            f"a peer may have crashed, diverged or be slow. The collective timeout is {timeout} "
+            f"(set it with SHARDFN_DIST_TIMEOUT=<seconds> or shardfn.backends.dist.configure(timeout=...) "
+            f"before first using the mesh)."
+        ) from e
+
+
+def _bytes(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` contiguous, reinterpreted as bytes if its dtype is not on the wire, and the
+    number of wire elements per element (for split sizes)."""
+    x = x.contiguous()
+    if x.dtype in _WIRE:
+        return x, 1
+    return x.view(torch.uint8), x.element_size()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    wire, _ = _bytes(x)
+    return run_collective("all_gather", group, _all_gather_single, wire, dim).view(x.dtype)
+
+
+def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
+    """all_to_all of a 1-D buffer: ``in_splits[j]`` elements go to member j."""
+    wire, k = _bytes(send)
+    y = run_collective("all_to_all", group, funcol.all_to_all_single, wire,
+                       [n * k for n in out_splits], [n * k for n in in_splits])
+    return y.view(send.dtype)
+
+
+def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | None) -> torch.Tensor:
+    """all_reduce (``scatter_dim`` None) or reduce_scatter through the library's collective;
+    an average is a sum divided here (floor division for integers, as on the local backend)."""
+    wire_op = "sum" if op == "avg" else op
+    wire = torch.view_as_real(x) if x.is_complex() else x if x.dtype in _WIRE else x.to(torch.int64)
+    if scatter_dim is None:
+        y = run_collective("all_reduce", group, funcol.all_reduce, wire.contiguous(), wire_op)
+    else:
+        y = run_collective("reduce_scatter", group, _reduce_scatter_single, wire.contiguous(), wire_op,
+                           scatter_dim)
+    y = torch.view_as_complex(y) if x.is_complex() else y.to(x.dtype)
+    if op != "avg":
+        return y
+    if y.is_floating_point() or y.is_complex():
+        return y / group.size
+    return torch.div(y, group.size, rounding_mode="floor")
+
+
+def _ordered(x: torch.Tensor, op: str, group: Group) -> bool:
+    """Whether an all_reduce runs in mesh order (to match the local backend bit for bit;
+    a sum of two terms is exact in either order, integer sums and max/min always are)."""
+    floating = x.is_floating_point() or x.is_complex()
+    return _mode() == "ordered" and floating and op in ("sum", "avg") and group.size > 2
+
+
+def _scatter_ordered(x: torch.Tensor) -> bool:
+    """Whether a reduce_scatter is an all_to_all plus a local reduction in mesh order."""
+    mode = _mode()
+    return mode == "ordered" or (mode == "auto" and x.device.type == "cpu")

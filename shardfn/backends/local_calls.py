@@ -1,0 +1,162 @@
+"""An op's local call on the local backend: once on the stacked values (``StackedCall``,
+through ``batching``) when every layout is even and the op has a batched form, else once
+per device (``PerDeviceCall``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+
+from ..values.errors import ShardingError
+from ..values.layout import is_even
+from ..values.mesh import Mesh
+from .device_call import DeviceCall, raw_op, substitute, with_locals
+from .local_values import batch_consistent, canonical_sizes, device_view, from_parts, full, settle
+
+
+# -- running an op's local call -------------------------------------------------------------
+
+
+def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], positional: tuple | None) -> Any:
+    """The local computation of one strategy on this backend's values: one call on the
+    stacked values when every layout is even and the call has a batched form
+    (``batching``), else once per device. ``(args, kwargs, values, symbolic) -> flat
+    outputs`` (stacked values or per-device tuples, non-tensor outputs as they are)."""
+    from . import batching as _batching
+
+    per_device = PerDeviceCall(func, cand, call, out_shapes, positional)
+    canon = tuple(torch.Size(canonical_sizes(v._layout)) for _, v in call.arrays)
+    even = all(is_even(l, tuple(v.shape)) for (_, v), l in zip(call.arrays, cand.in_layouts)) and all(
+        l is None or is_even(l, s) for l, s in zip(cand.out_layouts, out_shapes))
+    batched = _batching.batched_call(func, cand, call, out_shapes) if even else None
+    if batched is None:
+        return per_device
+    return StackedCall(batched, per_device, call.mesh, cand.out_layouts, positional, canon)
+
+
+def _flat(out: Any) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class StackedCall:
+    """One local call on the stacked values. Mesh dims of size 1 (the same on every
+    device) broadcast; the first run for each combination of input mesh-dim sizes is
+    checked (:func:`batch_consistent`), and a call that fails it or raises is run on
+    values expanded to the full mesh, and if that raises too, once per device."""
+
+    keeps_symbolic = True
+
+    def __init__(self, fn: Any, per_device: "PerDeviceCall", mesh: Mesh, layouts: tuple, positional: tuple | None,
+                 canon: tuple) -> None:
+        self.fn, self.per_device, self.mesh, self.layouts, self.positional = fn, per_device, mesh, layouts, positional
+        self.mode = "batched"  # -> "full" -> "per_device" as calls show what the op supports
+        self.verified: dict = {}
+        batched_direct = getattr(fn, "direct", None)  # the op itself when no argument needs adapting
+        self.direct = raw_op(batched_direct)
+        self.m = mesh.ndim
+        self.canon = canon  # the inputs' mesh-dim sizes when the arrays are stored canonically
+        self.ready = False  # that call verified: ``lean`` may run it without looking at shapes
+        # canonical inputs and outputs the same on every device (a 1-device mesh, a fully
+        # replicated computation), and a batched form that is more than the aten op itself:
+        # ``lean`` runs device 0's call on the squeezed values instead
+        same = all(n == 1 for sizes in canon for n in sizes) and all(
+            l is None or all(n == 1 for n in canonical_sizes(l)) for l in layouts)
+        adapted = not isinstance(batched_direct, torch._ops.OpOverload)
+        self.once = per_device.device_call if same and adapted and positional is not None else None
+        self.once_direct = raw_op(self.once.direct) if self.once is not None else None
+        self.first = 0 if self.m == 1 else (0,) * self.m
+
+    def lean(self, args: tuple, kwargs: dict) -> Any:
+        """The lone output for arrays at ``positional``, stored canonically and needing no
+        move (dispatch's fast path), or None until such a call has been verified."""
+        if self.once is not None:
+            return self._once(args, kwargs)
+        if not self.ready:
+            return None
+        a = with_locals(args, self.positional)
+        if self.direct is not None:
+            return self.direct(*a, **kwargs)
+        return self.fn(tuple(a), kwargs, False)
+
+    def _once(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Device 0's call on the squeezed values, its output given size-1 mesh dims: what
+        per-device execution gives when every device computes the same thing."""
+        a = with_locals(args, self.positional, self.first)
+        direct = self.once_direct
+        out = direct(*a, **kwargs) if direct is not None else self.once(tuple(a), kwargs, 0)[0]
+        return out.unsqueeze(0) if self.m == 1 else out.view((1,) * self.m + tuple(out.shape))
+
+    def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
+        if self.mode == "batched":
+            m = self.m
+            sig = tuple([v.shape[:m] for v in values.values()])
+            try:
+                settled = self.verified.get(sig)
+            except TypeError:  # torch.compile(dynamic=True) made the mesh dims symbolic: they are not
+                sig = tuple(tuple(n if isinstance(n, int) else n.node.hint for n in s) for s in sig)
+                settled = self.verified.get(sig)
+            a, k = substitute(args, kwargs, values, self.positional)
+            if settled is True:
+                out = self.direct(*a, **k) if self.direct is not None else self.fn(a, k, symbolic)
+                return list(out) if isinstance(out, (tuple, list)) else [out]
+        mesh, layouts = self.mesh, self.layouts
+        if self.mode == "batched":
+            try:
+                outs = _flat(self.fn(a, k, symbolic))
+            except (RuntimeError, IndexError, ValueError) as e:
+                if _is_sharding_error(e):
+                    raise
+                outs = None
+            tensors = [o if isinstance(o, torch.Tensor) and l is not None else None
+                       for o, l in zip(outs or (), layouts)]
+            if outs is not None and (settled is not None or batch_consistent(list(values.values()), tensors, mesh, layouts)):
+                fixed = [o if t is None else settle(o, l) for o, t, l in zip(outs, tensors, layouts)]
+                if len(self.verified) < 64:
+                    self.verified[sig] = all(f is o for f, o in zip(fixed, outs))
+                    self.ready = self.verified.get(self.canon) is True and self.positional is not None
+                return fixed
+            self.mode, self.ready = "full", False
+        if self.mode == "full":
+            a, k = substitute(args, kwargs, values, self.positional, functools.partial(full, mesh=mesh))
+            try:
+                outs = _flat(self.fn(a, k, symbolic))
+            except (RuntimeError, IndexError, ValueError) as e:
+                if symbolic or _is_sharding_error(e):
+                    raise
+                self.mode, self.ready = "per_device", False
+            else:
+                return [settle(o, l) if isinstance(o, torch.Tensor) and l is not None else o
+                        for o, l in zip(outs, layouts)]
+        return self.per_device(args, kwargs, values)
+
+
+def _is_sharding_error(e: Exception) -> bool:
+    return isinstance(e, ShardingError)
+
+
+class PerDeviceCall:
+    """The local call once per device, on each device's shard (uneven layouts, or ops
+    with no batched form); outputs are stored in their preferred form."""
+
+    keeps_symbolic = False
+    lean = None  # no fast form: a warm call takes ``__call__``
+
+    def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
+        self.mesh = call.mesh
+        self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes,
+                                      range(call.mesh.size))
+        self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
+
+    def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
+        mesh = self.mesh
+        per_dev = []
+        for dev in range(mesh.size):
+            a, k = substitute(args, kwargs, values, self.positional, lambda v, dev=dev: device_view(v, mesh, dev))
+            per_dev.append(self.device_call(a, k, dev))
+        out = []
+        for i, (layout, shape) in enumerate(zip(self.layouts, self.out_shapes)):
+            col = [o[i] for o in per_dev]
+            out.append(col[0] if layout is None else from_parts(col, layout, shape))
+        return out

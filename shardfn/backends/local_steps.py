@@ -1,0 +1,290 @@
+"""Plan steps on the local backend: a stacked value moves between even layouts by one
+reshape/permute (``_regrid``) or reduces over a mesh dim; per-device shards move by exact
+box routes. Every simulated device's part is computed here, in this process."""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from ..plans.planner import Step, _exchange
+from ..values.layout import Layout, is_even, local_shapes
+from ..values.mesh import Mesh
+from .local_values import Value, compact, from_parts, full, parts, reduce_dim, reduce_parts
+
+
+# -- step implementations -------------------------------------------------------------------
+
+
+def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtype, *, sym_shape: tuple | None = None) -> Value:
+    """``sym_shape``: the global shape with symbolic sizes (``shape`` holds their hints);
+    such values only take the stacked path, which keeps the sizes symbolic."""
+    mesh = step.src.mesh
+    if not isinstance(value, tuple) and is_even(step.dst, shape):
+        if step.kind in _REGRID_KINDS:
+            out = _regrid(step.src, step.dst, shape, full(value, mesh), sym_shape)
+        else:
+            out = _STACKED[step.kind](step, value, mesh, shape)
+        if out is not None:
+            return compact(out, step.dst)
+    if sym_shape is not None:
+        # uneven shards need concrete sizes: specialise (a guard on each symbolic size)
+        for n, h in zip(sym_shape, shape):
+            if int(n) != h:
+                raise AssertionError(f"symbolic size {n} has hint {h} but value {int(n)}")
+        if not isinstance(value, tuple):
+            value = value.view(*value.shape[:mesh.ndim], *local_shapes(step.src, shape)[0])
+        return run_step(step, value, shape, dtype)
+    shards = parts(value, mesh)
+    if step.kind in ("all_reduce", "reduce_local"):
+        return from_parts(_reduce_uneven(step, shards, mesh), step.dst, shape)
+    src = step.src
+    if step.kind == "reduce_scatter":
+        shards = _reduce_uneven(step, shards, mesh)
+        src = src.with_partial(step.dst.partial_ops)
+    routes = step.routes if step.routes is not None else _routes(src, step.dst, shape)
+    return _run_routes(routes, shards, step.dst, shape)
+
+
+def _ai(step: Step, mesh: Mesh) -> tuple[int, int]:
+    return mesh.axis_index(step.axis), mesh.ndim
+
+
+def _split(x: torch.Tensor, pos: int, g: int) -> torch.Tensor:
+    """Split dim ``pos`` of ``x`` into (g, size // g)."""
+    n = x.shape[pos]
+    return x.reshape(*x.shape[:pos], g, n // g, *x.shape[pos + 1:])
+
+
+def _regrid_step(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor | None:
+    return _regrid(step.src, step.dst, shape, x)
+
+
+def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor,
+            sym_shape: tuple | None = None) -> torch.Tensor | None:
+    """Move a stacked value between two even layouts with one reshape/permute.
+
+    Each tensor dim is cut into "digits" (a mixed-radix refinement of both layouts'
+    splits); source digits sit on mesh dims or in the local dim, and are permuted to where
+    the destination wants them. Returns None when the two splits have no common
+    refinement (e.g. a dim split 2 ways by one layout and 3 ways by the other).
+    """
+    plan = _regrid_plan(src, dst, shape)
+    if plan is None:
+        return None
+    if plan == "empty":
+        return x.new_empty(*src.mesh.shape, *local_shapes(dst, shape)[0])
+    split_shape, drops, order, bcast, final, tails = plan
+    if sym_shape is not None:
+        # the innermost digit of dim d is n_d // (product of its other digits): the only
+        # sizes that depend on the global shape; rebuild them from the symbolic sizes
+        split_shape, final = list(split_shape), list(final)
+        m = src.mesh.ndim
+        for d, tail in enumerate(tails):
+            if not isinstance(sym_shape[d], torch.SymInt):
+                continue
+            if tail is None:
+                return None
+            split_shape[tail[0]] = sym_shape[d] // tail[1]
+            final[m + d] = sym_shape[d] // _prod(src.mesh, dst.dims[d])
+    y = x.reshape(split_shape)
+    for pos in drops:
+        y = y.select(pos, 0)
+    y = y.permute(order)
+    for pos, _ in bcast:
+        y = y.unsqueeze(pos)
+    if bcast:
+        sizes = list(y.shape)
+        for pos, g in bcast:
+            sizes[pos] = g
+        y = y.expand(sizes)
+    return y.reshape(final)
+
+
+@functools.lru_cache(maxsize=4096)
+def _regrid_plan(src: Layout, dst: Layout, shape: tuple[int, ...]):
+    mesh = src.mesh
+    if any(n == 0 for n in shape):
+        return "empty"
+    digits = {}
+    for d, n in enumerate(shape):
+        cs, ct = _cuts(mesh, src.dims[d], n), _cuts(mesh, dst.dims[d], n)
+        merged = sorted(set(cs) | set(ct) | {n})
+        prev, sizes = 1, []
+        for c in merged:
+            if c % prev:
+                return None
+            sizes.append(c // prev)
+            prev = c
+        digits[d] = (merged, sizes)
+
+    def owned(d: int, lo: int, hi: int) -> list:
+        merged, sizes = digits[d]
+        return [(("dig", d, j), sizes[j]) for j, c in enumerate(merged) if lo < c <= hi]
+
+    def layout_labels(layout: Layout, source: bool) -> list:
+        out = []
+        for a, g in zip(mesh.axis_names, mesh.shape):
+            if g == 1:
+                out.append((("pass", a), 1))
+            elif a in layout.axis_dim:
+                d = layout.axis_dim[a]
+                axes = [b for b in layout.dims[d] if mesh.axis_size(b) > 1]
+                i = axes.index(a)
+                lo = _prod(mesh, axes[:i])
+                out.extend(owned(d, lo, lo * g))
+            elif a in (dst.axis_dim if source else src.axis_dim):
+                out.append((("drop" if source else "bcast", a), g))
+            else:
+                out.append((("pass", a), g))
+        for d, n in enumerate(shape):
+            axes = [b for b in layout.dims[d] if mesh.axis_size(b) > 1]
+            out.extend(owned(d, _prod(mesh, axes), n))
+        return out
+
+    src_labels = layout_labels(src, True)
+    dst_labels = layout_labels(dst, False)
+    split_shape = tuple(size for _, size in src_labels)
+    drops = [i for i, (lab, _) in enumerate(src_labels) if lab[0] == "drop"]
+    kept = [lab for lab, _ in src_labels if lab[0] != "drop"]
+    drops = sorted(drops, reverse=True)
+    order = [kept.index(lab) for lab, _ in dst_labels if lab[0] != "bcast"]
+    bcast = [(i, g) for i, (lab, g) in enumerate(dst_labels) if lab[0] == "bcast"]
+    final = (*mesh.shape, *local_shapes(dst, shape)[0])
+    tails = []  # per dim: (position of its innermost digit, the digit's divisor) or None
+    labels = [lab for lab, _ in src_labels]
+    for d in range(len(shape)):
+        merged, _ = digits[d]
+        last = ("dig", d, len(merged) - 1)
+        tails.append((labels.index(last), merged[-2] if len(merged) > 1 else 1) if last in labels else None)
+    return split_shape, tuple(drops), tuple(order), tuple(bcast), final, tuple(tails)
+
+
+def _cuts(mesh: Mesh, axes: tuple[str, ...], n: int) -> list[int]:
+    out, acc = [], 1
+    for a in axes:
+        g = mesh.axis_size(a)
+        if g > 1:
+            acc *= g
+            out.append(acc)
+    return out
+
+
+def _prod(mesh: Mesh, axes: Sequence[str]) -> int:
+    p = 1
+    for a in axes:
+        p *= mesh.axis_size(a)
+    return p
+
+
+def _along(x: torch.Tensor, ai: int, mesh: Mesh) -> torch.Tensor:
+    """``x`` with mesh dim ``ai`` at its axis size (a value the same on every device of
+    the axis is expanded, so a sum over the axis counts every device)."""
+    return x.expand(*x.shape[:ai], mesh.shape[ai], *x.shape[ai + 1:])
+
+
+def _reduce_axis(x: torch.Tensor, ai: int, mesh: Mesh, op: str) -> torch.Tensor:
+    """Reduce over mesh dim ``ai`` (kept, size 1). Parts the same on every device of the
+    axis (size 1, or expanded: stride 0) are not added up one by one: a floating sum is
+    the part times the axis size (exact for a power of two), avg/max/min the part."""
+    g = mesh.shape[ai]
+    if g > 1 and (x.shape[ai] == 1 or x.stride(ai) == 0):
+        one = x.narrow(ai, 0, 1)
+        if op != "sum":
+            return one
+        if x.is_floating_point() or x.is_complex():
+            return one * g
+    return reduce_dim(_along(x, ai, mesh), ai, op)
+
+
+def _all_reduce(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
+    ai, _ = _ai(step, mesh)
+    return _reduce_axis(x, ai, mesh, step.op)
+
+
+def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
+    ai, m = _ai(step, mesh)
+    r = _split(_reduce_axis(x, ai, mesh, step.op), m + step.dim, mesh.shape[ai])
+    return r.squeeze(ai).movedim(m - 1 + step.dim, ai)
+
+
+def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
+    if step.op != "sum":
+        return x
+    ai, _ = _ai(step, mesh)
+    x = _along(x, ai, mesh)
+    keep = torch.zeros(mesh.shape[ai], dtype=torch.bool, device=x.device)
+    keep[0] = True
+    keep = keep.view([-1 if i == ai else 1 for i in range(x.dim())])
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+_REGRID_KINDS = frozenset({"all_gather", "all_to_all", "slice", "permute"})
+
+_STACKED = {
+    "all_gather": _regrid_step,
+    "all_to_all": _regrid_step,
+    "slice": _regrid_step,
+    "permute": _regrid_step,
+    "all_reduce": _all_reduce,
+    "reduce_scatter": _reduce_scatter,
+    "reduce_local": _reduce_local,
+}
+
+
+def _groups(mesh: Mesh, axis: str) -> list[list[int]]:
+    """Devices grouped by all coordinates but ``axis``, each group in axis order."""
+    ai = mesh.axis_index(axis)
+    groups: dict[tuple, list[int]] = {}
+    for dev in range(mesh.size):
+        c = mesh.coords(dev)
+        groups.setdefault(c[:ai] + c[ai + 1:], []).append(dev)
+    return list(groups.values())
+
+
+def _reduce_uneven(step: Step, shards: tuple, mesh: Mesh) -> tuple:
+    """all_reduce / reduce_local on per-device shards (the reduce half of reduce_scatter)."""
+    out = list(shards)
+    for group in _groups(mesh, step.axis):
+        if step.kind == "reduce_local":
+            if step.op == "sum":
+                for dev in group[1:]:
+                    out[dev] = torch.zeros_like(shards[dev])
+            continue
+        reduced = reduce_parts([shards[d] for d in group], step.op)
+        for dev in group:
+            out[dev] = reduced
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _routes(src: Layout, dst: Layout, shape: tuple[int, ...]):
+    return _exchange(src, dst, shape, 1).routes
+
+
+def _run_routes(routes, shards: tuple, dst: Layout, shape: tuple[int, ...]) -> Value:
+    mesh = dst.mesh
+    like = shards[0]
+    shapes = local_shapes(dst, shape)
+    if is_even(dst, shape):
+        out = torch.empty(*mesh.shape, *shapes[0], dtype=like.dtype, device=like.device)
+        views = parts(out, mesh)
+        for r in routes:
+            views[r.dst][r.dst_slices] = shards[r.src][r.src_slices]
+        return compact(out, dst)
+    by_dst: dict[int, list] = {}
+    for r in routes:
+        by_dst.setdefault(r.dst, []).append(r)
+    result = []
+    for t, local_shape in enumerate(shapes):
+        mine = by_dst.get(t, ())
+        if len(mine) == 1 and shards[mine[0].src][mine[0].src_slices].shape == local_shape:
+            result.append(shards[mine[0].src][mine[0].src_slices])
+            continue
+        buf = torch.empty(local_shape, dtype=like.dtype, device=like.device)
+        for r in mine:
+            buf[r.dst_slices] = shards[r.src][r.src_slices]
+        result.append(buf)
+    return tuple(result)

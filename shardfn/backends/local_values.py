@@ -1,0 +1,162 @@
+"""The local backend's values: every device of the mesh simulated in this process.
+
+A value is either *stacked*, one tensor of shape ``(d_0, ..., d_{m-1}, *local_shape)``
+when every shard has the same shape, or a tuple of per-device shards (row-major) for
+uneven layouts. In a stacked value ``d_k`` is the size of mesh axis k, or 1 where the
+layout does not vary over axis k (the axis shards no dim and is not pending a reduction):
+each distinct shard is stored once, and an op on stacked values runs once, broadcasting
+over the mesh dims, so a computation replicated over an axis costs what it costs once.
+:func:`full` expands the size-1 mesh dims (a view) for code that needs every device's
+shard; :func:`compact` cuts them back to size 1.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence, Union
+
+import torch
+
+from ..values.layout import Layout, is_even
+from ..values.mesh import Mesh
+
+Value = Union[torch.Tensor, tuple]
+
+
+# -- conversions between the two forms ----------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def varying(layout: Layout) -> tuple[bool, ...]:
+    """Per mesh axis: whether shards differ along it (it shards a dim or is pending)."""
+    pending = layout.partial_ops
+    return tuple(a in layout.axis_dim or a in pending for a in layout.mesh.axis_names)
+
+
+def full(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """A stacked value with every mesh dim at its axis size (size-1 dims expanded)."""
+    m = mesh.ndim
+    if tuple(value.shape[:m]) == mesh.shape:
+        return value
+    return value.expand(*mesh.shape, *value.shape[m:])
+
+
+def compact(value: Value, layout: Layout) -> Value:
+    """A stacked value with the mesh dims ``layout`` does not vary over cut to size 1."""
+    if isinstance(value, tuple):
+        return value
+    for k, v in enumerate(varying(layout)):
+        if not v and value.shape[k] != 1:
+            value = value.narrow(k, 0, 1)
+    return value
+
+
+def settle(value: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """An op's stacked output in its canonical form for ``layout``: size 1 on the axes
+    the layout does not vary over, the axis size on the others (a size-1 output there
+    was computed from inputs that are the same on every device, so it is too)."""
+    mesh = layout.mesh
+    for k, v in enumerate(varying(layout)):
+        n = value.shape[k]
+        if v and n == 1 and mesh.shape[k] != 1:
+            value = value.expand(*value.shape[:k], mesh.shape[k], *value.shape[k + 1:])
+        elif not v and n != 1:
+            value = value.narrow(k, 0, 1)
+    return value
+
+
+@functools.lru_cache(maxsize=4096)
+def canonical_sizes(layout: Layout) -> tuple[int, ...]:
+    """The mesh-dim sizes of a stacked value in :func:`settle`'s form for ``layout``."""
+    return tuple(g if v else 1 for g, v in zip(layout.mesh.shape, varying(layout)))
+
+
+def is_canonical(value: Value, layout: Layout) -> bool:
+    """Whether ``value`` is stored as op outputs are (:func:`settle`; per-device tuples
+    have one form)."""
+    return isinstance(value, tuple) or tuple(value.shape[:layout.mesh.ndim]) == canonical_sizes(layout)
+
+
+def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None], mesh: Mesh,
+                     layouts: Sequence[Layout | None] | None = None) -> bool:
+    """Whether outputs of a local op run on size-1-compacted stacked inputs broadcast like
+    the inputs: each mesh dim 1 or the axis size, and never 1 where an input varies and
+    the output's layout does too (an op that does not broadcast over leading dims would
+    have dropped devices; an output the same on every device, such as a ``new_zeros``,
+    may be size 1 there)."""
+    wides = [any(t.shape[k] != 1 for t in ins) for k in range(mesh.ndim)]
+    for i, o in enumerate(outs):
+        if o is None:
+            continue
+        vary = varying(layouts[i]) if layouts is not None and layouts[i] is not None else (True,) * mesh.ndim
+        for k, g in enumerate(mesh.shape):
+            n = o.shape[k]
+            if g != 1 and (n != 1 and n != g or (wides[k] and vary[k] and n == 1)):
+                return False
+    return True
+
+
+def parts(value: Value, mesh: Mesh) -> tuple[torch.Tensor, ...]:
+    """Per-device shards (row-major), as views when the value is stacked."""
+    if isinstance(value, tuple):
+        return value
+    out = [full(value, mesh)]
+    for _ in range(mesh.ndim):
+        out = [t for v in out for t in v.unbind(0)]
+    return tuple(out)
+
+
+def stack(shards: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
+    return torch.stack(list(shards)).view(*mesh.shape, *shards[0].shape)
+
+
+def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
+    """Store shards in the preferred form for this layout: stacked over the mesh axes the
+    layout varies over, one device's shard standing for the devices it does not vary over
+    (they hold the same value; only those are stacked, so a replicated output is a view of
+    device 0's, and per-call constants such as a fused kernel's RNG state, which torch may
+    return on another device, never meet in a kernel)."""
+    if not is_even(layout, shape):
+        return tuple(shards)
+    mesh = layout.mesh
+    vary = varying(layout)
+    if all(vary):
+        return stack(shards, mesh)
+    keep = [s for d, s in enumerate(shards) if all(v or c == 0 for v, c in zip(vary, mesh.coords(d)))]
+    sizes = tuple(n if v else 1 for n, v in zip(mesh.shape, vary))
+    if len(keep) == 1:
+        return keep[0].view(sizes + tuple(keep[0].shape))
+    return torch.stack(keep).view(sizes + tuple(keep[0].shape))
+
+
+def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """A stacked value in which every device holds ``whole`` (size 1 on every mesh dim)."""
+    return whole.view((1,) * mesh.ndim + tuple(whole.shape))
+
+
+def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:
+    if isinstance(value, tuple):
+        return value[device]
+    return value[tuple(c if n > 1 else 0 for c, n in zip(mesh.coords(device), value.shape))]
+
+
+# -- reductions -----------------------------------------------------------------------
+
+
+def reduce_dim(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
+    """Reduce ``x`` over ``dim`` (kept, size 1) by ``op``: sum, avg (floor division for
+    integers), max or min."""
+    if op == "sum":
+        return x.sum(dim, keepdim=True, dtype=x.dtype)
+    if op == "avg":
+        if x.is_floating_point() or x.is_complex():
+            return x.mean(dim, keepdim=True)
+        return torch.div(x.sum(dim, keepdim=True, dtype=x.dtype), x.shape[dim], rounding_mode="floor")
+    if op == "max":
+        return x.amax(dim, keepdim=True)
+    return x.amin(dim, keepdim=True)
+
+
+def reduce_parts(shards: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce a list of same-shape parts (used by the uneven path and by gathers)."""
+    return reduce_dim(torch.stack(list(shards)), 0, op).squeeze(0)
