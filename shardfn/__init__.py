@@ -19,6 +19,8 @@ from .values.errors import ImplicitReshardError as ImplicitReshardError
 from .values.errors import ImplicitReshardWarning as ImplicitReshardWarning
 from .values.errors import ImmutableError as ImmutableError
 from .values.errors import ShardingError as ShardingError
+from .values.errors import ShardingIndexError as ShardingIndexError
+from .values.errors import ShardingRuntimeError as ShardingRuntimeError
 from .values.errors import ShardingTypeError as ShardingTypeError
 from .values.errors import SimulationWarning as SimulationWarning
 from .arrays.factories import empty as empty

@@ -312,14 +312,51 @@ def test_torch_optim_on_sharded_params_names_sf_optim(make, name) -> None:
     assert torch.equal(w.full_tensor(), before)
 
 
-def test_clip_grad_norm_underscore_names_sf_optim() -> None:
+@pytest.mark.parametrize("foreach", [None, True, False])
+def test_clip_grad_norm_underscore_names_sf_optim(foreach) -> None:
+    """Whichever path torch takes (foreach norms first), the first thing that goes wrong is
+    the in-place scaling, refused naming sf.optim.clip_grad_norm (no FallbackWarning)."""
     mesh = sf.Mesh((2,), ("x",))
     w = sf.distribute(torch.randn(4, 2), P("x"), mesh=mesh).requires_grad_()
     (w * w).sum().backward()
     before = w.grad.full_tensor().clone()
     with pytest.raises(sf.ImmutableError, match=r"sf\.optim\.clip_grad_norm"):
-        torch.nn.utils.clip_grad_norm_([w], 0.1)
+        torch.nn.utils.clip_grad_norm_([w], 0.1, foreach=foreach)
     assert torch.equal(w.grad.full_tensor(), before)
+
+
+@pytest.mark.parametrize("ord_", [2.0, 1.0, math.inf, -math.inf, 0.0, 3.0])
+def test_foreach_norm_on_arrays(ord_) -> None:
+    """aten._foreach_norm (torch's get_total_norm / clip_grad_norm_ with foreach) on arrays of
+    any layout: torch's numbers, replicated 0-d arrays, one all_reduce per mesh."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"))
+    full = [torch.randn(4, 6), torch.randn(5), torch.randn(3, 4), torch.randn(())]
+    specs = [P("tp"), P("dp"), P(("dp", "tp")), P()]
+    arrays = [sf.distribute(t, s, mesh=mesh) for t, s in zip(full, specs)]
+    pending = (arrays[0] * 2).sum(0)  # a pending sum: reduced first
+    with sf.debug.CommCounter() as cc:
+        got = torch._foreach_norm(arrays, ord_)
+    assert sum(cc.counts.values()) == 1, cc.counts
+    want = torch._foreach_norm(full, ord_)
+    for g, w in zip(got, want):
+        assert isinstance(g, sf.ShardedArray) and g.shape == () and g.spec == P()
+        torch.testing.assert_close(g.full_tensor(), w, rtol=1e-6, atol=1e-6)
+    (n,) = torch._foreach_norm([pending], ord_)
+    torch.testing.assert_close(n.full_tensor(), torch.linalg.vector_norm((full[0] * 2).sum(0), ord_), rtol=1e-6,
+                               atol=1e-6)
+    total = torch.nn.utils.get_total_norm(arrays, ord_, foreach=True)
+    torch.testing.assert_close(total.full_tensor(), torch.nn.utils.get_total_norm(full, ord_), rtol=1e-6, atol=1e-6)
+
+
+def test_foreach_norm_mixed_and_dtype() -> None:
+    mesh = sf.Mesh((2,), ("x",))
+    a, b = torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(5)
+    got = torch._foreach_norm([sf.distribute(a, P("x"), mesh=mesh), b], 2, dtype=torch.float32)
+    want = torch._foreach_norm([a, b], 2, dtype=torch.float32)
+    assert isinstance(got[0], sf.ShardedArray) and not isinstance(got[1], sf.ShardedArray)
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0].full_tensor(), want[0])
+    torch.testing.assert_close(got[1], want[1])
 
 
 def test_inplace_messages_are_well_formed() -> None:

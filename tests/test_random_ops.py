@@ -159,6 +159,100 @@ def test_dropout_module_in_a_model(mesh24):
     assert torch.equal(outs[0] == 0, outs[1] == 0)
 
 
+# -- attention with dropout -------------------------------------------------------------------------
+# F.scaled_dot_product_attention with dropout_p > 0 on arrays of 3+ dims runs torch's math formula
+# with batch dims kept and F.dropout's sharding-invariant mask (CUDA's fused kernels would draw a
+# philox seed per device; torch's math path would gather heads sharded over a second axis).
+
+ATTN_CASES = {  # q heads 8; (kv heads, mask, is_causal, scale)
+    "plain": (8, None, False, None),
+    "causal": (8, None, True, None),
+    "bool_mask": (8, "bool", False, None),
+    "float_mask": (8, "float", False, 0.3),
+    "gqa": (4, None, True, None),
+    "negative_scale": (8, None, False, -0.2),
+}
+ATTN_LAYOUTS = [P(), P("x"), P("x", "y"), P(None, ("x", "y")), P(None, "y"), P("y", "x")]
+
+
+def _attn_inputs(hkv: int, mask: str | None):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 8, 6, 5, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(4, hkv, 7, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    m = None
+    if mask == "bool":
+        m = torch.rand(6, 7, generator=g) > 0.3
+        m[2] = False  # a fully masked row: 0 there, as torch's math path gives
+    elif mask == "float":
+        m = torch.randn(4, 1, 6, 7, generator=g, dtype=torch.float64)
+    return q, k, v, m
+
+
+def _sdpa(q, k, v, m, causal, scale, hkv, p):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p, is_causal=causal, scale=scale,
+                                          enable_gqa=hkv != q.shape[-3])
+
+
+def _reference(q, k, v, m, causal, scale, hkv, p, keep):
+    """torch's math path on plain tensors with a given keep-mask."""
+    rep = q.shape[-3] // hkv
+    k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    s = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if causal:
+        m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if m is not None:
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+    attn = torch.ops.aten._safe_softmax(s, -1)
+    return (attn * keep / (1 - p)) @ v
+
+
+@pytest.mark.parametrize("case", sorted(ATTN_CASES))
+def test_attention_dropout_same_for_every_layout_and_equals_the_formula(mesh24, case):
+    hkv, mask, causal, scale = ATTN_CASES[case]
+    q, k, v, m = _attn_inputs(hkv, mask)
+    p, key = 0.4, sf.random.key(5)
+    # the one random op draws fold_in(key, 0): its keep-mask, the same for every layout
+    keep = sf.random.bernoulli(sf.random.fold_in(key, 0), 1 - p, (4, 8, 6, 7))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _reference(*leaves, m, causal, scale, hkv, p, keep)
+    want_grads = torch.autograd.grad((want * want).sum(), leaves)
+    for spec in ATTN_LAYOUTS:
+        qs, ks, vs = (sf.distribute(t, spec, mesh=mesh24).requires_grad_() for t in (q, k, v))
+        ms = m if m is None or m.dim() < 4 else sf.distribute(m, P(spec[0] if len(spec) else None), mesh=mesh24)
+        with sf.random.seeded(key), sf.debug.CommCounter() as cc:
+            out = _sdpa(qs, ks, vs, ms, causal, scale, hkv, p)
+        grads = torch.autograd.grad((out * out).sum(), (qs, ks, vs))
+        assert out.spec == P(*spec[:2]), (case, spec)
+        if hkv == 8 or len(spec) < 2 or spec[1] is None:  # gqa: repeating sharded kv heads moves data
+            assert cc.counts == {}, (case, spec, cc.counts)
+        torch.testing.assert_close(sf.gather(out), want, msg=f"{case} {spec}")
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(sf.gather(g), w, msg=f"{case} {spec} grad")
+
+
+def test_attention_dropout_on_a_meta_mesh_reaches_no_fused_kernel():
+    """On CUDA torch would pick a fused kernel drawing a philox seed per device; with dropout the
+    math formula runs instead (batched products), heads stay sharded (meta stands in for CUDA)."""
+    mesh = sf.Mesh((2, 2), ("x", "y"), device_type="meta")
+    qs, ks, vs = (sf.distribute(torch.randn(4, 8, 6, 5), P("x", "y"), mesh=mesh).requires_grad_() for _ in range(3))
+
+    def kernels(t):  # the autograd nodes behind t
+        seen, todo = set(), [t.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                todo.extend(f for f, _ in fn.next_functions)
+        return {type(f).__name__ for f in seen}
+
+    with sf.debug.CommCounter() as cc:
+        out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=0.1, is_causal=True)
+        grads = torch.autograd.grad(out.sum(), (qs, ks, vs))
+    names = kernels(out)
+    assert not any("ScaledDotProduct" in n for n in names) and any("contract" in n for n in names), names
+    assert cc.counts == {} and out.spec == P("x", "y") and [g.spec for g in grads] == [P("x", "y")] * 3
+
+
 # -- generator semantics ------------------------------------------------------------------------------
 
 

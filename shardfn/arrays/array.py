@@ -301,7 +301,9 @@ class ShardedArray(torch.Tensor):
             "use an out-of-place op and rebind the result"
         )
 
-    # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it
+    # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it.
+    # data_ptr() stays torch's 0 (the null pointer: no single buffer): torch's __deepcopy__,
+    # pickling, autograd graph hooks and Dynamo recognise a wrapper subclass by it
     def storage(self) -> Any:
         raise TypeError(
             "a ShardedArray has no single storage (its shards live on the mesh's devices); "
@@ -771,7 +773,7 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
     ndim = shards[0].dim()
     layout = to_layout(sharding, ndim, mesh, arg="sharding")
-    shards = [to_mesh_device(t, layout.mesh) for t in shards]  # the mesh owns the device
+    shards = _to_mesh_devices(shards, layout.mesh)  # the mesh owns the device
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
     checked = _replicas.checking()
@@ -782,6 +784,35 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
         over = tuple(a for a in layout.mesh.axis_names if a not in split)
         backend.check_replicas(layout.mesh, shards[0], over, f"from_local: the local tensor ({layout.spec_str()})")
     return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
+
+
+def _to_mesh_devices(shards: list[torch.Tensor], mesh: Mesh) -> list[torch.Tensor]:
+    """Each shard on the mesh's device type (copied there where it is elsewhere). A shard that
+    cannot be copied there (a meta tensor holds no data) is a ShardingError naming the device
+    of every such shard and the mesh's device_type."""
+    devices = backend_for(mesh).devices(mesh)
+
+    def where(bad: list[int]) -> str:
+        named = (f"the shard of device {devices[i]} is on {shards[i].device}" for i in bad[:8])
+        return ", ".join(named) + (" ..." if len(bad) > 8 else "")
+
+    no_data = [i for i, t in enumerate(shards) if t.is_meta and mesh.device_type != "meta"]
+    if no_data:
+        raise ShardingError(
+            f"from_local: {where(no_data)}: a meta tensor holds no values, but {mesh!r} has device_type "
+            f"{mesh.device_type!r} and needs every shard's values; pass tensors with data (any device: they "
+            f"are copied to {mesh.device_type!r}), or use a mesh with device_type='meta'"
+        )
+    out = []
+    for i, t in enumerate(shards):
+        try:
+            out.append(to_mesh_device(t, mesh))
+        except (RuntimeError, NotImplementedError) as e:
+            raise ShardingError(
+                f"from_local: {where([i])} cannot be copied to {mesh!r}'s device_type {mesh.device_type!r}: "
+                f"{str(e).splitlines()[0]}"
+            ) from None
+    return out
 
 
 def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:

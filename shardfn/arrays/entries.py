@@ -13,12 +13,12 @@ import torch
 
 from ..backends.registry import backend_for
 from ..plans.planner import cost_model, plan_layouts
-from ..values.errors import FallbackWarning, ShardingError
+from ..values.errors import FallbackWarning, ShardingError, like_torch
 from ..values.layout import Layout
 from ..values.schema import op_name as _op_name
 from . import functorch as _ft
 from . import rule_table as _rules
-from .array import ShardedArray, _wrap_output, check_partial_dtype, wrap
+from .array import ShardedArray, _wrap_output, check_partial_dtype
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _replace, _to_meta
 from .reduced import reduced_forms
@@ -65,7 +65,7 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
-        raise ShardingError(
+        raise like_torch(e)(
             f"{_describe_call(func, leaves)}: shape mismatch or invalid arguments (the op rejects "
             f"these global shapes, whatever the sharding): {e}"
         ) from None
@@ -325,6 +325,31 @@ def _as_reported(v: ShardedArray) -> torch.Tensor:
     return out
 
 
+# ops that read the storage around a view, not only its elements (as torch keeps them)
+_READS_STORAGE = frozenset({aten.as_strided.default, aten.as_strided_copy.default})
+
+
+def _in_storage(v: ShardedArray) -> torch.Tensor:
+    """``v`` as a plain view into a buffer holding its root base's values where torch keeps
+    them, so an op that reads the storage around a view (``as_strided``) reads the base's
+    values and torch's storage-bounds check sees the base's storage."""
+    root = v._base if v._is_view() and isinstance(v._base, ShardedArray) else v
+    n = root.untyped_storage().nbytes() // root.element_size()
+    buf = torch.zeros(n, dtype=root.dtype, device=root.device)
+    full = raw_full(root)
+    at = buf.as_strided(tuple(root.shape), root.stride(), root.storage_offset())
+    for d in reversed(range(root.dim())):  # an expanded dim holds one value where it is stored
+        if root.stride(d) == 0 and root.shape[d] > 1:
+            at, full = at.narrow(d, 0, 1), full.narrow(d, 0, 1)
+    try:
+        at.copy_(full)
+    except RuntimeError:  # overlapping strides: read v's own elements only
+        return _as_reported(v)
+    if v.dtype != root.dtype:
+        buf = buf.view(v.dtype)
+    return buf.as_strided(tuple(v.shape), v.stride(), v.storage_offset())
+
+
 @attrs.define
 class _Fallback:
     func: Any
@@ -334,7 +359,8 @@ class _Fallback:
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
         # laid out as the wrapper says (kernels such as native_group_norm_backward trust the
         # strides; as_strided reads the storage; a replicated value is an expanded view)
-        a, k = _replace(args, kwargs, lambda p, v: _as_reported(v) if isinstance(v, ShardedArray) else v)
+        lay_out = _in_storage if self.func in _READS_STORAGE else _as_reported
+        a, k = _replace(args, kwargs, lambda p, v: lay_out(v) if isinstance(v, ShardedArray) else v)
         out = self.func(*a, **k)
         backend = backend_for(self.mesh)
         outs, rebuild = _flat_outputs(out)
@@ -342,7 +368,10 @@ class _Fallback:
         for o in outs:
             if isinstance(o, torch.Tensor):
                 layout = Layout(self.mesh, ((),) * o.dim())
-                res.append(wrap(backend.replicated(o, self.mesh), layout, o.shape, o.dtype))
+                # reported as torch lays the output out (a view's strides and storage offset:
+                # forward AD checks that a view's tangent is laid out like its primal)
+                res.append(_wrap_output(backend.replicated(o, self.mesh), layout, tuple(o.shape), o.dtype, None,
+                                        (tuple(o.stride()), o.storage_offset())))
             else:
                 res.append(o)
         return rebuild(res)

@@ -15,7 +15,7 @@ import torch
 
 from .array import ShardedArray, wrap
 from ..backends.registry import backend_for
-from ..values.errors import ShardingError
+from ..values.errors import ShardingError, like_torch
 from ..values.layout import Box, Layout, device_box
 from ..values.mesh import Mesh, mesh_device
 from ..values.spec import Sharding, to_layout
@@ -192,7 +192,7 @@ def _check_fill(fill_value: object, dtype: torch.dtype | None) -> torch.dtype:
         held = torch.full((2,), fill_value, dtype=dtype)[0]  # (1,) skips the overflow check
     except RuntimeError as e:
         name = dtype if dtype is not None else "the dtype torch.full infers"
-        raise ShardingError(f"full: fill_value={fill_value!r} does not fit {name}: {e}") from None
+        raise like_torch(e)(f"full: fill_value={fill_value!r} does not fit {name}: {e}") from None
     if not _holds(held.item(), fill_value):
         raise ShardingError(
             f"full: fill_value={fill_value!r} cannot be held by dtype {held.dtype} (it would become "

@@ -15,6 +15,7 @@ stacked shards.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -129,6 +130,8 @@ def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     NotImplemented (the caller runs torch's composite)."""
     if func in _RMS_NORMS:
         return _rms_norm_call(args, kwargs)
+    if func is _SDPA:
+        return _attention_with_dropout(args, kwargs)
     if kwargs:
         return NotImplemented
     if func is torch.einsum:
@@ -142,7 +145,9 @@ def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
 
 
 _RMS_NORMS = frozenset({torch.rms_norm, torch.nn.functional.rms_norm})
-FUNCS = _RMS_NORMS | frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.einsum})
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+FUNCS = _RMS_NORMS | frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+                                torch.einsum, _SDPA})
 """The torch functions ``_BatchedArray.__torch_function__`` looks at."""
 
 
@@ -243,3 +248,47 @@ def _rms_norm_call(args: tuple, kwargs: dict | None) -> Any:
     if not shape or list(w.shape) != shape or list(x.shape[x.dim() - len(shape):]) != shape:
         return NotImplemented
     return rms_norm(x, shape, w, None if eps is None else float(eps))
+
+
+# -- attention with dropout ---------------------------------------------------------------
+# CUDA's fused attention kernels (flash, efficient, cuDNN) draw their dropout mask from a
+# philox seed and offset taken per call, so each simulated device would draw its own and
+# the mask would depend on the layout; torch's math path (``at::matmul``) folds the batch
+# and head dims into one and gathers heads sharded over a second axis. With dropout,
+# attention on these arrays runs torch's math formula here instead: batched products that
+# keep every batch dim, and ``F.dropout``, whose mask shardfn draws from global indices
+# (``shardfn.random.torch_ops``), the same for every layout.
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _attention_with_dropout(args: tuple, kwargs: dict | None) -> Any:
+    """``scaled_dot_product_attention`` with ``dropout_p > 0`` as torch's math path computes
+    it (q and k each scaled by sqrt(scale), boolean and causal masks as -inf, a softmax that
+    gives 0 on fully masked rows, GQA by repeating key/value heads), else NotImplemented."""
+    bound = dict(zip(_SDPA_ARGS, args))
+    for key, v in (kwargs or {}).items():
+        if key not in _SDPA_ARGS or key in bound:
+            return NotImplemented
+        bound[key] = v
+    p = bound.get("dropout_p", 0.0)
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    mask, scale = bound.get("attn_mask"), bound.get("scale")
+    if not isinstance(p, (int, float)) or not p > 0.0 or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return NotImplemented
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)) or q.dim() < 2:
+        return NotImplemented
+    if mask is not None and bound.get("is_causal"):
+        return NotImplemented  # torch raises its own error
+    if bound.get("enable_gqa") and q.dim() >= 3 and k.size(-3) != q.size(-3):
+        groups = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    neg = scale is not None and scale < 0
+    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    scores = torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
+    if bound.get("is_causal"):
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else scores + mask
+    attn = torch.ops.aten._safe_softmax(scores, -1)
+    return torch.matmul(torch.nn.functional.dropout(attn, float(p)), v)

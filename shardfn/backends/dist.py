@@ -40,7 +40,7 @@ from ..values.layout import Layout, describe, local_shapes
 from ..values.mesh import Mesh
 from .device_call import DeviceCall, raw_op, substitute, with_locals
 from .dist_collectives import CollectiveError as CollectiveError  # documented here (docs/dist.md)
-from .dist_collectives import _all_gather_single, pin_in_real_trace, run_collective
+from .dist_collectives import _all_gather_single, dense, pin_in_real_trace, run_collective
 from .dist_groups import Group as Group
 from .dist_groups import _state, axis_group, rank_of
 from .dist_groups import configure as configure  # documented here (docs/dist.md)
@@ -137,7 +137,7 @@ def check_same_meta(mesh: Mesh, shape: Sequence[int], dtype: torch.dtype, what: 
 def _fingerprint(t: torch.Tensor) -> list[int]:
     """Dtype, shape and three position-weighted sums of the bytes of ``t``: equal tensors
     (bit for bit) give equal fingerprints, different ones almost surely not."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    b = dense(t.detach()).reshape(-1).view(torch.uint8).to(torch.int64)
     i = torch.arange(b.numel(), dtype=torch.int64, device=b.device)
     sums = [b.sum(), (b * (i % 65521 + 1)).sum(), (b * ((i * 40503) % 1000003 + 7)).sum()]
     shape = list(t.shape[:_META_DIMS]) + [0] * (_META_DIMS - min(t.dim(), _META_DIMS))
@@ -257,6 +257,12 @@ class DistBackend:
     def run_step(self, step: Step, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *,
                  sym_shape: tuple | None = None) -> torch.Tensor:
         return run_step(step, value, shape, dtype)  # symbolic shard sizes are specialised there
+
+    def run_steps(self, steps: Any, value: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, *,
+                  sym_shape: tuple | None = None) -> torch.Tensor:
+        for step in steps:  # every collective runs: the other ranks take the same steps
+            value = run_step(step, value, shape, dtype)
+        return value
 
     # the module's functions where they are the method (no wrapper on the hot path)
     rank_of = staticmethod(rank_of)  # not in the protocol: this process's device index

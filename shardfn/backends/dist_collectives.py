@@ -77,13 +77,24 @@ def run_collective(what: str, group: Group, fn: Callable[..., Any], *args: Any) 
         ) from e
 
 
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values in plain row-major memory: lazy conj/neg flags applied, contiguous.
+    A collective reads memory, not flags; and every rank must get here whatever its shard's
+    shape (a rank that raised alone would leave its peers waiting in the collective)."""
+    return x.resolve_conj().resolve_neg().contiguous()
+
+
 def _bytes(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``x`` contiguous, reinterpreted as bytes if its dtype is not on the wire, and the
-    number of wire elements per element (for split sizes)."""
-    x = x.contiguous()
+    """``x`` dense (:func:`dense`), reinterpreted as bytes if its dtype is not on the wire (the
+    last dim ``element_size`` times longer), and the number of wire elements per element (for
+    split sizes)."""
+    x = dense(x)
     if x.dtype in _WIRE:
         return x, 1
-    return x.view(torch.uint8), x.element_size()
+    # through the flat view: a contiguous tensor may carry any stride on a size-1 last dim,
+    # which view(dtype) rejects
+    flat = x.reshape(-1).view(torch.uint8)
+    return (flat.view(*x.shape[:-1], x.shape[-1] * x.element_size()) if x.dim() else flat), x.element_size()
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
@@ -103,6 +114,7 @@ def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | No
     """all_reduce (``scatter_dim`` None) or reduce_scatter through the library's collective;
     an average is a sum divided here (floor division for integers, as on the local backend)."""
     wire_op = "sum" if op == "avg" else op
+    x = dense(x)
     wire = torch.view_as_real(x) if x.is_complex() else x if x.dtype in _WIRE else x.to(torch.int64)
     if scatter_dim is None:
         y = run_collective("all_reduce", group, funcol.all_reduce, wire.contiguous(), wire_op)

@@ -9,7 +9,6 @@ top of them.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any, Sequence
 
@@ -21,9 +20,9 @@ from ..values.mesh import Mesh
 from ..values.sharded import Sharded
 from .hooks import SHARD_MAP_RUNNERS
 from .local_calls import compile_call
-from .local_steps import run_step
+from .local_steps import run_step, run_steps
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, is_canonical, parts, replicated,
-                           settle, varying)
+                           replica_of, settle, varying)
 
 
 # -- protocol used by ShardedArray ----------------------------------------------------------
@@ -38,15 +37,6 @@ def from_shards(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int
     return from_parts(shards, layout, shape)
 
 
-@functools.lru_cache(maxsize=4096)
-def _replica_of(layout: Layout) -> tuple[int, ...]:
-    """Per device: the device with coordinate 0 on the axes ``layout`` does not vary over
-    (the one whose shard it replicates; itself when it holds a distinct shard)."""
-    mesh = layout.mesh
-    vary = varying(layout)
-    return tuple(mesh.device_at([c if v else 0 for c, v in zip(mesh.coords(d), vary)]) for d in range(mesh.size))
-
-
 def storage(value: Value, layout: Layout, shape: tuple[int, ...]) -> list[torch.Tensor]:
     """Even layouts: the canonical stacked tensor; uneven: the distinct shards (row-major)."""
     if is_even(layout, shape):
@@ -54,14 +44,14 @@ def storage(value: Value, layout: Layout, shape: tuple[int, ...]) -> list[torch.
             value = from_parts(value, layout, shape)
         return [settle(compact(value, layout), layout)]
     shards = parts(value, layout.mesh)
-    first = _replica_of(layout)
+    first = replica_of(layout)
     return [shards[d] for d in range(layout.mesh.size) if first[d] == d]
 
 
 def from_storage(tensors: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
     if is_even(layout, shape):
         return tensors[0]
-    first = _replica_of(layout)
+    first = replica_of(layout)
     index = {d: i for i, d in enumerate(sorted(set(first)))}
     return tuple(tensors[index[first[d]]] for d in range(layout.mesh.size))
 
@@ -77,7 +67,7 @@ def shard_reduce(value: Value, layout: Layout, shape: tuple[int, ...], fn: Any, 
         out[tuple(slice(None) if n != 1 else slice(0, 1) for n in red.shape)] = red
         return out
     shards = parts(value, mesh)
-    first = _replica_of(layout)
+    first = replica_of(layout)
     vals = []
     for d in range(mesh.size):
         if first[d] == d:
@@ -143,6 +133,7 @@ class LocalBackend:
 
     # the module's functions where they are the method (no wrapper on the hot path)
     run_step = staticmethod(run_step)
+    run_steps = staticmethod(run_steps)
     shard_list = staticmethod(parts)
     shard = staticmethod(device_view)
     one_replica = staticmethod(one_replica)

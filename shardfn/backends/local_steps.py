@@ -9,10 +9,10 @@ from typing import Sequence
 
 import torch
 
-from ..plans.planner import Step, _exchange
+from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, is_even, local_shapes
 from ..values.mesh import Mesh
-from .local_values import Value, compact, from_parts, full, parts, reduce_dim, reduce_parts
+from .local_values import Value, canonical_sizes, compact, from_parts, full, parts, reduce_dim, reduce_parts, replica_of
 
 
 # -- step implementations -------------------------------------------------------------------
@@ -44,8 +44,45 @@ def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtyp
     if step.kind == "reduce_scatter":
         shards = _reduce_uneven(step, shards, mesh)
         src = src.with_partial(step.dst.partial_ops)
-    routes = step.routes if step.routes is not None else _routes(src, step.dst, shape)
-    return _run_routes(routes, shards, step.dst, shape)
+    return _run_routes(_routes(src, step.dst, shape), shards, step.dst, shape)
+
+
+def run_steps(steps: Sequence[Step], value: Value, shape: tuple[int, ...], dtype: torch.dtype, *,
+              sym_shape: tuple | None = None) -> Value:
+    """A plan's steps in order. A run of two or more data-moving steps (gathers,
+    all_to_alls, slices, permutes) through an uneven layout runs as one exchange from its
+    first layout to its last: each element copied once, into one buffer per distinct
+    destination shard, and no intermediate value (the per-axis steps a planner picks for
+    real collectives would copy each element once per step)."""
+    i = 0
+    while i < len(steps):
+        j = i
+        while j < len(steps) and steps[j].kind in _REGRID_KINDS:
+            j += 1
+        if sym_shape is None and j - i >= 2 and _fusable(tuple(steps[i:j]), shape):
+            value = _move(steps[i].src, steps[j - 1].dst, value, shape)
+            i = j
+            continue
+        value = run_step(steps[i], value, shape, dtype, sym_shape=sym_shape)
+        i += 1
+    return value
+
+
+def _fusable(steps: tuple[Step, ...], shape: tuple[int, ...]) -> bool:
+    if steps[0].src.partial != steps[-1].dst.partial:
+        return False
+    return not all(is_even(s.dst, shape) for s in steps) or not is_even(steps[0].src, shape)
+
+
+def _move(src: Layout, dst: Layout, value: Value, shape: tuple[int, ...]) -> Value:
+    """``value`` of ``src`` as ``dst`` (the same pending reductions), by one regrid when both
+    are even and stacked, else by routing each distinct destination shard's pieces."""
+    mesh = src.mesh
+    if not isinstance(value, tuple) and is_even(dst, shape):
+        out = _regrid(src, dst, shape, full(value, mesh))
+        if out is not None:
+            return compact(out, dst)
+    return _run_routes(_routes(src, dst, shape), parts(value, mesh), dst, shape)
 
 
 def _ai(step: Step, mesh: Mesh) -> tuple[int, int]:
@@ -261,24 +298,33 @@ def _reduce_uneven(step: Step, shards: tuple, mesh: Mesh) -> tuple:
 
 @functools.lru_cache(maxsize=4096)
 def _routes(src: Layout, dst: Layout, shape: tuple[int, ...]):
-    return _exchange(src, dst, shape, 1).routes
+    """The pieces each distinct destination shard is built from (one device per replica
+    group of ``dst``: the others share its tensor)."""
+    first = replica_of(dst)
+    return routes_to(src, dst, shape, [d for d in range(dst.mesh.size) if first[d] == d])
 
 
 def _run_routes(routes, shards: tuple, dst: Layout, shape: tuple[int, ...]) -> Value:
+    """Build the destination shards of ``dst``'s :func:`replica_of` devices from
+    ``routes``; replicas share them, so memory is one copy per distinct shard."""
     mesh = dst.mesh
     like = shards[0]
     shapes = local_shapes(dst, shape)
     if is_even(dst, shape):
-        out = torch.empty(*mesh.shape, *shapes[0], dtype=like.dtype, device=like.device)
+        out = torch.empty(*canonical_sizes(dst), *shapes[0], dtype=like.dtype, device=like.device)
         views = parts(out, mesh)
         for r in routes:
             views[r.dst][r.dst_slices] = shards[r.src][r.src_slices]
-        return compact(out, dst)
+        return out
     by_dst: dict[int, list] = {}
     for r in routes:
         by_dst.setdefault(r.dst, []).append(r)
-    result = []
+    first = replica_of(dst)
+    result: list[torch.Tensor] = []
     for t, local_shape in enumerate(shapes):
+        if first[t] != t:
+            result.append(result[first[t]])
+            continue
         mine = by_dst.get(t, ())
         if len(mine) == 1 and shards[mine[0].src][mine[0].src_slices].shape == local_shape:
             result.append(shards[mine[0].src][mine[0].src_slices])

@@ -110,23 +110,28 @@ def stack(shards: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
     return torch.stack(list(shards)).view(*mesh.shape, *shards[0].shape)
 
 
-def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
-    """Store shards in the preferred form for this layout: stacked over the mesh axes the
-    layout varies over, one device's shard standing for the devices it does not vary over
-    (they hold the same value; only those are stacked, so a replicated output is a view of
-    device 0's, and per-call constants such as a fused kernel's RNG state, which torch may
-    return on another device, never meet in a kernel)."""
-    if not is_even(layout, shape):
-        return tuple(shards)
+@functools.lru_cache(maxsize=4096)
+def replica_of(layout: Layout) -> tuple[int, ...]:
+    """Per device: the device with coordinate 0 on the axes ``layout`` does not vary over
+    (the one whose shard it replicates; itself when it holds a distinct shard)."""
     mesh = layout.mesh
     vary = varying(layout)
-    if all(vary):
-        return stack(shards, mesh)
-    keep = [s for d, s in enumerate(shards) if all(v or c == 0 for v, c in zip(vary, mesh.coords(d)))]
-    sizes = tuple(n if v else 1 for n, v in zip(mesh.shape, vary))
-    if len(keep) == 1:
-        return keep[0].view(sizes + tuple(keep[0].shape))
-    return torch.stack(keep).view(sizes + tuple(keep[0].shape))
+    return tuple(mesh.device_at([c if v else 0 for c, v in zip(mesh.coords(d), vary)]) for d in range(mesh.size))
+
+
+def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
+    """Store shards in the preferred form for this layout, each distinct shard once (even:
+    the shards of :func:`replica_of`'s devices stacked at :func:`canonical_sizes`, a lone
+    one viewed, not copied: per-call constants such as a fused kernel's RNG state, which
+    torch may return on another device, never meet in a kernel; uneven: replicas share
+    their first device's tensor)."""
+    first = replica_of(layout)
+    if is_even(layout, shape):
+        own = [s for d, s in enumerate(shards) if first[d] == d]
+        if len(own) == 1:
+            return own[0].view(*canonical_sizes(layout), *own[0].shape)
+        return torch.stack(own).view(*canonical_sizes(layout), *own[0].shape)
+    return tuple(shards[first[d]] for d in range(len(shards)))
 
 
 def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:

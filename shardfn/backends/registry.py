@@ -32,6 +32,11 @@ class Backend(Protocol):
         symbolic (torch.compile dynamic) sizes whose hints are ``shape``; a backend
         that cannot keep them symbolic specialises them."""
 
+    def run_steps(self, steps: Sequence[Any], value: Any, shape: tuple[int, ...], dtype: torch.dtype, *,
+                  sym_shape: tuple | None = None) -> Any:
+        """A plan's steps in order on a backend value (what :func:`execute` calls); a
+        backend whose devices share a process may run several steps as one."""
+
     # -- which devices this process holds --------------------------------------------------
     def devices(self, mesh: Any) -> Sequence[int]:
         """The held devices of ``mesh`` (row-major device indices), in the order of
@@ -193,11 +198,11 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
     backend = backend_for(plan.src.mesh)
     sym = shape if shape is not None and any(isinstance(n, torch.SymInt) for n in shape) else None
     observed = bool(OBSERVERS) and not _on_meta(value)
-    for step in plan.steps:
-        if observed and step.kind in COMM_KINDS:
-            notify(step)
-        value = backend.run_step(step, value, plan.shape, plan.dtype, sym_shape=sym)
-    return value
+    if observed:
+        for step in plan.steps:
+            if step.kind in COMM_KINDS:
+                notify(step)
+    return backend.run_steps(plan.steps, value, plan.shape, plan.dtype, sym_shape=sym)
 
 
 def _on_meta(value: Any) -> bool:

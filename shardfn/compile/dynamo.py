@@ -84,6 +84,22 @@ def register() -> None:
     for fn in _graph_functions():
         allow_in_graph(fn)
     graph_calls.install(allow_in_graph)  # shard_map / local_map functions, made before and after
+    _never_trace(array.ShardedArray.__torch_dispatch__)
+
+
+def _never_trace(fn: Callable) -> None:
+    """Dynamo runs ``fn`` and everything it calls without tracing, when it meets the frame
+    itself: an op on arrays run eagerly after a graph break (e.g. ``torch.cov``'s data-dependent
+    ``aten.equal``) calls ``__torch_dispatch__`` under Dynamo's frame hook, and shardfn's
+    dispatch is not code to compile (ops inside a traced region reach it through fake tensors
+    and AOTAutograd, never as frames). Costs nothing per call (a mark on the code object)."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - every supported torch has them
+        return
+    code = getattr(fn, "__func__", fn).__code__
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 class _OnDynamoImport(importlib.abc.MetaPathFinder):

@@ -220,6 +220,8 @@ class CopyOnWrite(TorchDispatchMode):
             return False  # writes something besides self, or self twice: the generic path
         if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" for t in selfs):
             return False  # accelerators: one foreach launch beats a loop of out= calls
+        if foreach and any(t.dtype not in (torch.float32, torch.float64) for t in selfs):
+            return False  # CPU foreach kernels round some scalars to 16-bit types first: not bit-equal
         if foreach and func._overloadname == "Tensor" and base in ("addcmul", "addcdiv"):
             return False  # per-element scalars packed in one tensor
         n = len(selfs)

@@ -390,13 +390,37 @@ def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
     """Move every piece straight to the device that needs it, within groups of devices
     that differ only on the mesh axes whose role changes."""
     mesh = src.mesh
-    changed = {a for d in range(len(shape)) if src.dims[d] != dst.dims[d] for a in src.dims[d] + dst.dims[d]}
-    axes = tuple(a for a in mesh.axis_names if a in changed)
-    src_axes = [mesh.axis_index(a) for a in axes if a in src.axis_dim]
-    sb, db = all_boxes(src, shape), all_boxes(dst, shape)
-    pieces, sent = [], [0] * mesh.size
+    axes = _exchange_axes(src, dst, shape)
+    pieces, sent = list(_pieces(src, dst, shape, range(mesh.size))), [0] * mesh.size
     whole = True
-    for t in range(mesh.size):
+    for s, t, inter, sbox, dbox in pieces:
+        if s != t:
+            sent[s] += box_numel(inter) * itemsize
+            whole = whole and inter == sbox == dbox
+    moved = [p[0] for p in pieces if p[0] != p[1]]
+    kind = "permute" if whole and len(set(moved)) == len(moved) else "all_to_all"
+    group = math.prod(mesh.axis_size(a) for a in axes)
+    return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, max(sent), group, pieces=tuple(pieces))
+
+
+def routes_to(src: Layout, dst: Layout, shape: tuple[int, ...], targets: Sequence[int]) -> tuple[Route, ...]:
+    """The routes of :func:`_exchange`'s step into the devices ``targets`` only (a backend
+    that stores each distinct shard once builds the shards of one device per replica group)."""
+    return tuple(Route(s, t, _rel(box, so), _rel(box, to)) for s, t, box, so, to in _pieces(src, dst, shape, targets))
+
+
+def _exchange_axes(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[str, ...]:
+    changed = {a for d in range(len(shape)) if src.dims[d] != dst.dims[d] for a in src.dims[d] + dst.dims[d]}
+    return tuple(a for a in src.mesh.axis_names if a in changed)
+
+
+def _pieces(src: Layout, dst: Layout, shape: tuple[int, ...], targets: Sequence[int]):
+    """``(src device, dst device, box, src box, dst box)`` for every non-empty piece a device
+    of ``targets`` needs, taken from the devices that differ from it only on the exchanged axes."""
+    mesh = src.mesh
+    src_axes = [mesh.axis_index(a) for a in _exchange_axes(src, dst, shape) if a in src.axis_dim]
+    sb, db = all_boxes(src, shape), all_boxes(dst, shape)
+    for t in targets:
         coords = list(mesh.coords(t))
         for combo in itertools.product(*(range(mesh.shape[i]) for i in src_axes)):
             for i, c in zip(src_axes, combo):
@@ -405,14 +429,7 @@ def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
             inter = box_intersection(db[t], sb[s])
             if inter is None or box_numel(inter) == 0:
                 continue
-            pieces.append((s, t, inter, sb[s], db[t]))
-            if s != t:
-                sent[s] += box_numel(inter) * itemsize
-                whole = whole and inter == sb[s] == db[t]
-    moved = [p[0] for p in pieces if p[0] != p[1]]
-    kind = "permute" if whole and len(set(moved)) == len(moved) else "all_to_all"
-    group = math.prod(mesh.axis_size(a) for a in axes)
-    return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, max(sent), group, pieces=tuple(pieces))
+            yield s, t, inter, sb[s], db[t]
 
 
 def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:

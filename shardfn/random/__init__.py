@@ -16,6 +16,9 @@ torch's default generator (or the ``generator=`` passed), advancing it by the sa
 on every device, so ``torch.manual_seed(s)`` makes a step reproducible. Their draws are
 the same for every mesh and sharding but differ from plain torch's unsharded draws (a
 different algorithm); use this module when sharded and unsharded code must agree.
+``F.scaled_dot_product_attention`` with ``dropout_p`` on arrays of 3+ dims draws its mask
+through ``F.dropout`` too (torch's math formula, not CUDA's fused kernels, which would draw
+a philox seed per device).
 :func:`set_seed` makes a key drive those ops instead of torch's generator.
 """
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..arrays import rule_table
-from . import fused, indexing, loss, matrix, nn, pointwise, reductions, views
+from . import foreach, fused, indexing, loss, matrix, nn, pointwise, reductions, views
 
 for _family in (pointwise, matrix, reductions, views, indexing, nn, fused):
     rule_table.install(_family.TABLE)
 rule_table.set_pointwise_rule(pointwise.POINTWISE)
 rule_table.SPECIAL.update(loss.SPECIAL)
+rule_table.SPECIAL.update(foreach.SPECIAL)

@@ -282,8 +282,9 @@ _NLL_BWD = _AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=
 # the efficient kernel's backward names its gradient grad_out_
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "grad_out_", "out", "logsumexp", "attn_bias")
 # CUDA's fused kernels: outputs beyond (output, logsumexp) are per-call constants -- cumulative
-# sequence lengths, the dropout RNG's philox seed/offset (drawn per device: dropout masks are
-# not sharding-invariant), an empty or (batch, heads)-led debug mask
+# sequence lengths, the dropout RNG's philox seed/offset (drawn per device: a direct call with
+# dropout is not sharding-invariant; F.scaled_dot_product_attention with dropout on arrays of
+# 3+ dims does not come here, see backends/custom_ops.py), an empty or (batch, heads)-led debug mask
 _FLASH_LOOSE = (1, 2, 3, 6, 7, 8)
 ATTENTION_RULES = {
     aten._scaled_dot_product_flash_attention_for_cpu: Attention(forward=True, dense_gqa=True),

@@ -13,7 +13,7 @@ import torch
 
 from ..arrays.explicit import explicit
 from ..arrays.array import ShardedArray, distribute, reshard
-from ..values.errors import ShardingError
+from ..values.errors import ShardingError, like_torch
 from ..values.mesh import current_mesh
 from ..values.spec import Sharding, to_layout
 
@@ -50,7 +50,7 @@ def einsum(equation: str, *operands: torch.Tensor, out_sharding: Sharding | None
             out = torch.einsum(equation, *operands)
         except RuntimeError as e:  # a bad equation, or operands that do not fit it
             shapes = ", ".join(str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__ for t in operands)
-            raise ShardingError(f"sf.einsum({equation!r}) on operands of shapes {shapes}: {e}") from None
+            raise like_torch(e)(f"sf.einsum({equation!r}) on operands of shapes {shapes}: {e}") from None
     return _lay_out(out, out_sharding, operands, f"sf.einsum({equation!r})")
 
 

@@ -12,6 +12,25 @@ class ShardingTypeError(ShardingError, TypeError):
     plain tensor argument): catchable as either."""
 
 
+class ShardingRuntimeError(ShardingError, RuntimeError):
+    """A ShardingError for arguments torch rejects with a RuntimeError (e.g. shapes that do not
+    broadcast): catchable as either, as code written for plain tensors expects."""
+
+
+class ShardingIndexError(ShardingError, IndexError):
+    """A ShardingError for arguments torch rejects with an IndexError (e.g. a dim out of range)."""
+
+
+def like_torch(error: BaseException) -> type[ShardingError]:
+    """The ShardingError type to raise for arguments torch rejected with ``error``: also an
+    instance of torch's type where that is an IndexError, TypeError or RuntimeError (a
+    ShardingError is already a ValueError)."""
+    for base, cls in ((IndexError, ShardingIndexError), (TypeError, ShardingTypeError), (RuntimeError, ShardingRuntimeError)):
+        if isinstance(error, base):
+            return cls
+    return ShardingError
+
+
 class ImmutableError(TypeError):
     """An in-place operation was applied to an immutable ShardedArray.
 

@@ -111,6 +111,27 @@ def other_dtypes_move_exactly(mesh: sf.Mesh) -> None:
 
 
 @scenario
+def complex_views_of_uneven_shards_through_collectives(mesh: sf.Mesh) -> None:
+    # transposed/conj/neg complex shards whose last dim has size 1 on some ranks only: every
+    # rank reaches the collective (a rank that raised alone left its peers waiting in it)
+    a = mesh.axis_names
+    g = torch.Generator().manual_seed(3)
+    for shape, dtype in (((5, 3), torch.complex64), ((4, 6), torch.complex128), ((2, 1), torch.complex64)):
+        t = torch.complex(torch.randint(-4, 4, shape, generator=g).float(),
+                          torch.randint(-4, 4, shape, generator=g).float()).to(dtype)
+        for spec in (P(a), P(a[0]), P(None, a[-1]), *((P(a[0], a[-1]),) if len(a) > 1 else ())):
+            x = sf.distribute(t, spec, mesh=mesh)
+            for name, view in (("t", lambda v: v.t()), ("conj", lambda v: v.conj()),
+                               ("t_conj", lambda v: v.t().conj()), ("neg", lambda v: -v)):
+                what = f"{dtype} {shape} {spec} {name}"
+                assert_equal(view(x).full_tensor().resolve_conj(), view(t).resolve_conj(), what)
+                assert_equal(sf.reshard(view(x), P()).full_tensor().resolve_conj(), view(t).resolve_conj(), what)
+                torch.testing.assert_close(view(x).sum(0).full_tensor(), view(t).sum(0), msg=what)
+                torch.testing.assert_close((view(x) @ view(x).t().conj()).full_tensor(),
+                                           view(t) @ view(t).t().conj(), msg=what)
+
+
+@scenario
 def distribute_and_gather_are_inverse(mesh: sf.Mesh) -> None:
     for shape in [(), (5,), (4, 6), (9, 3, 2), (0, 4)]:
         t = torch.randn(shape)

@@ -4,6 +4,7 @@ into ShardedArrays and checked against out_specs (``check_vma``)."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -100,6 +101,24 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
             )
 
 
+def check_scalar_output(path: str, v: Any, spec: Any) -> None:
+    """A body's non-tensor output: a Python number (the same on every device, a rank-0
+    value as in JAX) under a spec that can hold it, or None (an empty subtree); anything
+    else (a string, an object) is no value a mesh can hold."""
+    if v is not None and not isinstance(v, (numbers.Number, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise ShardingError(
+            f"shard_map: the body's {path} is a {type(v).__name__} ({_short(v)}), but out_specs gives it "
+            f"{spec!r}: a body's outputs must be tensors, or Python numbers (the same on every device, with "
+            f"out_specs P()); return it from outside the shard_map, or make it a tensor"
+        )
+    check_scalar_spec(path, v, spec, "out_specs")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def check_scalar_spec(path: str, v: Any, spec: Any, what: str) -> None:
     """A non-tensor leaf (a Python number) is the same on every device: only a spec that
     shards nothing and sums nothing can hold for it."""
@@ -143,7 +162,7 @@ def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool
                    vma_of: Callable[[Any], frozenset[str]] | None, exchange: bool = False) -> Any:
     """One ShardedArray from the local outputs of the devices this process holds."""
     if not isinstance(outs[0], torch.Tensor):
-        check_scalar_spec(path, outs[0], spec, "out_specs")
+        check_scalar_output(path, outs[0], spec)
         return outs[0]
     layout = _out_layout(path, spec, outs[0].dim(), mesh)
     if check_vma and vma_of is not None:

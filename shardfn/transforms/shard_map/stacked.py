@@ -31,7 +31,7 @@ from .. import boundary as B
 from ..lax import _entered
 from ..specs import _match
 from . import recompute as _recompute
-from .io import _Inputs, _out_layout, check_output_vma, check_scalar_spec
+from .io import _Inputs, _out_layout, check_output_vma, check_scalar_output
 
 # Random ops draw the same numbers on every device, as torch.manual_seed'ed ranks do.
 _RANDOMNESS = "same"
@@ -279,7 +279,7 @@ class _Unchecked(torch.autograd.Function):
 
 def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool) -> Any:
     if not isinstance(c, torch.Tensor):
-        check_scalar_spec(path, c, spec, "out_specs")
+        check_scalar_output(path, c, spec)
         return c
     m = mesh.ndim
     layout = _out_layout(path, spec, c.dim() - m, mesh)

@@ -32,7 +32,7 @@ from ...backends.hooks import register_submesh_collective
 from ...values.layout import Layout
 from ...values.mesh import Mesh
 from ..specs import _match
-from .io import check_output_vma, check_scalar_spec
+from .io import check_output_vma, check_scalar_output
 from .sub_layouts import _block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _whole_shape
 
 _active: list[Mesh] = []  # the sub-meshes of the dist partial-manual bodies running (one thread per rank)
@@ -209,7 +209,7 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
     for p, i, s in zip(paths, idx, specs):
         o = flat[i]
         if not isinstance(o, torch.Tensor):
-            check_scalar_spec(p, o, s, "out_specs")
+            check_scalar_output(p, o, s)
             results.append(o)
             continue
         layout = _manual_out_layout(p, s, o.dim(), mesh, manual)

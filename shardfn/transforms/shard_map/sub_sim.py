@@ -35,7 +35,7 @@ from ...values.mesh import Mesh
 from .. import lax
 from ..specs import _match, _match_columns
 from . import per_device as _per_device
-from .io import _out_layout, check_output_vma, check_scalar_spec
+from .io import _out_layout, check_output_vma, check_scalar_output
 from .sub_layouts import _block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _whole_shape
 
 
@@ -182,7 +182,7 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
     for p, column, s in columns:
         o = column[0]
         if not isinstance(o, torch.Tensor):
-            check_scalar_spec(p, o, s, "out_specs")
+            check_scalar_output(p, o, s)
             joined.append(o)
             continue
         layout = _out_layout(p, s, o.dim(), mesh)
