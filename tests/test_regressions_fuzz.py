@@ -486,3 +486,15 @@ def test_from_local_shards_without_data_name_their_devices(devices):
     # a meta mesh takes them (a cpu shard is copied to meta)
     meta = sf.Mesh((2,), ("x",), device_type="meta")
     assert sf.ShardedArray.from_local(shards, P("x"), mesh=meta).shape == (4, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_uneven_gather_writes_each_replica_group_once(dtype):
+    # a gather into a replicated buffer writes the buffer itself: a write through an expanded
+    # view is lost under torch.compile's functionalization (was: uninitialised values)
+    mesh = sf.Mesh((3,), ("x",))
+    x = torch.tensor([[1.5, -2.25]], dtype=dtype)
+    f = torch.compile(lambda v: v.squeeze(), backend="aot_eager", dynamic=True)
+    for spec in (P("x"), P(None, "x")):
+        torch._dynamo.reset()
+        _close(f(sf.distribute(x, spec, mesh=mesh)), x.squeeze(), rtol=0, atol=0)

@@ -12,7 +12,8 @@ import torch
 from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, is_even, local_shapes
 from ..values.mesh import Mesh
-from .local_values import Value, canonical_sizes, compact, from_parts, full, parts, reduce_dim, reduce_parts, replica_of
+from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim, reduce_parts,
+                           replica_of)
 
 
 # -- step implementations -------------------------------------------------------------------
@@ -312,9 +313,9 @@ def _run_routes(routes, shards: tuple, dst: Layout, shape: tuple[int, ...]) -> V
     shapes = local_shapes(dst, shape)
     if is_even(dst, shape):
         out = torch.empty(*canonical_sizes(dst), *shapes[0], dtype=like.dtype, device=like.device)
-        views = parts(out, mesh)
-        for r in routes:
-            views[r.dst][r.dst_slices] = shards[r.src][r.src_slices]
+        for r in routes:  # into the buffer itself, never through an expanded view (whose
+            # writes functionalization, under torch.compile, does not carry back)
+            device_view(out, mesh, r.dst)[r.dst_slices] = shards[r.src][r.src_slices]
         return out
     by_dst: dict[int, list] = {}
     for r in routes:
