@@ -498,3 +498,18 @@ def test_compiled_uneven_gather_writes_each_replica_group_once(dtype):
     for spec in (P("x"), P(None, "x")):
         torch._dynamo.reset()
         _close(f(sf.distribute(x, spec, mesh=mesh)), x.squeeze(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pool", [lambda t: F.max_pool1d(t, 2), lambda t: F.avg_pool1d(t, 2),
+                                  lambda t: F.adaptive_avg_pool1d(t, 3), lambda t: F.max_pool1d(t, 3, 2, 1)])
+def test_pooling_with_an_empty_channel_shard(pool):
+    # unbatched (C, L) with C split so that one device holds no channel: its output is empty
+    # and its kernel (which rejects a zero-size non-batch dim) is not run
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(1, 8, dtype=torch.float64, requires_grad=True)
+    X = sf.distribute(x.detach(), P("x", None), mesh=mesh).requires_grad_()
+    out, ref = pool(X), pool(x)
+    _close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    _close(X.grad, x.grad)

@@ -400,7 +400,9 @@ def view(c: Ctx, x: torch.Tensor) -> Step | None:
         "view_dtype": lambda v: v.view(
             torch.int32 if v.element_size() == 4 else torch.int64 if v.element_size() == 8 else torch.uint8
         ),
-        "as_strided": lambda v: v.as_strided((2, 2), (1, 2)),
+        # reads elements offset..offset+3 of the storage: only where those are the value's own
+        # (torch's op outputs may sit in larger buffers, e.g. a 0-d mse_loss in 224 bytes)
+        "as_strided": lambda v: v.as_strided((2, 2), (1, 2)) if v.is_contiguous() and v.numel() >= 4 else v,
         "unfold": lambda v: v.unfold(d0, 2, 1),
         "is_contiguous": lambda v: (
             torch.tensor([v.t().is_contiguous(), v.is_contiguous(), v.mT.is_contiguous()]) if n == 2 else torch.tensor(v.stride())

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from ..values.errors import ShardingError
-from ..values.layout import is_even
+from ..values.layout import is_even, local_shapes
 from ..values.mesh import Mesh
 from .device_call import DeviceCall, raw_op, substitute, with_locals
 from .local_values import batch_consistent, canonical_sizes, device_view, from_parts, full, settle
@@ -148,13 +148,36 @@ class PerDeviceCall:
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes,
                                       range(call.mesh.size))
         self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
+        # per device: its local output shapes where every output is an array with no elements
+        # there (an empty shard: nothing to compute, and kernels may reject the empty piece)
+        self.empty = {}
+        if cand.out_layouts and all(layout is not None for layout in cand.out_layouts):
+            local = [local_shapes(layout, tuple(shape)) for layout, shape in zip(cand.out_layouts, out_shapes)]
+            for dev in range(call.mesh.size):
+                shapes = [ls[dev] for ls in local]
+                if all(0 in sh for sh in shapes):
+                    self.empty[dev] = shapes
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
         mesh = self.mesh
-        per_dev = []
+        per_dev: list = []
+        failed = None
         for dev in range(mesh.size):
             a, k = substitute(args, kwargs, values, self.positional, lambda v, dev=dev: device_view(v, mesh, dev))
-            per_dev.append(self.device_call(a, k, dev))
+            try:
+                per_dev.append(self.device_call(a, k, dev))
+            except (RuntimeError, IndexError, ValueError) as e:
+                if dev not in self.empty or _is_sharding_error(e):
+                    raise
+                per_dev.append(None)  # filled below with empty outputs of another device's dtypes
+                failed = e
+        if failed is not None:
+            like = next((o for o in per_dev if o is not None), None)
+            if like is None:
+                raise failed
+            per_dev = [o if o is not None else [torch.empty(sh, dtype=t.dtype, device=t.device)
+                                                for sh, t in zip(self.empty[dev], like)]
+                       for dev, o in enumerate(per_dev)]
         out = []
         for i, (layout, shape) in enumerate(zip(self.layouts, self.out_shapes)):
             col = [o[i] for o in per_dev]
