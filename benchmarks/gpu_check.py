@@ -4,7 +4,9 @@
     python benchmarks/gpu_check.py --device cpu --quick   # a smoke run anywhere (tests run it)
 
 Needs torch (2.11+) and optree; uses transformers when installed. Sections, each in its own
-try/except (a failure prints its traceback and the next section runs):
+try/except (a failure prints its full traceback, chained causes included, and the next
+section runs; in section 3 each eager size and each compiled run is its own such part);
+``--sections 3,5`` runs only those sections:
 
 1. values and gradients of the bench_sim transformer block in its three configurations
    (TP and DP on simulated meshes of the device), float32 and bfloat16, against the same
@@ -57,6 +59,21 @@ def say(*parts: Any) -> None:
     print(*parts, flush=True)
 
 
+def _report_failure(kind: str, title: str, failures: list[str]) -> None:
+    """The exception being handled, with its whole traceback (every frame, chained causes);
+    a CUDA error is asynchronous, so where it surfaced may not be where it arose."""
+    failures.append(title)
+    say(f"{kind} FAILED: {title}")
+    say(traceback.format_exc())
+    err, chain = sys.exc_info()[1], []
+    while err is not None and len(chain) < 20:
+        chain.append(str(err))
+        err = err.__cause__ or err.__context__
+    if any("CUDA" in m for m in chain) and os.environ.get("CUDA_LAUNCH_BLOCKING") != "1":
+        say("  (a CUDA error surfaces at a later call: rerun with CUDA_LAUNCH_BLOCKING=1 "
+            "and --sections of the failing one to see the launch that failed)")
+
+
 @contextlib.contextmanager
 def section(title: str, failures: list[str]) -> Iterator[None]:
     """One section: its title, its time; an exception is printed and counted, not raised."""
@@ -65,10 +82,17 @@ def section(title: str, failures: list[str]) -> Iterator[None]:
     try:
         yield
     except Exception:  # noqa: BLE001 - report and go on with the next section
-        failures.append(title)
-        say(f"SECTION FAILED: {title}")
-        say(traceback.format_exc(limit=12))
+        _report_failure("SECTION", title, failures)
     say(f"--- {title}: {time.perf_counter() - t0:.1f} s")
+
+
+@contextlib.contextmanager
+def part(title: str, failures: list[str]) -> Iterator[None]:
+    """One run inside a section: a failure is reported like a section's and the next part runs."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - report and go on with the next part
+        _report_failure("PART", title, failures)
 
 
 def rel_err(got: Any, want: torch.Tensor) -> float:
@@ -174,34 +198,39 @@ def _peak_line(peaks: dict) -> str:
     return "  step peak memory above resident: " + "; ".join(parts)
 
 
-def sim_runs(device: str, quick: bool, budget_s: float, start: float) -> None:
+def sim_runs(device: str, quick: bool, budget_s: float, start: float, failures: list[str]) -> None:
     import torch._dynamo  # noqa: F401 - its counters
     sizes = {"quick": bench_sim.QUICK} if quick else {"GPU": GPU_SIZE, "small": SMALL_SIZE}
     steps = 1 if quick else 10  # a time is the fastest step after the first
     configs = (QUICK_CONFIG,) if quick else tuple(bench_sim.CONFIGS)
     rtol = 1e-5 if device == "cpu" else 1e-3  # other kernels for other shapes on a GPU
     for label, cfg in sizes.items():
-        peaks: dict = {}
-        rows, losses = bench_sim.measure(cfg, steps, device=device, rtol=rtol, configs=configs, peaks=peaks)
-        say(f"[eager, {label} size] " + bench_sim.report(cfg, rows, losses, rtol))
-        if peaks:
-            say(_peak_line(peaks))
+        with part(f"3. eager, {label} size", failures):
+            peaks: dict = {}
+            rows, losses = bench_sim.measure(cfg, steps, device=device, rtol=rtol, configs=configs, peaks=peaks)
+            say(f"[eager, {label} size] " + bench_sim.report(cfg, rows, losses, rtol))
+            if peaks:
+                say(_peak_line(peaks))
     backend = "inductor" if device == "cuda" else "aot_eager"
     for label, cfg in sizes.items():
         for config in configs:
             if time.perf_counter() - start > budget_s:
                 say(f"[compiled, {label} size, {config}] skipped: over the --budget of {budget_s:.0f} s")
                 continue
-            torch._dynamo.reset()
-            peaks = {}
-            rows, losses = bench_sim.measure(cfg, max(steps // 2, 2), device=device, compile_backend=backend,
-                                             rtol=rtol * 10, configs=(config,), peaks=peaks)
-            (_, w0, w, c0, c), = rows
-            say(f"[compiled {backend}, {label} size] {config:16s} unsharded {w0 * 1e3:.2f} ms, "
-                f"simulated {w * 1e3:.2f} ms, {w / w0:.2f}x (CPU {c / c0:.2f}x)" + (_peak_line(peaks) if peaks else ""))
-    counters = torch._dynamo.utils.counters["inductor"]
-    say(f"inductor FX graph cache: {counters['fxgraph_cache_hit']} hits, {counters['fxgraph_cache_miss']} misses, "
-        f"{counters['fxgraph_cache_bypass']} bypasses")
+            with part(f"3. compiled {backend}, {label} size, {config}", failures):
+                torch._dynamo.reset()
+                peaks = {}
+                rows, losses = bench_sim.measure(cfg, max(steps // 2, 2), device=device, compile_backend=backend,
+                                                 rtol=rtol * 10, configs=(config,), peaks=peaks)
+                (_, w0, w, c0, c), = rows
+                say(f"[compiled {backend}, {label} size] {config:16s} unsharded {w0 * 1e3:.2f} ms, "
+                    f"simulated {w * 1e3:.2f} ms, {w / w0:.2f}x (CPU {c / c0:.2f}x)"
+                    + (_peak_line(peaks) if peaks else ""))
+    counters = torch._dynamo.utils.counters
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    say(f"inductor FX graph cache: {ind['fxgraph_cache_hit']} hits, {ind['fxgraph_cache_miss']} misses, "
+        f"{ind['fxgraph_cache_bypass']} bypasses; AOTAutograd cache: {aot['autograd_cache_hit']} hits, "
+        f"{aot['autograd_cache_miss']} misses, {aot['autograd_cache_bypass']} bypasses")
 
 
 # -- 4 and 5. one 1-rank process group --------------------------------------------------------------
@@ -253,8 +282,8 @@ def with_world(device: str, fns: list[tuple[str, Callable[[], None]]], failures:
                 torch.cuda.set_device(0)
             bench_dispatch._init_world(tmp, backend)
         except Exception:  # noqa: BLE001
-            failures.append(f"1-rank {backend} world")
-            say(f"\n=== 1-rank {backend} world: could not start ===\n{traceback.format_exc(limit=6)}")
+            say(f"\n=== 1-rank {backend} world: could not start ===")
+            _report_failure("WORLD", f"1-rank {backend} world", failures)
             return
         try:
             for title, fn in fns:
@@ -271,7 +300,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="a smoke run: tiny sizes, one step timed, one configuration, bfloat16 checked once")
     ap.add_argument("--budget", type=float, default=200.0,
                     help="seconds after which the remaining compiled runs are skipped")
+    ap.add_argument("--sections", default="1,2,3,4,5", help="the sections to run, e.g. 3 or 3,5 (default: all)")
     ns = ap.parse_args(argv)
+    try:
+        wanted = {int(n) for n in ns.sections.split(",") if n.strip()}
+    except ValueError:
+        ap.error(f"--sections {ns.sections!r}: numbers 1-5 separated by commas")
+    if not wanted or not wanted <= {1, 2, 3, 4, 5}:
+        ap.error(f"--sections {ns.sections!r}: numbers 1-5 separated by commas")
     quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
     device = ns.device
     start = time.perf_counter()
@@ -284,21 +320,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = bench_sim.QUICK if quick else SMALL_SIZE
     bad: list[str] = []
-    with section("1. values and gradients vs unsharded (block: bench_sim configurations; HF: TP)", failures):
-        bad += check_block_values(cfg, device, quick)
-        bad += check_hf_values(device, quick)
-        if bad:
-            raise AssertionError(f"values differ from unsharded: {bad}")
-    with section(f"2. fallback census on {'cuda' if device == 'cuda' else 'meta (CUDA kernels routed)'}"
-                 " (target: none)", failures):
-        census(device, quick)
-    with section("3. bench_sim: simulated training step vs unsharded, eager and compiled", failures):
-        sim_runs(device, quick, ns.budget, start)
+    if 1 in wanted:
+        with section("1. values and gradients vs unsharded (block: bench_sim configurations; HF: TP)", failures):
+            bad += check_block_values(cfg, device, quick)
+            bad += check_hf_values(device, quick)
+            if bad:
+                raise AssertionError(f"values differ from unsharded: {bad}")
+    if 2 in wanted:
+        with section(f"2. fallback census on {'cuda' if device == 'cuda' else 'meta (CUDA kernels routed)'}"
+                     " (target: none)", failures):
+            census(device, quick)
+    if 3 in wanted:
+        with section("3. bench_sim: simulated training step vs unsharded, eager and compiled", failures):
+            sim_runs(device, quick, ns.budget, start, failures)
     world = "1-rank NCCL world" if device == "cuda" else "1-rank gloo world"
-    with_world(device, [
-        (f"4. per-op overhead on {device} ({world})", lambda: per_op(device, quick, world)),
-        (f"5. dist backend on a {world}", lambda: dist_values(device, quick)),
-    ], failures)
+    in_world = [(f"4. per-op overhead on {device} ({world})", lambda: per_op(device, quick, world)),
+                (f"5. dist backend on a {world}", lambda: dist_values(device, quick))]
+    in_world = [item for n, item in zip((4, 5), in_world) if n in wanted]
+    if in_world:
+        with_world(device, in_world, failures)
     say(f"\ngpu_check done in {time.perf_counter() - start:.0f} s; "
         + (f"sections that failed: {', '.join(failures)}" if failures else "every section ran"))
     return 1 if failures else 0
