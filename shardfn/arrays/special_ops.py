@@ -9,15 +9,19 @@ import torch
 
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
-from .array import ShardedArray, wrap
+from .array import ShardedArray, _wrap_output
 from .array import raw_full, raw_reshard
 
 aten = torch.ops.aten
 
 
 def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The same shards, layout, shape and dtype in a new (contiguous) array; a contiguous
+    ``x``'s fast-key fragment holds for it too, so its next op needs no fragment lookup."""
     x = args[0]
-    return wrap(x._local, x._layout, x.shape, x.dtype)
+    shape = tuple(x.shape)
+    frag = x._kf if x._kf is not None and x.is_contiguous() and not x.storage_offset() else None
+    return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
 
 
 def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -25,7 +25,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a = a.view((1,) * (rb - ra) + tuple(a.shape))
     elif rb < ra:
         b = b.view((1,) * (ra - rb) + tuple(b.shape))
-    plan = _fold_plan(a, b)
+    plan = _cached_plan(a, b)
     if plan is None:
         return torch.matmul(a, b)
     a_order, a_shape, b_order, b_shape, out_shape, out_order = plan
@@ -33,6 +33,26 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     b3 = b.permute(b_order).reshape(b_shape)
     out = torch.bmm(a3, b3) if a_shape[0] != 1 else torch.mm(a3[0], b3[0]).unsqueeze(0)
     return out.view(out_shape).permute(out_order)
+
+
+_PLANS: dict[tuple, tuple | None] = {}
+_PLANS_MAX = 4096
+_UNSET = object()
+
+
+def _cached_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
+    """:func:`_fold_plan`, remembered per (shapes, strides), of which it is a pure function
+    (every warm simulated matmul would otherwise recompute it in Python)."""
+    key = (a.shape, b.shape, a.stride(), b.stride())
+    try:
+        plan = _PLANS.get(key, _UNSET)
+    except TypeError:  # symbolic sizes do not hash; _fold_plan leaves them to torch.matmul
+        return None
+    if plan is _UNSET:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _fold_plan(a, b)
+    return plan
 
 
 def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
