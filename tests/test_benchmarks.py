@@ -81,3 +81,11 @@ def test_gpu_check_runs_every_section_on_cpu() -> None:
     assert len(values) >= 5 and all(line.rstrip().endswith(("ok", ")")) for line in values)
     assert "distinct ops that fell back: 0; runs that raised: 0" in out  # the CUDA kernels have rules
     assert "[compiled aot_eager, quick size] dp x tp (2, 4)" in out
+
+
+def test_bench_uneven_gather_prints_both_figures() -> None:
+    out = _run("bench_uneven_gather.py")
+    rows = {r[0]: r for r in map(str.split, out.splitlines()) if len(r) == 6 and r[0] in ("even", "uneven")}
+    assert set(rows) == {"even", "uneven"}
+    even, uneven = (float(rows[c][3].rstrip("x")) for c in ("even", "uneven"))
+    assert uneven <= 1.1 * even  # one copy per distinct value (issue 25)
