@@ -59,7 +59,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """A view of a pending value is reduced through its base (``array.note_derived``)."""
+    """A view of a pending value is reduced through its base (``redistribute.note_derived``)."""
     base = args[0] if args else None
     if isinstance(base, ShardedArray) and base._layout.partial:
         note_derived(func, base, args[1:], kwargs, out if isinstance(out, (tuple, list)) else (out,))
