@@ -16,7 +16,10 @@ token ids ``P("dp")``, the model run through ``torch.func.functional_call``. Mod
 - ``bf16 fwd+bwd``: the model in bfloat16 (as ``tp fwd+bwd``).
 
 Counts come from ``sf.debug.CommCounter().records``: a record inside ``model.layers.<i>`` counts
-for layer i, the rest (embedding, final norm, head, loss) as "other". Every case checks its
+for layer i, the rest (embedding, final norm, head, loss) as "other". A pending sum is reduced
+where it is first read (a row-parallel layer's output by the next norm, the last one by the final
+norm), so a layer's reduction may count for the next layer or for "other": the totals compare
+like for like. Every case checks its
 values (and gradients) against the unsharded model. The records tree of one case is printed
 at the end. ``SHARDFN_BENCH_QUICK=1`` runs Llama in two modes (the smoke test).
 Run ``python benchmarks/bench_comm_models.py``.
@@ -153,7 +156,8 @@ def main() -> None:
     print(f"HF models on Mesh(dp=2, tp=2), {LAYERS} layers, batch {BATCH} x seq {SEQ}; "
           f"collectives per layer (shardfn | Megatron) and outside the layers")
     print(f"{'model':8} {'mode':16} {'shardfn per layer':46} {'Megatron per layer':32} "
-          f"{'shardfn other':28} {'Megatron other':18} {'max rel err':>11} {'s':>5}")
+          f"{'shardfn other':28} {'Megatron other':18} {'shardfn total':30} {'Megatron total':30} "
+          f"{'max rel err':>11} {'s':>5}")
     tree = None
     for family in families:
         for mode in modes:
@@ -161,8 +165,11 @@ def main() -> None:
             cc, err = run_case(family, mode, mesh)
             layers, other = per_layer(cc)
             want_layer, want_other = MEGATRON[mode]
+            total = sum(layers, Counter()) + other
+            want_total = Counter({k: v * LAYERS for k, v in want_layer.items()}) + Counter(want_other)
             print(f"{family:8} {mode:16} {_layers_fmt(layers):46} {_fmt(want_layer):32} {_fmt(other):28} "
-                  f"{_fmt(want_other):18} {err:11.1e} {time.perf_counter() - t0:5.1f}", flush=True)
+                  f"{_fmt(want_other):18} {_fmt(total):30} {_fmt(want_total):30} "
+                  f"{err:11.1e} {time.perf_counter() - t0:5.1f}", flush=True)
             if tree is None and (mode == "tp fwd+bwd" or QUICK):
                 tree = (family, mode, str(cc))
     print("values and gradients equal unsharded")

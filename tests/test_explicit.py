@@ -142,4 +142,4 @@ def test_explicit_mlp_example(capsys):
     assert "same loss and gradients: True" in out
     assert results["propagation"][2]["forward"] == {"all_reduce": 1}
     assert results["explicit"][2]["forward"] == {"reduce_scatter": 1}
-    assert "aten.sub would redistribute" in out and "sf.reshard(input_0, P('dp', None))" in out
+    assert "aten.pow would redistribute" in out and "sf.reshard(input_0, P('dp', None))" in out

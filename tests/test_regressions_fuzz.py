@@ -115,6 +115,23 @@ def test_float16_pending_sum_overflows_like_its_total():
     _close(p * 0.5, full * 0.5)
 
 
+@pytest.mark.parametrize("src,dst,stays_pending", [
+    (torch.bfloat16, torch.float32, True),  # same exponent range: parts cast like the total
+    (torch.float32, torch.bfloat16, True),
+    (torch.float64, torch.float32, False),  # a part may overflow float32 where the total does not
+    (torch.float32, torch.float16, False),
+])
+def test_pending_sum_through_a_float_cast(src, dst, stays_pending):
+    mesh = sf.Mesh((2,), ("x",))
+    big = 1e300 if src == torch.float64 else 1e4
+    parts = [torch.tensor([big, 1.5], dtype=src), torch.tensor([-big, 2.25], dtype=src)]
+    p = sf.ShardedArray.from_local(parts, P(partial=("x",)), mesh=mesh)
+    with sf.debug.CommCounter() as comm:
+        out = p.to(dst)
+    assert bool(out._layout.partial) == stays_pending and comm.total == (0 if stays_pending else 1)
+    _close(out, p.full_tensor().to(dst))
+
+
 @pytest.mark.parametrize("div", ["scalar", "tensor", "inf"])
 def test_pending_sum_divided_by_zero_is_signed_inf(div):
     mesh = sf.Mesh((4,), ("x",))

@@ -23,6 +23,7 @@ from ..values.sharded import Sharded
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
 from .fragments import _fragment
+from .reduced import base_reduced, link_of
 from ..values.spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
 
 
@@ -526,9 +527,11 @@ def gather(x: ShardedArray) -> torch.Tensor:
 
 def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
     """The backend value of ``x`` laid out as ``dst`` (no autograd). A pending reduction
-    is run once per target layout however many ops read ``x``: the array is immutable,
-    so the result is kept on it (checked against the shards it was made from, which the
-    autograd engine's ``.grad`` accumulation may rebind)."""
+    is run once per target layout however many ops read ``x`` or views of it: the array
+    is immutable, so the result is kept on it (checked against the shards it was made
+    from, which the autograd engine's ``.grad`` accumulation may rebind), and a view of a
+    pending value (``note_derived``) is reduced by reducing its base once and viewing the
+    result."""
     if dst is x._layout or dst == x._layout:
         return x._local
     if not x._layout.partial:
@@ -537,9 +540,41 @@ def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
     hit = cache.get(dst)
     if hit is not None and hit[0] is x._local and hit[1] == x._layout:
         return hit[2]
-    value = _execute_reshard(x, dst)
+    value = _via_base(x, dst)
+    if value is None:
+        value = _execute_reshard(x, dst)
     cache[dst] = (x._local, x._layout, value)
+    x._kf = None  # its dispatch key fragment names the reduced forms it has (dispatch._fragment)
     return value
+
+
+def note_derived(func: Any, base: ShardedArray, rest: tuple, kwargs: dict, outs: Sequence[Any]) -> None:
+    """Link each pending output of a view op to its pending base, so one reduction serves
+    both (``raw_reshard``): only where the view has at least the base's elements (reducing
+    the base then costs no more than reducing the view)."""
+    for i, o in enumerate(outs):
+        if (isinstance(o, ShardedArray) and o is not base and o._layout.partial == base._layout.partial
+                and o.numel() >= base.numel()):
+            o._derived = (base, func, rest, kwargs, i if len(outs) > 1 else None, o._local)
+            o._kf = None  # the fragment depends on whether the base has been reduced
+
+
+def _via_base(x: ShardedArray, dst: Layout) -> Any:
+    """``x`` as ``dst`` by reducing the base ``x`` is a view of and viewing the result,
+    when ``dst`` only resolves ``x``'s pending reductions (or the base's reduction is
+    already at hand); None otherwise."""
+    link = link_of(x)
+    if link is None or (dst.dims != x._layout.dims and not base_reduced(x)) or dst.partial:
+        return None
+    base, func, rest, kwargs, i, _ = link
+    plain = base._layout.without_partial()
+    reduced = wrap(raw_reshard(base, plain), plain, base.shape, base.dtype)
+    out = _dispatch_fn(func, (reduced, *rest), kwargs)
+    if i is not None:
+        out = out[i]
+    if out._layout == dst:
+        return out._local
+    return raw_reshard(out, dst)
 
 
 def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
@@ -631,9 +666,12 @@ class _Distribute(_Function):
 class _FullTensor(_Function):
     @staticmethod
     def forward(x: ShardedArray) -> torch.Tensor:
-        # a gather allocates; a replicated array's replica is copied (the result is fresh)
+        # a gather allocates; a replicated array's replica, and a pending value's reduction
+        # (kept on the array for later reads), are copied: the result is the caller's to write
         full = raw_full(x)
-        return full.clone(memory_format=torch.contiguous_format) if _shares_memory(full, x._local) else full.contiguous()
+        if x._layout.partial or _shares_memory(full, x._local):
+            return full.clone(memory_format=torch.contiguous_format)
+        return full.contiguous()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -11,6 +11,7 @@ backends. Arrays layer: no imports from transforms or edge packages.
 from __future__ import annotations
 
 import hashlib
+import functools
 import math
 from typing import Any
 
@@ -27,14 +28,25 @@ def _held_boxes(layout: Layout, shape: tuple[int, ...]) -> list[tuple[Box, int]]
     """The distinct non-empty boxes of the devices this process holds, each with the first
     device holding it (a value with no elements: one empty box at the origin)."""
     mesh = layout.mesh
+    return list(_distinct_boxes(layout, shape, tuple(backend_for(mesh).devices(mesh))))
+
+
+@functools.lru_cache(maxsize=4096)
+def _distinct_boxes(layout: Layout, shape: tuple[int, ...], devices: tuple[int, ...]) -> tuple[tuple[Box, int], ...]:
+    boxes = _lay.all_boxes(layout, shape)
     seen: dict[Box, int] = {}
-    for d in backend_for(mesh).devices(mesh):
-        box = _lay.device_box(layout, shape, d)
+    for d in devices:
+        box = boxes[d]
         if box not in seen and _lay.box_numel(box) > 0:
             seen[box] = d
     if not seen and math.prod(shape) == 0:
         seen[tuple((0, n) for n in shape)] = -1
-    return list(seen.items())
+    return tuple(seen.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _by_offset(layout: Layout, shape: tuple[int, ...], devices: tuple[int, ...]) -> dict[torch.Size, tuple[Box, int]]:
+    return {_offsets(box): (box, d) for box, d in _distinct_boxes(layout, shape, devices)}
 
 
 def _offsets(box: Box) -> torch.Size:
@@ -59,15 +71,19 @@ def _readable(x: Any) -> tuple[Any, Layout]:
 def _shard_of(x: Any, value: Any, layout: Layout, index: Any) -> torch.Tensor:
     """The tensor of the chunk at ``index.offset`` (a view of the array's storage)."""
     shape = tuple(x.shape)
-    boxes = _held_boxes(layout, shape)
-    want = None if index.offset is None else torch.Size(index.offset)
-    for box, device in boxes:
-        if want is None or _offsets(box) == want:
-            if device < 0:
-                return torch.empty(shape, dtype=x.dtype)
-            return backend_for(layout.mesh).shard(value, layout.mesh, device)
-    raise ValueError(f"{index.fqn!r}: this process holds no shard at offset {tuple(want or ())} "
-                     f"of {_lay.describe(shape, x.dtype, x._layout)}")
+    mesh = layout.mesh
+    devices = tuple(backend_for(mesh).devices(mesh))
+    if index.offset is None:
+        found = next(iter(_distinct_boxes(layout, shape, devices)), None)
+    else:
+        found = _by_offset(layout, shape, devices).get(torch.Size(index.offset))
+    if found is None:
+        raise ValueError(f"{index.fqn!r}: this process holds no shard at offset {tuple(index.offset or ())} "
+                         f"of {_lay.describe(shape, x.dtype, x._layout)}")
+    _, device = found
+    if device < 0:
+        return torch.empty(shape, dtype=x.dtype)
+    return backend_for(mesh).shard(value, mesh, device)
 
 
 def create_write_items(x: Any, fqn: str) -> list:

@@ -22,8 +22,10 @@ from . import functorch as _ft
 from . import inplace as _inplace
 from . import rule_table as _rules
 from . import special_ops
-from .array import ShardedArray, _BatchedArray
+from ..plans.planner import PLAN_CACHES
+from .array import ShardedArray, _BatchedArray, note_derived
 from .fragments import _fragment
+from .reduced import reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
 from .op_calls import _leaves, _lift_plain, _replace
 
@@ -31,6 +33,7 @@ aten = torch.ops.aten
 
 _cache: dict[tuple, "_Entry"] = {}
 _CACHE_MAX = 4096  # entries; the oldest is dropped first (keys hold int arguments' values)
+PLAN_CACHES.append(_cache.clear)  # strategies are chosen by the cost model (``set_cost_model``)
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -44,11 +47,21 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
                 _inplace.note_views(func, args, kwargs, out)
+                if entry.pending_view:
+                    _note_derived(func, args, kwargs, out)
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
+        _note_derived(func, args, kwargs, out)
     return out
+
+
+def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """A view of a pending value is reduced through its base (``array.note_derived``)."""
+    base = args[0] if args else None
+    if isinstance(base, ShardedArray) and base._layout.partial:
+        note_derived(func, base, args[1:], kwargs, out if isinstance(out, (tuple, list)) else (out,))
 
 
 # the ops seen to return an alias of an input (``_inplace.is_view``), by id (fast keys hold
@@ -222,7 +235,8 @@ def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
         if isinstance(v, ShardedArray):
-            parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset()))
+            parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset(),
+                          reduced_forms(v) if v._layout.partial else None))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
         elif isinstance(v, float):

@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from ..backends.registry import backend_for
-from ..plans.planner import plan_layouts
+from ..plans.planner import cost_model, plan_layouts
 from ..values.errors import FallbackWarning, ShardingError, like_torch
 from ..values.layout import Layout
 from ..values.schema import op_name as _op_name
@@ -21,6 +21,7 @@ from . import rule_table as _rules
 from .array import ShardedArray, _wrap_output, check_partial_dtype
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _replace, _to_meta
+from .reduced import reduced_forms
 from .array import raw_full, raw_reshard
 from .strategies import Candidate, OpCall
 
@@ -73,9 +74,10 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     cands = rule.candidates(call) if rule is not None and out_meta is not None else []
     if not cands:
         why = "has no sharding rule" if rule is None else (
-            "has a sharding rule that does not cover this call" if out_meta is not None else None)
+            "has a sharding rule that does not cover this call" if out_meta is not None
+            else "has an output shape that depends on the data")
         return _fallback_entry(func, call, why)
-    best = min(cands, key=lambda c: _cost(c, arrays))
+    best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
     return _Entry(func, call, best)
 
@@ -117,11 +119,34 @@ def _check_ranks(func: Any, call: OpCall, cand: Candidate) -> None:
             raise RuntimeError(f"{_op_name(func)}: sharding rule gave output layout {l!r} for {m!r}")
 
 
-def _cost(c: Candidate, arrays: list) -> int:
-    return sum(
-        plan_layouts(v._layout, want, tuple(v.shape), v.dtype).bytes_per_device
-        for (_, v), want in zip(arrays, c.in_layouts)
-    )
+# how much of a pending output's eventual reduction a strategy is charged: a pending sum
+# may merge with others or pass through linear ops before it is reduced once
+_PENDING_WEIGHT = 0.5
+
+
+def _cost(c: Candidate, call: OpCall) -> float:
+    """Seconds by the mesh's cost model (latency and bytes): the input moves (a reduction
+    already at hand is free), plus part of what resolving each pending output will cost,
+    so ties go to the strategy a person would pick (reduce the activation once rather than
+    gather a weight and leave a pending sum downstream)."""
+    model = cost_model(call.mesh)
+    total = 0.0
+    for (_, v), want in zip(call.arrays, c.in_layouts):
+        if want == v._layout:
+            continue
+        shape, dtype = tuple(v.shape), v.dtype
+        forms = reduced_forms(v) if v._layout.partial else ()
+        if want in forms:
+            continue
+        total += min(_seconds(model, plan_layouts(f, want, shape, dtype)) for f in (v._layout, *forms))
+    for l, m in zip(c.out_layouts, call.out_metas):
+        if l is not None and l.partial:
+            total += _PENDING_WEIGHT * _seconds(model, plan_layouts(l, l.without_partial(), tuple(m.shape), m.dtype))
+    return total
+
+
+def _seconds(model: Any, plan: Any) -> float:
+    return model.alpha * plan.collectives + plan.bytes_per_device / model.beta
 
 
 def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:
@@ -155,6 +180,7 @@ class _Entry:
     moves: list = attrs.field(init=False)
     local: Any = attrs.field(init=False)
     lean: Callable | None = attrs.field(init=False)  # the local call's fast form (``warm``)
+    pending_view: bool = attrs.field(init=False)  # outputs pending a reduction (``dispatch._note_derived``)
 
     def __attrs_post_init__(self) -> None:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
@@ -173,6 +199,7 @@ class _Entry:
         self.local = backend_for(self.call.mesh).compile_call(
             self.func, self.call, self.cand, self.out_shapes, self.positional)
         self.stacked = self.local.keeps_symbolic
+        self.pending_view = any(l is not None and l.partial for l in self.cand.out_layouts)
         lone = self.positional is not None and not self.any_move and self.single is not None
         self.lean = self.local.lean if lone else None
         # the cache must not keep the first call's arrays alive (nor count as holding them)
@@ -268,7 +295,8 @@ def _global_of_stacked(local: torch.Tensor, layout: Layout) -> tuple:
 
 
 def _fallback_entry(func: Any, call: OpCall, why: str | None) -> Any:
-    """Replicate-run-replicate; ``why`` (if any) is warned about once per op."""
+    """Replicate-run-replicate; ``why`` is warned about once per op (no path replicates
+    silently)."""
     name = _op_name(func)
     if why is not None and name not in _warned:
         _warned.add(name)
@@ -326,6 +354,7 @@ def _in_storage(v: ShardedArray) -> torch.Tensor:
 class _Fallback:
     func: Any
     mesh: Any
+    pending_view: bool = False  # outputs are replicated
 
     def run(self, args: tuple, kwargs: dict, leaves: Any = None, symbolic: bool = False) -> Any:
         # laid out as the wrapper says (kernels such as native_group_norm_backward trust the

@@ -9,6 +9,7 @@ import torch
 
 from ..backends.registry import backend_for
 from ..values.layout import Layout
+from .reduced import reduced_forms
 
 
 _fragments: dict[tuple, Any] = {}
@@ -17,21 +18,30 @@ _FRAGMENTS_MAX = 65536
 
 def _fragment(x: Any) -> Any:
     """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
-    it); None while its shape is symbolic or its storage is not in the canonical form."""
+    it); None while its shape is symbolic or its storage is not in the canonical form. A
+    pending value's fragment also names the reductions already at hand (free to read:
+    strategies are costed with them), and is not kept on a view linked to its base."""
+    layout = x._layout
+    if layout.partial:
+        forms = reduced_forms(x)
+        if forms:
+            layout = (layout, forms)
     try:
         shape = tuple(x.shape)
-        k = fragment_of(x._layout, shape, x.dtype, _odd_stride(shape, x.stride(), x.storage_offset()))
+        k = fragment_of(layout, shape, x.dtype, _odd_stride(shape, x.stride(), x.storage_offset()))
     except TypeError:  # SymInts do not hash
         return None
     if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
         return None  # fast-path calls assume the canonical form (``_Entry.warm``)
-    x._kf = k
+    if "_derived" not in x.__dict__:
+        x._kf = k
     return k
 
 
-def fragment_of(layout: Layout, shape: tuple, dtype: torch.dtype, stride: tuple | None = None) -> Any:
-    """A unique object per (layout, shape, dtype, stride; None: contiguous): fast keys hash it
-    by identity. Never reused for another tuple (dropping the table only makes new objects)."""
+def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype, stride: tuple | None = None) -> Any:
+    """A unique object per (layout (with the reductions at hand, if any), shape, dtype, stride;
+    None: contiguous): fast keys hash it by identity. Never reused for another tuple (dropping
+    the table only makes new objects)."""
     key = (layout, shape, dtype) if stride is None else (layout, shape, dtype, stride)
     k = _fragments.get(key)
     if k is None:

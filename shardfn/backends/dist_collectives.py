@@ -97,9 +97,18 @@ def _bytes(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (flat.view(*x.shape[:-1], x.shape[-1] * x.element_size()) if x.dim() else flat), x.element_size()
 
 
+def _from_bytes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`_bytes` on a collective's output (a no-op for wire dtypes)."""
+    if y.dtype == dtype:
+        return y
+    y = y.contiguous()
+    flat = y.reshape(-1).view(dtype)  # the flat view: size-1 dims may carry any stride
+    return flat.view(*y.shape[:-1], y.shape[-1] // dtype.itemsize) if y.dim() else flat
+
+
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     wire, _ = _bytes(x)
-    return run_collective("all_gather", group, _all_gather_single, wire, dim).view(x.dtype)
+    return _from_bytes(run_collective("all_gather", group, _all_gather_single, wire, dim), x.dtype)
 
 
 def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
@@ -107,7 +116,7 @@ def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int],
     wire, k = _bytes(send)
     y = run_collective("all_to_all", group, funcol.all_to_all_single, wire,
                        [n * k for n in out_splits], [n * k for n in in_splits])
-    return y.view(send.dtype)
+    return _from_bytes(y, send.dtype)
 
 
 def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | None) -> torch.Tensor:

@@ -121,11 +121,15 @@ def replica_of(layout: Layout) -> tuple[int, ...]:
 
 def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> Value:
     """Store shards in the preferred form for this layout, each distinct shard once (even:
-    the shards of :func:`replica_of`'s devices stacked at :func:`canonical_sizes`; uneven:
-    replicas share their first device's tensor)."""
+    the shards of :func:`replica_of`'s devices stacked at :func:`canonical_sizes`, a lone
+    one viewed, not copied: per-call constants such as a fused kernel's RNG state, which
+    torch may return on another device, never meet in a kernel; uneven: replicas share
+    their first device's tensor)."""
     first = replica_of(layout)
     if is_even(layout, shape):
         own = [s for d, s in enumerate(shards) if first[d] == d]
+        if len(own) == 1:
+            return own[0].view(*canonical_sizes(layout), *own[0].shape)
         return torch.stack(own).view(*canonical_sizes(layout), *own[0].shape)
     return tuple(shards[first[d]] for d in range(len(shards)))
 

@@ -111,6 +111,10 @@ class TorchOptimizer:
     state of a parameter replicated over an axis of size k; the gradient arrives by a
     reduce-scatter (a slice when it is already reduced) and the new parameter is
     all-gathered back to its own layout.
+
+    Memory: a step writes new parameters and state (the inputs stay valid). On CPU the
+    optimizer reuses the buffers of earlier steps' outputs once nothing references them, so
+    it keeps up to one spare generation of parameters and state between steps.
     """
 
     def __init__(self, optimizer_cls: type, kwargs: dict, *, shard_state_over: str | Sequence[str] | None = None) -> None:
@@ -257,10 +261,10 @@ class TorchOptimizer:
             new_p = from_storage([t.detach() for t in chunk], layouts[i], p.shape, p.dtype)
             new_leaves[i] = new_p
             new_states[i] = self._wrap_state([opt.state[t] for t in chunk], layouts[i], p)
-        back = [i for i in sharded
-                if new_leaves[i]._layout != leaves[i]._layout and leaves[i]._layout == resolved(leaves[i]._layout)]
+        # back to the parameter's own layout (a parameter pending a reduction comes back reduced)
+        back = [i for i in sharded if new_leaves[i]._layout != resolved(leaves[i]._layout)]
         if back:
-            new_leaves_back = reshard([new_leaves[i] for i in back], [leaves[i]._layout for i in back])
+            new_leaves_back = reshard([new_leaves[i] for i in back], [resolved(leaves[i]._layout) for i in back])
             for i, v in zip(back, new_leaves_back):
                 new_leaves[i] = v
         for i in live:

@@ -3,6 +3,8 @@ defined with the dispatcher in ``arrays/strategies.py``)."""
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable
 
 import torch
@@ -60,4 +62,14 @@ def sum_passes(call: OpCall, src: torch.dtype) -> bool:
     the parts do not (the parts are summed in the dtype only when resolved)."""
     if src == torch.float16:
         return False
-    return all(m.dtype == src for m in call.out_metas if isinstance(m, torch.Tensor))
+    return all(m.dtype == src or _float_cast_exact(src, m.dtype) for m in call.out_metas if isinstance(m, torch.Tensor))
+
+
+def _float_cast_exact(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a pending sum may be cast from ``src`` to ``dst`` part by part: both real
+    floating dtypes and ``dst``'s exponent range covers ``src``'s, so no part overflows
+    where the total would not (the parts are then summed in ``dst``, rounding like the
+    reduction itself; bfloat16 <-> float32 qualify, float16 and float64 -> float32 do not)."""
+    if not (src.is_floating_point and dst.is_floating_point) or dst == torch.float16:
+        return False
+    return math.frexp(torch.finfo(dst).max)[1] >= math.frexp(torch.finfo(src).max)[1]

@@ -26,6 +26,16 @@ _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.positive.def
 # the value is the index of the only operand allowed to be Partial, or None for any.
 _MULTILINEAR = {aten.mul.Tensor: None, aten.mul.Scalar: 0, aten.div.Tensor: 0, aten.div.Scalar: 0}
 _LINEAR_PARTIAL_OPS = {"sum", "avg"}
+# Casts: linear between floating (or complex) dtypes up to rounding, as a reduction in
+# another order is; a cast to an integer or bool dtype is not.
+_CASTS = {aten._to_copy.default}
+
+
+def _float_cast(call: OpCall) -> bool:
+    out = call.out_metas[0]
+    src = call.arrays[0][1].dtype
+    return (isinstance(out, torch.Tensor) and (out.dtype.is_floating_point or out.dtype.is_complex)
+            and (src.is_floating_point or src.is_complex))
 
 
 def _map_dims(base: Layout, out_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple:
@@ -34,8 +44,11 @@ def _map_dims(base: Layout, out_shape: tuple[int, ...], shape: tuple[int, ...]) 
     return tuple(base.dims[k + off] if shape[k] == out_shape[k + off] else () for k in range(len(shape)))
 
 
-def _keeps_partial(call: OpCall, partial: tuple) -> set[int]:
-    """Indices (into call.arrays) of operands that may stay Partial with ``partial``."""
+def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
+    """Indices (into call.arrays) of operands that may carry ``partial`` (operand ``base``'s
+    pending reductions) into the output: every operand of an op linear in its operands
+    jointly (a replicated one becomes pending locally, ``reduce_local``: no communication),
+    or ``base`` alone for an op linear in each operand separately."""
     func = call.func
     if not partial or any(op not in _LINEAR_PARTIAL_OPS for _, op in partial):
         return set()
@@ -47,17 +60,15 @@ def _keeps_partial(call: OpCall, partial: tuple) -> set[int]:
             isinstance(a, float) and not math.isfinite(a) for a in call.args[:2]):
         return set()  # parts * inf have mixed signs where the total's does not
     n = len(call.arrays)
+    if func in _CASTS:
+        return set(range(n)) if _float_cast(call) else set()
     if func in _LINEAR:
-        if call.kwargs.get("alpha", 1) is not None and n == sum(
-            1 for _, v in call.arrays if v._layout.partial == partial
-        ) and not _scalar_operands(call):
+        if call.kwargs.get("alpha", 1) is not None and not _scalar_operands(call):
             return set(range(n))
         return set()
     if func in _MULTILINEAR:
         only = _MULTILINEAR[func]
-        paths = [p for p, _ in call.arrays]
-        allowed = [i for i, p in enumerate(paths) if only is None or p == only]
-        return set(allowed[:1]) if allowed else set()
+        return {base} if only is None or call.arrays[base][0] == only else set()
     return set()
 
 
@@ -90,23 +101,17 @@ class Pointwise:
             if shapes[i] != out_shape:
                 continue
             base = v._layout
-            keep = _keeps_partial(call, base.partial)
-            partial = base.partial if keep else ()
-            key = (base.dims, partial)
-            if key in seen:
-                continue
-            seen.add(key)
-            ins = tuple(
-                Layout(mesh, _map_dims(base, out_shape, s), partial if j in keep else ())
-                for j, s in enumerate(shapes)
-            )
-            if partial and len(keep) < len(shapes):
-                # a Partial operand is scaled by the others, which must be replicated on its axes
-                axes = {a for a, _ in partial}
-                ins = tuple(l if j in keep else _clear_axes(l, axes) for j, l in enumerate(ins))
-            out = Layout(mesh, base.dims, partial)
-            cands.append(Candidate(ins, tuple(out if isinstance(m, torch.Tensor) else None for m in call.out_metas),
-                                   broadcast=True))
+            # the output takes this operand's dims, and the pending reductions of any operand
+            # they may pass through (or none: those operands are reduced first)
+            options = [(j, _keeps_partial(call, j, x._layout.partial)) for j, (_, x) in enumerate(call.arrays)]
+            options = [(j, keep) for j, keep in options if keep] + [(None, set())]
+            for j, keep in options:
+                partial = call.arrays[j][1]._layout.partial if keep else ()
+                key = (base.dims, partial, frozenset(keep))
+                if key in seen:
+                    continue
+                seen.add(key)
+                cands.append(self._candidate(call, base, out_shape, partial, keep))
         if not cands:
             # every sharded operand is broadcast: lay the output out like the largest one
             _, v = max(call.arrays, key=lambda pv: pv[1].numel())
@@ -116,9 +121,19 @@ class Pointwise:
                                    broadcast=True))
         return cands
 
-
-def _clear_axes(layout: Layout, axes: set) -> Layout:
-    return Layout(layout.mesh, tuple(tuple(a for a in d if a not in axes) for d in layout.dims))
+    @staticmethod
+    def _candidate(call: OpCall, base: Layout, out_shape: tuple, partial: tuple, keep: set) -> Candidate:
+        mesh, shapes = call.mesh, call.shapes
+        axes = {a for a, _ in partial}
+        dims = tuple(tuple(a for a in d if a not in axes) for d in base.dims)
+        base = Layout(mesh, dims)
+        ins = tuple(
+            Layout(mesh, _map_dims(base, out_shape, s), partial if j in keep else ())
+            for j, s in enumerate(shapes)
+        )
+        out = Layout(mesh, dims, partial)
+        return Candidate(ins, tuple(out if isinstance(m, torch.Tensor) else None for m in call.out_metas),
+                         broadcast=True)
 
 
 @attrs.frozen

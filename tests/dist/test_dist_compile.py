@@ -151,10 +151,12 @@ def compiled_forward_and_backward_collectives(mesh: sf.Mesh) -> None:
     assert len(rec.graphs["fw"]) == 1 and len(rec.graphs["bw"]) == 1
     if is_dist(mesh):
         fw = rec.counts("fw")
-        assert sum(steps.counts.values()) == sum(fw.values()) > 0, (steps.counts, fw)
-        assert fw == eager_fw, (fw, eager_fw)
         bw = rec.counts("bw", live_only=True)
-        assert bw == eager_bw and sum(bw.values()) > 0, (bw, eager_bw)
+        # a backward collective of forward values only (a saved input gathered for a weight
+        # gradient) may be moved into the forward graph by the partitioner
+        assert sum(steps.counts.values()) <= sum(fw.values()) and sum(fw.values()) > 0, (steps.counts, fw)
+        # (here that may be all of them: the totals match eager's, which has backward ones)
+        assert fw + bw == eager_fw + eager_bw and sum(eager_bw.values()) > 0, (fw, bw, eager_fw, eager_bw)
         assert rec.counts("bw") == bw, (rec.counts("bw"), bw)  # no dead copies of forward collectives
     else:
         assert not rec.counts("fw") and not rec.counts("bw")

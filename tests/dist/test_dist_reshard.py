@@ -122,7 +122,7 @@ def complex_views_of_uneven_shards_through_collectives(mesh: sf.Mesh) -> None:
         for spec in (P(a), P(a[0]), P(None, a[-1]), *((P(a[0], a[-1]),) if len(a) > 1 else ())):
             x = sf.distribute(t, spec, mesh=mesh)
             for name, view in (("t", lambda v: v.t()), ("conj", lambda v: v.conj()),
-                               ("t_conj", lambda v: v.t().conj()), ("neg", lambda v: -v)):
+                               ("t_conj", lambda v: v.t().conj()), ("neg", lambda v: -v), ("rows", lambda v: v[1:])):
                 what = f"{dtype} {shape} {spec} {name}"
                 assert_equal(view(x).full_tensor().resolve_conj(), view(t).resolve_conj(), what)
                 assert_equal(sf.reshard(view(x), P()).full_tensor().resolve_conj(), view(t).resolve_conj(), what)
