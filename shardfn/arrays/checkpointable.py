@@ -60,12 +60,11 @@ def _sizes(box: Box) -> torch.Size:
 def _readable(x: Any) -> tuple[Any, Layout]:
     """``x``'s backend value with pending reductions resolved (on dist every process calls
     this in the same order: DCP plans every state dict entry on every rank), and its layout.
-    The reduced value is kept on the array (``raw_reshard``), so the later shard lookup
-    runs no collective."""
-    from .array import raw_reshard
-
+    The reduced value is kept on the array (``raw_reshard`` under ``redistribute``), so the
+    later shard lookup runs no collective."""
     layout = x._layout.without_partial()
-    return raw_reshard(x, layout), layout
+    with torch.no_grad():
+        return x.redistribute(layout)._local, layout
 
 
 def _shard_of(x: Any, value: Any, layout: Layout, index: Any) -> torch.Tensor:
@@ -185,9 +184,10 @@ def stable_hash(x: Any) -> str:
     return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
-def reduce_array(x: Any) -> tuple:
-    """``__reduce_ex__``: where this process holds every device's shard (the local backend),
-    the mesh, layout, shape, dtype and shards; elsewhere a TypeError naming sf.checkpoint."""
+def pickle_args(x: Any) -> tuple:
+    """``__reduce_ex__``'s arguments of ``array.rebuild_array``: where this process holds every
+    device's shard (the local backend), the mesh, layout, shape, dtype and shards; elsewhere a
+    TypeError naming sf.checkpoint."""
     mesh = x.mesh
     held = backend_for(mesh).devices(mesh)
     if len(held) != mesh.size:
@@ -197,18 +197,4 @@ def reduce_array(x: Any) -> tuple:
             f"several processes with sf.checkpoint.save(path, tree) (every process calls it), or pickle x.full_tensor()")
     shards = tuple(backend_for(mesh).shard_list(x._local, mesh))
     layout = x._layout
-    return rebuild_array, (mesh, layout.dims, layout.partial, shards, tuple(x.shape), x.dtype, x.requires_grad)
-
-
-def rebuild_array(mesh: Mesh, dims: tuple, partial: tuple, shards: tuple, shape: tuple, dtype: torch.dtype,
-                  requires_grad: bool) -> Any:
-    """The inverse of :func:`reduce_array` (a leaf array; replicas share one copy)."""
-    from .array import wrap
-
-    layout = Layout(mesh, tuple(tuple(a) for a in dims), tuple(tuple(p) for p in partial))
-    shape = tuple(shape)
-    value = backend_for(mesh).build(layout, shape, lambda d: shards[d])
-    return wrap(value, layout, shape, dtype, requires_grad=requires_grad)
-
-
-torch.serialization.add_safe_globals([rebuild_array])  # torch.load(weights_only=True) rebuilds arrays
+    return (mesh, layout.dims, layout.partial, shards, tuple(x.shape), x.dtype, x.requires_grad)

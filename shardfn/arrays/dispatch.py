@@ -23,7 +23,8 @@ from . import inplace as _inplace
 from . import rule_table as _rules
 from . import special_ops
 from ..plans.planner import PLAN_CACHES
-from .array import ShardedArray, _BatchedArray, note_derived
+from .array import ShardedArray, _BatchedArray
+from .redistribute import note_derived
 from .fragments import _fragment
 from .reduced import reduced_forms
 from .entries import _BakedSizes, _compile, _Entry

@@ -10,7 +10,7 @@ import torch
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
 from .array import ShardedArray, _wrap_output
-from .array import raw_full, raw_reshard
+from .redistribute import raw_full, raw_reshard
 
 aten = torch.ops.aten
 
@@ -55,7 +55,7 @@ def _equal(func: Any, args: tuple, kwargs: dict, compare: Callable = torch.equal
     layout = a._layout.without_partial()
     if isinstance(b, ShardedArray) and b.mesh != a.mesh:
         raise ShardingError(f"aten.equal: operands live on different meshes {a.mesh!r} and {b.mesh!r}")
-    from .array import raw_distribute
+    from .redistribute import raw_distribute
 
     va = raw_reshard(a, layout)
     vb = raw_reshard(b, layout) if isinstance(b, ShardedArray) else raw_distribute(b, layout)

@@ -19,7 +19,8 @@ import optree
 import torch
 
 from ..arrays.checkpointable import empty_value
-from ..arrays.array import ARRAY_TYPES, ShardedArray, reshard, wrap
+from ..arrays.array import ARRAY_TYPES, ShardedArray, wrap
+from ..arrays.redistribute import reshard
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
 from ..values.mesh import Mesh, current_mesh

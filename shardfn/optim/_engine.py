@@ -17,7 +17,8 @@ import attrs
 import optree
 import torch
 
-from ..arrays.array import ShardedArray, reshard
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import reshard
 from ..values.errors import ShardingError
 from ..values.layout import Layout
 from ._cow import BufferPool, CopyOnWrite
