@@ -17,10 +17,13 @@ aten = torch.ops.aten
 
 def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     """The same shards, layout, shape and dtype in a new (contiguous) array; a contiguous
-    ``x``'s fast-key fragment holds for it too, so its next op needs no fragment lookup."""
+    ``x``'s fast-key fragment holds for it too (not a pending one's: its fragment names the
+    reductions kept on ``x``), so its next op needs no fragment lookup."""
     x = args[0]
     shape = tuple(x.shape)
-    frag = x._kf if x._kf is not None and x.is_contiguous() and not x.storage_offset() else None
+    frag = x._kf
+    if frag is not None and (x._layout.partial or not x.is_contiguous() or x.storage_offset()):
+        frag = None
     return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
 
 
