@@ -9,10 +9,10 @@ from . import nn as nn
 from . import optim as optim
 from . import random as random
 from .arrays.array import ShardedArray as ShardedArray
-from .arrays.array import device_put as device_put
-from .arrays.array import distribute as distribute
-from .arrays.array import gather as gather
-from .arrays.array import reshard as reshard
+from .arrays.redistribute import device_put as device_put
+from .arrays.redistribute import distribute as distribute
+from .arrays.redistribute import gather as gather
+from .arrays.redistribute import reshard as reshard
 from .arrays.explicit import explicit as explicit
 from .values.errors import FallbackWarning as FallbackWarning
 from .values.errors import ImplicitReshardError as ImplicitReshardError

@@ -1,4 +1,6 @@
-"""ShardedArray: an immutable torch.Tensor wrapper holding the shards of a global value."""
+"""ShardedArray: an immutable torch.Tensor wrapper holding the shards of a global value; how
+op outputs and rebuilt arrays are wrapped, and its pytree registration. Moving it between
+layouts is ``redistribute.py``; its local shards, ``local_shards.py``."""
 
 from __future__ import annotations
 
@@ -12,19 +14,14 @@ import optree
 import torch
 
 from ..backends import custom_ops as _contract
-from ..backends.registry import backend_for, execute
-from ..plans.planner import plan_layouts
-from ..values import layout as _lay
-from ..values import replica_checks as _replicas
+from ..backends.registry import backend_for
 from ..values.errors import ImmutableError, ShardingError
 from ..values.layout import Layout
-from ..values.mesh import Mesh, current_mesh, to_mesh_device
+from ..values.mesh import Mesh
 from ..values.sharded import Sharded
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
-from .fragments import _fragment
-from .reduced import base_reduced, link_of
-from ..values.spec import NamedSharding, P, Placement, Sharding, check_mesh, layout_placements, layout_to_spec, to_layout
+from ..values.spec import NamedSharding, P, Placement, Sharding, layout_placements, layout_to_spec, to_layout
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -257,7 +254,7 @@ class ShardedArray(torch.Tensor):
         """Pickling (``torch.save``, multiprocessing) keeps mesh, sharding and values where
         this process holds every shard (local backend); a TypeError naming
         ``sf.checkpoint.save`` elsewhere."""
-        return _checkpointable.reduce_array(self)
+        return rebuild_array, _checkpointable.pickle_args(self)
 
     def __reduce__(self) -> Any:
         return self.__reduce_ex__(2)
@@ -388,23 +385,6 @@ def check_partial_dtype(layout: Layout, dtype: torch.dtype) -> None:
             )
 
 
-def _shares_memory(a: Any, sources: Any) -> bool:
-    """Whether tensor(s) ``a`` may share storage with tensor(s) ``sources`` (True when unsure:
-    tensors without real storage, e.g. under tracing)."""
-    try:
-        mine = {t.untyped_storage().data_ptr() for t in _tensors(a)}
-        theirs = {t.untyped_storage().data_ptr() for t in _tensors(sources)}
-    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-        return True
-    return bool(mine & theirs)
-
-
-def _tensors(v: Any) -> list:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    return [t for x in v for t in _tensors(x)]
-
-
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:
     """Tie a symbolic global size to the stacked shard size (``n == k * local``): a guard
     on the relation, never a specialisation to a constant."""
@@ -428,7 +408,6 @@ def _no_dispatcher(func: Any, args: tuple, kwargs: dict) -> Any:
 _dispatch_fn: Callable = _no_dispatcher
 # filled by the layers above when imported (an array never imports them)
 _to_dtensor: Callable | None = None  # ``shardfn.interop.dtensor.to_dtensor``
-_reshard_tree: Callable | None = None  # ``shardfn.transforms.coalesce.reshard_tree``: pytree reshard
 _NO_KWARGS: dict = {}  # read-only: dispatch never writes to kwargs
 
 
@@ -456,420 +435,17 @@ def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *
     return ShardedArray(local, layout, tuple(shape), dtype, requires_grad=requires_grad)
 
 
-def _mesh_of(x: Any, mesh: Mesh | None) -> Mesh | None:
-    if mesh is not None:
-        check_mesh(mesh, "mesh=")
-    if isinstance(x, ShardedArray):
-        if mesh is not None and mesh != x.mesh:
-            raise ShardingError(f"mesh={mesh!r} differs from the array's mesh {x.mesh!r}")
-        return x.mesh
-    return mesh if mesh is not None else current_mesh()
-
-
-# -- public functions -------------------------------------------------------------------
-
-
-def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = None) -> ShardedArray:
-    """Lay out a full tensor over the mesh (each device keeps only its shard).
-
-    A Partial sharding puts the value on the first device of each reduction group (sum)
-    or on all of them (avg/max/min). On dist every rank must pass the same tensor.
-    """
-    if isinstance(tensor, ShardedArray) or _ft.base_array(tensor) is not None:
-        return reshard(tensor, sharding)
-    if not isinstance(tensor, torch.Tensor):
-        raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
-    layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
-    tensor = to_mesh_device(tensor, layout.mesh)  # the mesh owns the device
-    backend = backend_for(layout.mesh)
-    backend.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
-    if _replicas.checking():
-        backend.check_replicas(layout.mesh, tensor, layout.mesh.axis_names, "sf.distribute: the tensor argument")
-    return _Distribute.apply(tensor, layout)
-
-
-device_put = distribute
-
-
-def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
-    """The same global value in a new layout, moved with the cheapest plan; the gradient
-    is resharded back. ``x`` may be a pytree of arrays (``sharding`` a matching tree or a
-    prefix): leaves sharing plan steps then move together (``coalesce.py``)."""
-    if not isinstance(x, torch.Tensor):
-        if _reshard_tree is None:
-            raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
-        return _reshard_tree(x, sharding)
-    base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
-    if base is None:
-        if isinstance(x, torch.Tensor):
-            return distribute(x, sharding)
-        raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
-    target = _sharding_mesh(sharding)
-    if target is not None and target != base.mesh and isinstance(x, ShardedArray):
-        from .across_meshes import reshard_across
-
-        return reshard_across(x, to_layout(sharding, x.ndim, target))
-    dst = to_layout(sharding, x.ndim, base.mesh)
-    if dst == _ft.layout_of(x):
-        return x
-    return _Reshard.apply(x, dst)
-
-
-def gather(x: ShardedArray) -> torch.Tensor:
-    """The global value as a plain tensor (= ``x.full_tensor()``)."""
-    if not isinstance(x, ShardedArray) and _ft.base_array(x) is None:
-        raise ShardingError(f"gather takes a ShardedArray, got {type(x).__name__}")
-    return _FullTensor.apply(x)
-
-
-# -- raw (autograd-free) helpers shared with dispatch --------------------------------------
-
-
-def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
-    """The backend value of ``x`` laid out as ``dst`` (no autograd). A pending reduction
-    is run once per target layout however many ops read ``x`` or views of it: the array
-    is immutable, so the result is kept on it (checked against the shards it was made
-    from, which the autograd engine's ``.grad`` accumulation may rebind), and a view of a
-    pending value (``note_derived``) is reduced by reducing its base once and viewing the
-    result."""
-    if dst is x._layout or dst == x._layout:
-        return x._local
-    if not x._layout.partial:
-        return _execute_reshard(x, dst)
-    cache = x.__dict__.setdefault("_reduced", {})
-    hit = cache.get(dst)
-    if hit is not None and hit[0] is x._local and hit[1] == x._layout:
-        return hit[2]
-    value = _via_base(x, dst)
-    if value is None:
-        value = _execute_reshard(x, dst)
-    cache[dst] = (x._local, x._layout, value)
-    x._kf = None  # its dispatch key fragment names the reduced forms it has (dispatch._fragment)
-    return value
-
-
-def note_derived(func: Any, base: ShardedArray, rest: tuple, kwargs: dict, outs: Sequence[Any]) -> None:
-    """Link each pending output of a view op to its pending base, so one reduction serves
-    both (``raw_reshard``): only where the view has at least the base's elements (reducing
-    the base then costs no more than reducing the view)."""
-    for i, o in enumerate(outs):
-        if (isinstance(o, ShardedArray) and o is not base and o._layout.partial == base._layout.partial
-                and o.numel() >= base.numel()):
-            o._derived = (base, func, rest, kwargs, i if len(outs) > 1 else None, o._local)
-            o._kf = None  # the fragment depends on whether the base has been reduced
-
-
-def _via_base(x: ShardedArray, dst: Layout) -> Any:
-    """``x`` as ``dst`` by reducing the base ``x`` is a view of and viewing the result,
-    when ``dst`` only resolves ``x``'s pending reductions (or the base's reduction is
-    already at hand); None otherwise."""
-    link = link_of(x)
-    if link is None or (dst.dims != x._layout.dims and not base_reduced(x)) or dst.partial:
-        return None
-    base, func, rest, kwargs, i, _ = link
-    plain = base._layout.without_partial()
-    reduced = wrap(raw_reshard(base, plain), plain, base.shape, base.dtype)
-    out = _dispatch_fn(func, (reduced, *rest), kwargs)
-    if i is not None:
-        out = out[i]
-    if out._layout == dst:
-        return out._local
-    return raw_reshard(out, dst)
-
-
-def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
-    return execute(plan_layouts(x._layout, dst, _ft.hint_shape(x.shape), x.dtype), x._local, tuple(x.shape))
-
-
-def raw_full(x: ShardedArray) -> torch.Tensor:
-    value = raw_reshard(x, Layout(x.mesh, ((),) * x.ndim))
-    return backend_for(x.mesh).one_replica(value, x.mesh)
-
-
-def raw_distribute(t: torch.Tensor, layout: Layout) -> Any:
-    backend = backend_for(layout.mesh)
-    rep = backend.replicated(t, layout.mesh)
-    full = Layout(layout.mesh, ((),) * t.dim())
-    return execute(plan_layouts(full, layout, _ft.hint_shape(t.shape), t.dtype), rep, tuple(t.shape))
-
-
-# -- autograd functions -------------------------------------------------------------------
-
-
-class _Function(torch.autograd.Function):
-    """An autograd Function whose ``apply`` skips torch's per-call ``inspect.signature``
-    binding of default arguments (tens of microseconds; these forwards have no defaults
-    and are always called with every argument), except under torch.func transforms,
-    which take torch's own path."""
-
-    @classmethod
-    def apply(cls, *args: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
-            return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
-
-
-_unwrap_dead = torch._functorch.utils.unwrap_dead_wrappers
-
-
-class _Reshard(_Function):
-    @staticmethod
-    def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
-        return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.src, ctx.dst = _ft.layout_of(inputs[0]), inputs[1]
-
-    @staticmethod
-    def jvp(ctx: Any, t: Any, _: Any) -> Any:
-        return reshard(_as_sharded(t, ctx.dst), ctx.dst)
-
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> Any:
-        return reshard(_as_sharded(g, ctx.src), ctx.src.without_partial()), None
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: Any, dst: Layout) -> tuple:
-        b = in_dims[0]
-        return _Reshard.apply(x, dst if b is None else _ft.insert_dim(dst, b)), b
-
-
-class _Distribute(_Function):
-    @staticmethod
-    def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
-        # like jax.device_put, a copy: where the plan only sliced or expanded ``t``, the
-        # shards are redone from one copy of ``t`` (replicas share that copy)
-        value = raw_distribute(t.detach(), layout)
-        if _shares_memory(value, t):
-            value = raw_distribute(t.detach().clone(), layout)
-        return wrap(value, layout, t.shape, t.dtype)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.layout = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> Any:
-        return (_FullTensor.apply(g) if _ft.base_array(g) is not None else g), None
-
-    @staticmethod
-    def jvp(ctx: Any, t: Any, _: Any) -> Any:
-        return distribute(t, ctx.layout)
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, t: Any, layout: Layout) -> tuple:
-        b = in_dims[0]
-        return _Distribute.apply(t, layout if b is None else _ft.insert_dim(layout, b)), b
-
-
-class _FullTensor(_Function):
-    @staticmethod
-    def forward(x: ShardedArray) -> torch.Tensor:
-        # a gather allocates; a replicated array's replica, and a pending value's reduction
-        # (kept on the array for later reads), are copied: the result is the caller's to write
-        full = raw_full(x)
-        if x._layout.partial or _shares_memory(full, x._local):
-            return full.clone(memory_format=torch.contiguous_format)
-        return full.contiguous()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.layout = _ft.layout_of(inputs[0])
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        rep = Layout(ctx.layout.mesh, ((),) * g.dim())
-        return reshard(_Distribute.apply(g, rep), ctx.layout.without_partial())
-
-    @staticmethod
-    def jvp(ctx: Any, t: Any) -> Any:
-        return _FullTensor.apply(t) if _ft.base_array(t) is not None else t
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, x: Any) -> tuple:
-        return _FullTensor.apply(x), in_dims[0]
-
-
-class _ToLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(x: ShardedArray, grad_layout: Layout) -> tuple:
-        return tuple(x.local_shards())
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        x, grad_layout = inputs
-        ctx.meta = (grad_layout, tuple(x.shape), x.dtype)
-        ctx.mark_non_differentiable(*[s for s in output if not s.is_floating_point() and not s.is_complex()])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        layout, shape, dtype = ctx.meta
-        shapes = _lay.local_shapes(layout, shape)
-        backend = backend_for(layout.mesh)
-        grads = [
-            torch.zeros(shapes[d], dtype=dtype) if g is None else g
-            for d, g in zip(backend.devices(layout.mesh), grads)
-        ]
-        return _from_local(backend.pack_local(grads, layout.mesh), layout, layout.mesh, shape, None), None
-
-
-class _FromLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(layout: Layout, shape: tuple, stride: Any, *shards: torch.Tensor) -> ShardedArray:
-        backend = backend_for(layout.mesh)
-        local = backend.from_shards([s.detach() for s in shards], layout, shape)
-        if _shares_memory(local, shards):  # kept as given (uneven, dist): copied
-            local = backend.from_shards([s.detach().clone() for s in shards], layout, shape)
-        out = ShardedArray(local, layout, shape, shards[0].dtype, stride=stride)
-        _fragment(out)  # its interned key fragment now, as an op's output has it (was: on first use)
-        return out
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        layout, shape = inputs[0], inputs[1]
-        ctx.meta = (layout, shape, output.detach() if _selects(layout) else None)
-
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> Any:
-        layout, shape, value = ctx.meta
-        grad = reshard(_as_sharded(g, layout), layout.without_partial())
-        shards = grad.local_shards()
-        avg = math.prod(layout.mesh.axis_size(a) for a, op in layout.partial if op == "avg")
-        if avg > 1:
-            shards = [s / avg for s in shards]
-        if value is not None:
-            # max/min: the gradient flows to the parts that attain the reduced value
-            reduced = _shards_of(raw_reshard(value, layout.without_partial()), layout.mesh)
-            parts = value.local_shards()
-            shards = [s * (p == r) for s, p, r in zip(shards, parts, reduced)]
-        return (None, None, None, *shards)
-
-
-def _selects(layout: Layout) -> bool:
-    return any(op in ("max", "min") for _, op in layout.partial)
-
-
-def _shards_of(value: Any, mesh: Mesh) -> tuple:
-    return tuple(backend_for(mesh).shard_list(value, mesh))
-
-
-def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
-    if isinstance(g, ShardedArray) or _ft.base_array(g) is not None:
-        return g
-    return distribute(g, Layout(layout.mesh, ((),) * g.dim()))
-
-
-def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequence[int] | None,
-                stride: Sequence[int] | None, *, run_check: bool = False) -> ShardedArray:
-    if mesh is not None:
-        check_mesh(mesh, "from_local(mesh=...)")
-    if mesh is None and not isinstance(sharding, NamedSharding | Layout):
-        mesh = current_mesh()
-    if shape is not None:
-        from ..plans.planner import check_shape
-
-        shape = check_shape(shape, "from_local")
-    shards = _check_shard_list(local, mesh if mesh is not None else _sharding_mesh(sharding))
-    ndim = shards[0].dim()
-    layout = to_layout(sharding, ndim, mesh, arg="sharding")
-    shards = _to_mesh_devices(shards, layout.mesh)  # the mesh owns the device
-    backend = backend_for(layout.mesh)
-    shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
-    checked = _replicas.checking()
-    if run_check or checked:
-        _check_replicas_agree(shards, layout)
-    if checked:
-        split = set(layout.axis_dim) | set(layout.partial_ops)
-        over = tuple(a for a in layout.mesh.axis_names if a not in split)
-        backend.check_replicas(layout.mesh, shards[0], over, f"from_local: the local tensor ({layout.spec_str()})")
-    return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
-
-
-def _to_mesh_devices(shards: list[torch.Tensor], mesh: Mesh) -> list[torch.Tensor]:
-    """Each shard on the mesh's device type (copied there where it is elsewhere). A shard that
-    cannot be copied there (a meta tensor holds no data) is a ShardingError naming the device
-    of every such shard and the mesh's device_type."""
-    devices = backend_for(mesh).devices(mesh)
-
-    def where(bad: list[int]) -> str:
-        named = (f"the shard of device {devices[i]} is on {shards[i].device}" for i in bad[:8])
-        return ", ".join(named) + (" ..." if len(bad) > 8 else "")
-
-    no_data = [i for i, t in enumerate(shards) if t.is_meta and mesh.device_type != "meta"]
-    if no_data:
-        raise ShardingError(
-            f"from_local: {where(no_data)}: a meta tensor holds no values, but {mesh!r} has device_type "
-            f"{mesh.device_type!r} and needs every shard's values; pass tensors with data (any device: they "
-            f"are copied to {mesh.device_type!r}), or use a mesh with device_type='meta'"
-        )
-    out = []
-    for i, t in enumerate(shards):
-        try:
-            out.append(to_mesh_device(t, mesh))
-        except (RuntimeError, NotImplementedError) as e:
-            raise ShardingError(
-                f"from_local: {where([i])} cannot be copied to {mesh!r}'s device_type {mesh.device_type!r}: "
-                f"{str(e).splitlines()[0]}"
-            ) from None
-    return out
-
-
-def _check_replicas_agree(shards: list[torch.Tensor], layout: Layout) -> None:
-    """Shards on devices that differ only along replicated mesh axes hold one value: a
-    ShardingError names the devices that disagree. Only replicas this process holds are
-    compared (every one on the local backend; on dist values are trusted, as in JAX/DTensor)."""
-    mesh = layout.mesh
-    split = set(layout.axis_dim) | set(layout.partial_ops)
-    replicated = [i for i, a in enumerate(mesh.axis_names) if a not in split and mesh.shape[i] > 1]
-    if not replicated:
-        return
-    held = {dev: i for i, dev in enumerate(backend_for(mesh).devices(mesh))}
-    bad = []
-    for dev, i in held.items():
-        coords = list(mesh.coords(dev))
-        for k in replicated:
-            coords[k] = 0
-        first = mesh.device_at(coords)
-        j = held.get(first)
-        if j is not None and first != dev and not _same_values(shards[j], shards[i]):
-            bad.append((first, dev))
-    if bad:
-        axes = [mesh.axis_names[i] for i in replicated]
-        pairs = ", ".join(f"{a} vs {b}" for a, b in bad[:8])
-        raise ShardingError(
-            f"from_local: {layout.spec_str()} replicates over mesh axes {axes!r}, but the shards of "
-            f"devices {pairs} differ; replicas must hold equal values (shard the value, declare it "
-            f"Partial, or pass equal shards)"
-        )
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values (NaN equal to NaN, as a copy would be)."""
-    if a.shape != b.shape or torch.equal(a, b):
-        return a.shape == b.shape
-    if a.is_floating_point() or a.is_complex():
-        return bool(((a == b) | (a.isnan() & b.isnan())).all())
-    return False
-
-
-def _sharding_mesh(sharding: Any) -> Mesh | None:
-    return getattr(sharding, "mesh", None)
-
-
-def _check_shard_list(local: Any, mesh: Mesh | None) -> list[torch.Tensor]:
-    if mesh is None:
-        raise ShardingError("from_local needs a mesh: pass mesh=, a NamedSharding, or enter `with mesh:`")
-    local = backend_for(mesh).unpack_local(local, mesh)
-    for i, t in enumerate(local):
-        if not isinstance(t, torch.Tensor) or isinstance(t, ShardedArray):
-            raise ShardingError(f"from_local: shard {i} is {type(t).__name__}, not a plain torch.Tensor")
-        if t.dim() != local[0].dim() or t.dtype != local[0].dtype:
-            raise ShardingError(
-                f"from_local: shard {i} is {t.dtype}[{tuple(t.shape)}] but shard 0 is "
-                f"{local[0].dtype}[{tuple(local[0].shape)}]; all shards need one rank and dtype"
-            )
-    return local
+def rebuild_array(mesh: Mesh, dims: tuple, partial: tuple, shards: tuple, shape: tuple, dtype: torch.dtype,
+                  requires_grad: bool) -> ShardedArray:
+    """Unpickling (``checkpointable.pickle_args`` gives the arguments): a leaf array, replicas
+    sharing one copy."""
+    layout = Layout(mesh, tuple(tuple(a) for a in dims), tuple(tuple(p) for p in partial))
+    shape = tuple(shape)
+    value = backend_for(mesh).build(layout, shape, lambda d: shards[d])
+    return wrap(value, layout, shape, dtype, requires_grad=requires_grad)
+
+
+torch.serialization.add_safe_globals([rebuild_array])  # torch.load(weights_only=True) rebuilds arrays
 
 
 # -- arrays with batch dims ------------------------------------------------------------------
@@ -914,3 +490,9 @@ def _unflatten(aux: tuple, children: Any) -> ShardedArray:
 
 for _cls in ARRAY_TYPES:
     optree.register_pytree_node(_cls, _flatten, _unflatten, namespace="shardfn")
+
+
+# the moves the methods above call; those modules import this one's class, defined by now
+# (``arrays/__init__.py`` imports this module first, whichever arrays module is asked for)
+from .local_shards import _from_local, _ToLocal  # noqa: E402
+from .redistribute import _FullTensor, reshard  # noqa: E402

@@ -11,6 +11,7 @@ backends. Arrays layer: no imports from transforms or edge packages.
 from __future__ import annotations
 
 import hashlib
+import functools
 import math
 from typing import Any
 
@@ -27,14 +28,25 @@ def _held_boxes(layout: Layout, shape: tuple[int, ...]) -> list[tuple[Box, int]]
     """The distinct non-empty boxes of the devices this process holds, each with the first
     device holding it (a value with no elements: one empty box at the origin)."""
     mesh = layout.mesh
+    return list(_distinct_boxes(layout, shape, tuple(backend_for(mesh).devices(mesh))))
+
+
+@functools.lru_cache(maxsize=4096)
+def _distinct_boxes(layout: Layout, shape: tuple[int, ...], devices: tuple[int, ...]) -> tuple[tuple[Box, int], ...]:
+    boxes = _lay.all_boxes(layout, shape)
     seen: dict[Box, int] = {}
-    for d in backend_for(mesh).devices(mesh):
-        box = _lay.device_box(layout, shape, d)
+    for d in devices:
+        box = boxes[d]
         if box not in seen and _lay.box_numel(box) > 0:
             seen[box] = d
     if not seen and math.prod(shape) == 0:
         seen[tuple((0, n) for n in shape)] = -1
-    return list(seen.items())
+    return tuple(seen.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _by_offset(layout: Layout, shape: tuple[int, ...], devices: tuple[int, ...]) -> dict[torch.Size, tuple[Box, int]]:
+    return {_offsets(box): (box, d) for box, d in _distinct_boxes(layout, shape, devices)}
 
 
 def _offsets(box: Box) -> torch.Size:
@@ -48,26 +60,29 @@ def _sizes(box: Box) -> torch.Size:
 def _readable(x: Any) -> tuple[Any, Layout]:
     """``x``'s backend value with pending reductions resolved (on dist every process calls
     this in the same order: DCP plans every state dict entry on every rank), and its layout.
-    The reduced value is kept on the array (``raw_reshard``), so the later shard lookup
-    runs no collective."""
-    from .array import raw_reshard
-
+    The reduced value is kept on the array (``raw_reshard`` under ``redistribute``), so the
+    later shard lookup runs no collective."""
     layout = x._layout.without_partial()
-    return raw_reshard(x, layout), layout
+    with torch.no_grad():
+        return x.redistribute(layout)._local, layout
 
 
 def _shard_of(x: Any, value: Any, layout: Layout, index: Any) -> torch.Tensor:
     """The tensor of the chunk at ``index.offset`` (a view of the array's storage)."""
     shape = tuple(x.shape)
-    boxes = _held_boxes(layout, shape)
-    want = None if index.offset is None else torch.Size(index.offset)
-    for box, device in boxes:
-        if want is None or _offsets(box) == want:
-            if device < 0:
-                return torch.empty(shape, dtype=x.dtype)
-            return backend_for(layout.mesh).shard(value, layout.mesh, device)
-    raise ValueError(f"{index.fqn!r}: this process holds no shard at offset {tuple(want or ())} "
-                     f"of {_lay.describe(shape, x.dtype, x._layout)}")
+    mesh = layout.mesh
+    devices = tuple(backend_for(mesh).devices(mesh))
+    if index.offset is None:
+        found = next(iter(_distinct_boxes(layout, shape, devices)), None)
+    else:
+        found = _by_offset(layout, shape, devices).get(torch.Size(index.offset))
+    if found is None:
+        raise ValueError(f"{index.fqn!r}: this process holds no shard at offset {tuple(index.offset or ())} "
+                         f"of {_lay.describe(shape, x.dtype, x._layout)}")
+    _, device = found
+    if device < 0:
+        return torch.empty(shape, dtype=x.dtype)
+    return backend_for(mesh).shard(value, mesh, device)
 
 
 def create_write_items(x: Any, fqn: str) -> list:
@@ -169,9 +184,10 @@ def stable_hash(x: Any) -> str:
     return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
-def reduce_array(x: Any) -> tuple:
-    """``__reduce_ex__``: where this process holds every device's shard (the local backend),
-    the mesh, layout, shape, dtype and shards; elsewhere a TypeError naming sf.checkpoint."""
+def pickle_args(x: Any) -> tuple:
+    """``__reduce_ex__``'s arguments of ``array.rebuild_array``: where this process holds every
+    device's shard (the local backend), the mesh, layout, shape, dtype and shards; elsewhere a
+    TypeError naming sf.checkpoint."""
     mesh = x.mesh
     held = backend_for(mesh).devices(mesh)
     if len(held) != mesh.size:
@@ -181,18 +197,4 @@ def reduce_array(x: Any) -> tuple:
             f"several processes with sf.checkpoint.save(path, tree) (every process calls it), or pickle x.full_tensor()")
     shards = tuple(backend_for(mesh).shard_list(x._local, mesh))
     layout = x._layout
-    return rebuild_array, (mesh, layout.dims, layout.partial, shards, tuple(x.shape), x.dtype, x.requires_grad)
-
-
-def rebuild_array(mesh: Mesh, dims: tuple, partial: tuple, shards: tuple, shape: tuple, dtype: torch.dtype,
-                  requires_grad: bool) -> Any:
-    """The inverse of :func:`reduce_array` (a leaf array; replicas share one copy)."""
-    from .array import wrap
-
-    layout = Layout(mesh, tuple(tuple(a) for a in dims), tuple(tuple(p) for p in partial))
-    shape = tuple(shape)
-    value = backend_for(mesh).build(layout, shape, lambda d: shards[d])
-    return wrap(value, layout, shape, dtype, requires_grad=requires_grad)
-
-
-torch.serialization.add_safe_globals([rebuild_array])  # torch.load(weights_only=True) rebuilds arrays
+    return (mesh, layout.dims, layout.partial, shards, tuple(x.shape), x.dtype, x.requires_grad)

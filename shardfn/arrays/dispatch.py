@@ -23,7 +23,8 @@ from . import inplace as _inplace
 from . import rule_table as _rules
 from . import special_ops
 from ..plans.planner import PLAN_CACHES
-from .array import ShardedArray, _BatchedArray, note_derived
+from .array import ShardedArray, _BatchedArray
+from .redistribute import note_derived
 from .fragments import _fragment
 from .reduced import reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
@@ -58,7 +59,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """A view of a pending value is reduced through its base (``array.note_derived``)."""
+    """A view of a pending value is reduced through its base (``redistribute.note_derived``)."""
     base = args[0] if args else None
     if isinstance(base, ShardedArray) and base._layout.partial:
         note_derived(func, base, args[1:], kwargs, out if isinstance(out, (tuple, list)) else (out,))

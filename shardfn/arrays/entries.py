@@ -22,7 +22,7 @@ from .array import ShardedArray, _wrap_output, check_partial_dtype
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _replace, _to_meta
 from .reduced import reduced_forms
-from .array import raw_full, raw_reshard
+from .redistribute import raw_full, raw_reshard
 from .strategies import Candidate, OpCall
 
 

@@ -156,7 +156,7 @@ def calibrate() -> None:
     ``t().sum()`` takes a view (``t``) of a private gradient."""
     global _calibrating
     _BASE.clear()
-    from .array import distribute
+    from .redistribute import distribute
     from ..values.mesh import Mesh
     from ..values.spec import P
 

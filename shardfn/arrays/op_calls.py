@@ -12,7 +12,7 @@ from ..values import replica_checks as _replicas
 from ..values.layout import Layout, describe
 from ..values.schema import op_name as _op_name
 from .array import ShardedArray, wrap
-from .array import raw_distribute
+from .redistribute import raw_distribute
 
 
 def _leaves(args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:

@@ -20,7 +20,7 @@ def reduced_forms(x: Any) -> frozenset:
 
 
 def link_of(x: Any) -> tuple | None:
-    """``x``'s link to the pending base it is a view of (``array.note_derived``), while
+    """``x``'s link to the pending base it is a view of (``redistribute.note_derived``), while
     ``x`` still holds the shards the link was made for."""
     link = x.__dict__.get("_derived")
     return link if link is not None and link[5] is x._local else None

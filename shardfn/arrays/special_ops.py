@@ -10,17 +10,20 @@ import torch
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
 from .array import ShardedArray, _wrap_output
-from .array import raw_full, raw_reshard
+from .redistribute import raw_full, raw_reshard
 
 aten = torch.ops.aten
 
 
 def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     """The same shards, layout, shape and dtype in a new (contiguous) array; a contiguous
-    ``x``'s fast-key fragment holds for it too, so its next op needs no fragment lookup."""
+    ``x``'s fast-key fragment holds for it too (not a pending one's: its fragment names the
+    reductions kept on ``x``), so its next op needs no fragment lookup."""
     x = args[0]
     shape = tuple(x.shape)
-    frag = x._kf if x._kf is not None and x.is_contiguous() and not x.storage_offset() else None
+    frag = x._kf
+    if frag is not None and (x._layout.partial or not x.is_contiguous() or x.storage_offset()):
+        frag = None
     return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
 
 
@@ -52,7 +55,7 @@ def _equal(func: Any, args: tuple, kwargs: dict, compare: Callable = torch.equal
     layout = a._layout.without_partial()
     if isinstance(b, ShardedArray) and b.mesh != a.mesh:
         raise ShardingError(f"aten.equal: operands live on different meshes {a.mesh!r} and {b.mesh!r}")
-    from .array import raw_distribute
+    from .redistribute import raw_distribute
 
     va = raw_reshard(a, layout)
     vb = raw_reshard(b, layout) if isinstance(b, ShardedArray) else raw_distribute(b, layout)

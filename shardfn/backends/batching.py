@@ -453,7 +453,9 @@ def _attention(info: Info) -> "_Call | None":
         def fold(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
-            a = a.expand(*lead, *a.shape[m:]).reshape(-1, *a.shape[m + 1:])
+            if list(a.shape[:m]) != lead:
+                a = a.expand(*lead, *a.shape[m:])
+            a = a.reshape(-1, *a.shape[m + 1:])
             return a.contiguous() if grouped else dc.dense(a, "last")
 
         outs = op(*[fold(a) for a in args], **kwargs)

@@ -75,7 +75,10 @@ def dense(v: Any, mode: bool | str = True) -> Any:
     attention assume: torch's front-end only picks them for such inputs, but a gathered
     shard may carry other strides)."""
     if isinstance(v, torch.Tensor):
-        v = v.resolve_conj().resolve_neg()
+        if v.is_conj():  # (the resolve calls return v itself when the flag is off: skip the dispatch)
+            v = v.resolve_conj()
+        if v.is_neg():
+            v = v.resolve_neg()
         if mode == "last":
             return v.contiguous() if v.dim() and v.shape[-1] > 1 and v.stride(-1) != 1 else v
         return v.contiguous()

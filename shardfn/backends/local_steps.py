@@ -220,7 +220,8 @@ def _prod(mesh: Mesh, axes: Sequence[str]) -> int:
 def _along(x: torch.Tensor, ai: int, mesh: Mesh) -> torch.Tensor:
     """``x`` with mesh dim ``ai`` at its axis size (a value the same on every device of
     the axis is expanded, so a sum over the axis counts every device)."""
-    return x.expand(*x.shape[:ai], mesh.shape[ai], *x.shape[ai + 1:])
+    n = mesh.shape[ai]
+    return x if x.shape[ai] == n else x.expand(*x.shape[:ai], n, *x.shape[ai + 1:])
 
 
 def _reduce_axis(x: torch.Tensor, ai: int, mesh: Mesh, op: str) -> torch.Tensor:

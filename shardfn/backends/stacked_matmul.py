@@ -28,11 +28,17 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     plan = _cached_plan(a, b)
     if plan is None:
         return torch.matmul(a, b)
-    a_order, a_shape, b_order, b_shape, out_shape, out_order = plan
-    a3 = a.permute(a_order).reshape(a_shape)
-    b3 = b.permute(b_order).reshape(b_shape)
-    out = torch.bmm(a3, b3) if a_shape[0] != 1 else torch.mm(a3[0], b3[0]).unsqueeze(0)
-    return out.view(out_shape).permute(out_order)
+    a_order, a_shape, b_order, b_shape, out_shape, out_order = plan  # orders: None where identity
+    if a_order is not None:
+        a = a.permute(a_order)
+    if b_order is not None:
+        b = b.permute(b_order)
+    if a_shape[0] != 1:
+        out = torch.bmm(a.reshape(a_shape), b.reshape(b_shape))
+    else:  # one GEMM: no batch dim to add and take off again
+        out = torch.mm(a.reshape(a_shape[1:]), b.reshape(b_shape[1:]))
+    out = out.view(out_shape)
+    return out if out_order is None else out.permute(out_order)
 
 
 _PLANS: dict[tuple, tuple | None] = {}
@@ -87,7 +93,9 @@ def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
     # position of each output dim (leading dims in order, then m, n) within out_shape
     where = {d: j for j, d in enumerate([*common, *rows, "m", *cols, "n"])}
     out_order = [where[i] for i in range(lead)] + [where["m"], where["n"]]
-    return a_order, (c, ma * m, k), b_order, (c, k, nb * n), out_shape, out_order
+    same = list(range(r))
+    return (None if a_order == same else a_order, (c, ma * m, k), None if b_order == same else b_order,
+            (c, k, nb * n), out_shape, None if out_order == same else out_order)
 
 
 def _prod_sizes(shape: Sequence[int], dims: Sequence[int]) -> int:

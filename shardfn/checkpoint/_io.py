@@ -4,7 +4,8 @@ The tree is flattened to DCP's flat state dict (keys: the path's entries joined 
 as DCP names nested dicts), and DCP does the I/O through the arrays' checkpointable-tensor
 protocol (``shardfn/arrays/checkpointable.py``): each distinct shard is one chunk, written once;
 loading builds fresh arrays of the requested layout and reads, per held distinct shard, only
-the slices of the saved chunks it overlaps (DCP's resharding read items).
+the slices of the saved chunks it overlaps (DCP's resharding read items), by default with
+``_reader.DirectFileSystemReader`` (the bytes go straight into the new shards).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import optree
 import torch
 
 from ..arrays.checkpointable import empty_value
-from ..arrays.array import ARRAY_TYPES, ShardedArray, reshard, wrap
+from ..arrays.array import ARRAY_TYPES, ShardedArray, wrap
+from ..arrays.redistribute import reshard
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
 from ..values.mesh import Mesh, current_mesh
 from ..values.spec import NamedSharding, P, to_layout
+from ._reader import DirectFileSystemReader
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
@@ -99,14 +102,12 @@ def save(path: str | os.PathLike | None, tree: Any, *, storage_writer: Any = Non
 
 
 def _metadata(path: Any, storage_reader: Any) -> tuple[Any, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-
     if storage_reader is None:
         if path is None:
             raise ShardingError("sf.checkpoint.load: give a path (a folder) or storage_reader=")
         if not os.path.isdir(_path_id(path)):
             raise ShardingError(f"sf.checkpoint.load: {os.fspath(path)!r} is not a checkpoint folder")
-        storage_reader = FileSystemReader(_path_id(path))
+        storage_reader = DirectFileSystemReader(_path_id(path))
     elif path is not None:
         storage_reader.reset(_path_id(path))
     return storage_reader, storage_reader.read_metadata()

@@ -19,7 +19,7 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
-from ..arrays import array
+from ..arrays import array, redistribute
 from ..transforms import constraints
 from ..values import graph_calls
 from ..values.layout import Layout
@@ -37,7 +37,7 @@ def _graph_functions() -> list[Callable]:
     """Functions Dynamo records as one call (their arguments: tensors, pytrees of them,
     and sharding values)."""
     return [
-        array.reshard, array.distribute, array.gather,
+        redistribute.reshard, redistribute.distribute, redistribute.gather,
         array.ShardedArray.full_tensor, array.ShardedArray.redistribute,
         array.ShardedArray.to_local, array.ShardedArray.from_local,
         constraints.with_sharding_constraint,

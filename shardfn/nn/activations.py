@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ..arrays.array import ShardedArray, distribute
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import distribute
 from ..values.errors import ShardingError
 from ..values.layout import Layout
 from ..values.mesh import Mesh

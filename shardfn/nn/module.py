@@ -10,7 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from ..arrays.array import ShardedArray, distribute
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import distribute
 from ..values.mesh import Mesh
 from ..values.spec import P
 

@@ -15,7 +15,8 @@ import attrs
 import torch
 from torch import nn
 
-from ..arrays.array import ShardedArray, distribute
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import distribute
 from ..random import keys as _random
 from ..values.errors import ShardingError
 from ..values.layout import Layout, describe

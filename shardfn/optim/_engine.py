@@ -17,7 +17,8 @@ import attrs
 import optree
 import torch
 
-from ..arrays.array import ShardedArray, reshard
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import reshard
 from ..values.errors import ShardingError
 from ..values.layout import Layout
 from ._cow import BufferPool, CopyOnWrite
@@ -111,6 +112,10 @@ class TorchOptimizer:
     state of a parameter replicated over an axis of size k; the gradient arrives by a
     reduce-scatter (a slice when it is already reduced) and the new parameter is
     all-gathered back to its own layout.
+
+    Memory: a step writes new parameters and state (the inputs stay valid). On CPU the
+    optimizer reuses the buffers of earlier steps' outputs once nothing references them, so
+    it keeps up to one spare generation of parameters and state between steps.
     """
 
     def __init__(self, optimizer_cls: type, kwargs: dict, *, shard_state_over: str | Sequence[str] | None = None) -> None:

@@ -73,7 +73,7 @@ def in_layout(x: Any, layout: Layout | None, what: str) -> torch.Tensor:
     if layout is None:
         return x.full_tensor() if isinstance(x, ShardedArray) else x
     if not isinstance(x, ShardedArray):
-        from ..arrays.array import distribute
+        from ..arrays.redistribute import distribute
 
         return distribute(x.detach(), layout)
     if x.mesh != layout.mesh:

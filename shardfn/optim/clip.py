@@ -12,7 +12,8 @@ from typing import Any
 import optree
 import torch
 
-from ..arrays.array import ShardedArray, reshard
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import reshard
 from ..rules.foreach import finish, reduced_parts, reducer
 from ..values.errors import ShardingError
 from ._storage import from_storage, resolved, storage

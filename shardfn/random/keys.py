@@ -10,7 +10,8 @@ import attrs
 import torch
 
 from . import counter_rng as _rng
-from ..arrays.array import ShardedArray, raw_full, raw_reshard
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import raw_full, raw_reshard
 from ..values.context import ThreadStack
 from ..values.errors import ShardingError
 from ..arrays.factories import ShapeLike, _allocating, _build, _from_boxes, _layout, _mesh_device, _shape, _shard_of

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ..arrays import rule_table
-from ..arrays.array import ShardedArray, raw_reshard, wrap
+from ..arrays.array import ShardedArray, wrap
+from ..arrays.redistribute import raw_reshard
 from ..arrays.factories import _box_shape, _build, _from_boxes, _shard_of
 from ..rules.base import bind, replicated
 from ..values.layout import Box, Layout

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..arrays.array import ShardedArray, distribute, reshard, wrap
+from ..arrays.array import ShardedArray, wrap
+from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
 from ..values.layout import Layout
 

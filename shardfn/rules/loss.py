@@ -45,7 +45,8 @@ def _nll_mean(func: Any, args: tuple, kwargs: dict) -> Any:
     with torch.no_grad():
         total, weight = func(x, t, b["weight"], _SUM, b["ignore_index"])
         both = torch.stack([total, weight])
-        from ..arrays.array import raw_reshard, wrap
+        from ..arrays.array import wrap
+        from ..arrays.redistribute import raw_reshard
 
         rep = Layout(both.mesh, ((),))
         both = wrap(raw_reshard(both, rep), rep, both.shape, both.dtype)

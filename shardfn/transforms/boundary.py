@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch._C._functorch as _ft
 
-from ..arrays.array import ShardedArray, raw_reshard, wrap
+from ..arrays.array import ShardedArray, wrap
+from ..arrays.redistribute import raw_reshard
 from ..backends.registry import backend_for
 from ..backends.local_values import full, settle
 from ..values.layout import Layout, local_shapes
@@ -56,7 +57,7 @@ def unwrapped(t: Any) -> Any:
 
 def grad_value(ct: Any, layout: Layout) -> Any:
     """The backend value of cotangent ``ct`` (a ShardedArray or a full tensor) in ``layout``."""
-    from ..arrays.array import raw_distribute
+    from ..arrays.redistribute import raw_distribute
 
     ct = unwrapped(ct)
     if isinstance(ct, ShardedArray):
@@ -123,7 +124,7 @@ def _sum_partial(layout: Layout, modes: tuple[str, ...]) -> Layout:
 def _as_sharded(t: Any, layout: Layout) -> Any:
     """A cotangent or tangent as an array in ``layout`` (plain tensors are full values)."""
     from ..arrays.functorch import base_array
-    from ..arrays.array import distribute, reshard
+    from ..arrays.redistribute import distribute, reshard
 
     if not isinstance(t, ShardedArray) and base_array(t) is None:
         t = distribute(t, Layout(layout.mesh, ((),) * t.dim()))
@@ -168,7 +169,7 @@ class EnterStacked(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: Any, modes: tuple[str, ...]) -> tuple:
         from ..arrays.functorch import layout_of
-        from ..arrays.array import reshard
+        from ..arrays.redistribute import reshard
 
         b = in_dims[0]
         if b is None:
@@ -243,7 +244,7 @@ class EnterParts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: Any) -> Any:
-        from ..arrays.array import reshard
+        from ..arrays.redistribute import reshard
 
         layout, grad_layout, resolve, shape, dtype = ctx.meta
         shapes = local_shapes(grad_layout, shape)
@@ -261,7 +262,7 @@ class EnterParts(torch.autograd.Function):
     @staticmethod
     def vmap(info: Any, in_dims: tuple, x: Any, grad_layout: Layout, resolve: bool) -> tuple:
         from ..arrays.functorch import insert_dim, layout_of
-        from ..arrays.array import reshard
+        from ..arrays.redistribute import reshard
 
         b = in_dims[0]
         if b is None:

@@ -19,8 +19,9 @@ from typing import Any
 import optree
 import torch
 
-from ..arrays import array as _array
-from ..arrays.array import _BATCHED_NDIM, ARRAY_TYPES, ShardedArray, _BatchedArray, _make_wrapper, check_partial_dtype, reshard
+from ..arrays import redistribute as _redistribute
+from ..arrays.array import _BATCHED_NDIM, ARRAY_TYPES, ShardedArray, _BatchedArray, _make_wrapper, check_partial_dtype
+from ..arrays.redistribute import reshard
 from ..arrays.fragments import fragment_of
 from ..values.layout import Layout, is_even
 from ..plans.planner import PLAN_CACHES, plan_layouts
@@ -282,7 +283,7 @@ class _Coalesced(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *gs: Any) -> tuple:
-        from ..arrays.array import _as_sharded
+        from ..arrays.redistribute import _as_sharded
 
         b = ctx.bucket
         back = tuple(None if g is None else reshard(_as_sharded(g, dst), src.without_partial())
@@ -290,4 +291,4 @@ class _Coalesced(torch.autograd.Function):
         return (None, *back)
 
 
-_array._reshard_tree = reshard_tree  # sf.reshard of a pytree (arrays cannot import this layer)
+_redistribute._reshard_tree = reshard_tree  # sf.reshard of a pytree (arrays cannot import this layer)

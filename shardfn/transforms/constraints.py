@@ -8,7 +8,8 @@ from typing import Any
 import optree
 import torch
 
-from ..arrays.array import ShardedArray, distribute
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import distribute
 from ..values.errors import ShardingError
 from ..values.spec import Sharding
 from . import boundary as B

@@ -214,7 +214,7 @@ def _on_whole(fn: Any) -> Any:
         for on_submesh, collective in SUBMESH_COLLECTIVES:  # filled by shard_map/sub_dist.py
             if on_submesh(x):  # a dist partial-manual body: the collective acts on this rank's shard
                 return collective(fn, x, args, kwargs)
-        from ..arrays.array import distribute, gather
+        from ..arrays.redistribute import distribute, gather
         from ..values.layout import Layout
 
         out = fn(gather(x), *args, **kwargs)

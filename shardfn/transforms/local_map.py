@@ -10,7 +10,8 @@ from typing import Any
 import optree
 import torch
 
-from ..arrays.array import ShardedArray, distribute, reshard
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
 from ..values.graph_calls import in_graph

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..arrays.explicit import explicit
-from ..arrays.array import ShardedArray, distribute, reshard
+from ..arrays.array import ShardedArray
+from ..arrays.redistribute import distribute, reshard
 from ..values.errors import ShardingError, like_torch
 from ..values.mesh import current_mesh
 from ..values.spec import Sharding, to_layout

@@ -1,6 +1,6 @@
 """Views of one mesh: ``Mesh.flatten`` / ``Mesh.unflatten`` give meshes over the same
 devices (same row-major numbering), and a ShardedArray moves between a mesh and its view
-by relabelling its layout (``arrays/across_meshes.py``) — no data moves when the layouts
+by relabelling its layout (``arrays/redistribute.py`` ``reshard_across``) — no data moves when the layouts
 agree (``P(('dp','tp'))`` on ``(dp, tp)`` is ``P('dptp')`` on the flattened mesh).
 
 Both meshes are factorisations of the same device count; their common refinement (the

@@ -22,7 +22,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
-from ...arrays.array import ShardedArray, distribute, reshard
+from ...arrays.array import ShardedArray
+from ...arrays.redistribute import distribute, reshard
 from ...arrays.functorch import base_array, is_wrapped
 from ...values import replica_checks as _replicas
 from ...values.errors import ShardingError
@@ -418,7 +419,7 @@ class _Closures(TorchFunctionMode):
             if t.requires_grad:  # made in the body (a closure that does not require grad is never cached)
                 self.seen[key] = None
             return None
-        from ...arrays.array import gather
+        from ...arrays.redistribute import gather
 
         full = gather(t) if array else t
         rep = _Replicated.apply(full, self.mesh, None) if full.requires_grad else full

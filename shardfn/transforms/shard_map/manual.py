@@ -21,7 +21,8 @@ import optree
 import torch
 
 from .. import lax
-from ...arrays.array import ShardedArray, distribute, gather, reshard
+from ...arrays.array import ShardedArray
+from ...arrays.redistribute import distribute, gather, reshard
 from ...backends import backend_for
 from ...values.errors import ShardingError
 from ...values.layout import Layout

@@ -20,7 +20,8 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ...arrays.array import ShardedArray, reshard
+from ...arrays.array import ShardedArray
+from ...arrays.redistribute import reshard
 from ...values.errors import ShardingError
 from ...values.layout import Layout, device_box
 from ...values.mesh import Mesh

@@ -23,7 +23,8 @@ import torch
 import torch._C._functorch as _ft
 from torch._functorch.vmap import vmap_increment_nesting
 
-from ...arrays.array import ShardedArray, reshard
+from ...arrays.array import ShardedArray
+from ...arrays.redistribute import reshard
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh

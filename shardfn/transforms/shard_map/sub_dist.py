@@ -26,7 +26,8 @@ import torch
 
 from . import per_device as _per_device
 from .. import lax
-from ...arrays.array import ShardedArray, distribute, reshard, wrap
+from ...arrays.array import ShardedArray, wrap
+from ...arrays.redistribute import distribute, reshard
 from ...backends import backend_for
 from ...backends.hooks import register_submesh_collective
 from ...values.layout import Layout
@@ -257,7 +258,7 @@ class _PlainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
-        from ...arrays.array import gather
+        from ...arrays.redistribute import gather
 
         return gather(g) if isinstance(g, ShardedArray) else g
 
@@ -286,7 +287,7 @@ class _Replicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
-        from ...arrays.array import gather
+        from ...arrays.redistribute import gather
 
         g = gather(g) if isinstance(g, ShardedArray) else g
         if _rank(ctx.sub) != 0:

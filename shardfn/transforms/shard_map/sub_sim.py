@@ -26,7 +26,8 @@ from typing import Any
 import optree
 import torch
 
-from ...arrays.array import ShardedArray, distribute, reshard, wrap
+from ...arrays.array import ShardedArray, wrap
+from ...arrays.redistribute import distribute, reshard
 from ...backends import backend_for
 from ...backends.hooks import SHARD_MAP, muted
 from ...values.errors import ShardingError

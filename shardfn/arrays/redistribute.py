@@ -1,0 +1,338 @@
+"""Moving a ShardedArray between layouts: ``distribute`` (a full tensor onto the mesh), ``reshard``
+(another layout, or a view of the mesh: ``Mesh.flatten`` / ``unflatten``), ``gather`` (the full
+value), each a differentiable autograd Function over the autograd-free ``raw_*`` moves of backend
+values that dispatch shares (a pending reduction runs once per target layout, kept on the array)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..backends.registry import backend_for, execute
+from ..plans.planner import plan_layouts
+from ..values import replica_checks as _replicas
+from ..values.errors import ShardingError
+from ..values.layout import Layout
+from ..values.mesh import Mesh, current_mesh, to_mesh_device
+from ..values.mesh_views import not_a_view, refinement, to_fine
+from . import functorch as _ft
+from .reduced import base_reduced, link_of
+from ..values.spec import Sharding, check_mesh, to_layout
+from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
+from .array import ShardedArray, wrap
+
+
+def _shares_memory(a: Any, sources: Any) -> bool:
+    """Whether tensor(s) ``a`` may share storage with tensor(s) ``sources`` (True when unsure:
+    tensors without real storage, e.g. under tracing)."""
+    try:
+        mine = {t.untyped_storage().data_ptr() for t in _tensors(a)}
+        theirs = {t.untyped_storage().data_ptr() for t in _tensors(sources)}
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return True
+    return bool(mine & theirs)
+
+
+def _tensors(v: Any) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    return [t for x in v for t in _tensors(x)]
+
+
+# filled by the transforms layer when imported (arrays never import it)
+_reshard_tree: Callable | None = None  # ``shardfn.transforms.coalesce.reshard_tree``: pytree reshard
+
+
+def _mesh_of(x: Any, mesh: Mesh | None) -> Mesh | None:
+    if mesh is not None:
+        check_mesh(mesh, "mesh=")
+    if isinstance(x, ShardedArray):
+        if mesh is not None and mesh != x.mesh:
+            raise ShardingError(f"mesh={mesh!r} differs from the array's mesh {x.mesh!r}")
+        return x.mesh
+    return mesh if mesh is not None else current_mesh()
+
+
+# -- public functions -------------------------------------------------------------------
+
+
+def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = None) -> ShardedArray:
+    """Lay out a full tensor over the mesh (each device keeps only its shard).
+
+    A Partial sharding puts the value on the first device of each reduction group (sum)
+    or on all of them (avg/max/min). On dist every rank must pass the same tensor.
+    """
+    if isinstance(tensor, ShardedArray) or _ft.base_array(tensor) is not None:
+        return reshard(tensor, sharding)
+    if not isinstance(tensor, torch.Tensor):
+        raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
+    layout = to_layout(sharding, tensor.dim(), _mesh_of(tensor, mesh))
+    tensor = to_mesh_device(tensor, layout.mesh)  # the mesh owns the device
+    backend = backend_for(layout.mesh)
+    backend.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
+    if _replicas.checking():
+        backend.check_replicas(layout.mesh, tensor, layout.mesh.axis_names, "sf.distribute: the tensor argument")
+    return _Distribute.apply(tensor, layout)
+
+
+device_put = distribute
+
+
+def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
+    """The same global value in a new layout, moved with the cheapest plan; the gradient
+    is resharded back. ``x`` may be a pytree of arrays (``sharding`` a matching tree or a
+    prefix): leaves sharing plan steps then move together (``coalesce.py``)."""
+    if not isinstance(x, torch.Tensor):
+        if _reshard_tree is None:
+            raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
+        return _reshard_tree(x, sharding)
+    base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
+    if base is None:
+        if isinstance(x, torch.Tensor):
+            return distribute(x, sharding)
+        raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
+    target = _sharding_mesh(sharding)
+    if target is not None and target != base.mesh and isinstance(x, ShardedArray):
+        return reshard_across(x, to_layout(sharding, x.ndim, target))
+    dst = to_layout(sharding, x.ndim, base.mesh)
+    if dst == _ft.layout_of(x):
+        return x
+    return _Reshard.apply(x, dst)
+
+
+def gather(x: ShardedArray) -> torch.Tensor:
+    """The global value as a plain tensor (= ``x.full_tensor()``)."""
+    if not isinstance(x, ShardedArray) and _ft.base_array(x) is None:
+        raise ShardingError(f"gather takes a ShardedArray, got {type(x).__name__}")
+    return _FullTensor.apply(x)
+
+
+# -- raw (autograd-free) helpers shared with dispatch --------------------------------------
+
+
+def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
+    """The backend value of ``x`` laid out as ``dst`` (no autograd). A pending reduction
+    is run once per target layout however many ops read ``x`` or views of it: the array
+    is immutable, so the result is kept on it (checked against the shards it was made
+    from, which the autograd engine's ``.grad`` accumulation may rebind), and a view of a
+    pending value (``note_derived``) is reduced by reducing its base once and viewing the
+    result."""
+    if dst is x._layout or dst == x._layout:
+        return x._local
+    if not x._layout.partial:
+        return _execute_reshard(x, dst)
+    cache = x.__dict__.setdefault("_reduced", {})
+    hit = cache.get(dst)
+    if hit is not None and hit[0] is x._local and hit[1] == x._layout:
+        return hit[2]
+    value = _via_base(x, dst)
+    if value is None:
+        value = _execute_reshard(x, dst)
+    cache[dst] = (x._local, x._layout, value)
+    x._kf = None  # its dispatch key fragment names the reduced forms it has (dispatch._fragment)
+    return value
+
+
+def note_derived(func: Any, base: ShardedArray, rest: tuple, kwargs: dict, outs: Sequence[Any]) -> None:
+    """Link each pending output of a view op to its pending base, so one reduction serves
+    both (``raw_reshard``): only where the view has at least the base's elements (reducing
+    the base then costs no more than reducing the view)."""
+    for i, o in enumerate(outs):
+        if (isinstance(o, ShardedArray) and o is not base and o._layout.partial == base._layout.partial
+                and o.numel() >= base.numel()):
+            o._derived = (base, func, rest, kwargs, i if len(outs) > 1 else None, o._local)
+            o._kf = None  # the fragment depends on whether the base has been reduced
+
+
+def _via_base(x: ShardedArray, dst: Layout) -> Any:
+    """``x`` as ``dst`` by reducing the base ``x`` is a view of and viewing the result,
+    when ``dst`` only resolves ``x``'s pending reductions (or the base's reduction is
+    already at hand); None otherwise."""
+    link = link_of(x)
+    if link is None or (dst.dims != x._layout.dims and not base_reduced(x)) or dst.partial:
+        return None
+    base, func, rest, kwargs, i, _ = link
+    plain = base._layout.without_partial()
+    reduced = wrap(raw_reshard(base, plain), plain, base.shape, base.dtype)
+    out = _array._dispatch_fn(func, (reduced, *rest), kwargs)
+    if i is not None:
+        out = out[i]
+    if out._layout == dst:
+        return out._local
+    return raw_reshard(out, dst)
+
+
+def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
+    return execute(plan_layouts(x._layout, dst, _ft.hint_shape(x.shape), x.dtype), x._local, tuple(x.shape))
+
+
+def raw_full(x: ShardedArray) -> torch.Tensor:
+    value = raw_reshard(x, Layout(x.mesh, ((),) * x.ndim))
+    return backend_for(x.mesh).one_replica(value, x.mesh)
+
+
+def raw_distribute(t: torch.Tensor, layout: Layout) -> Any:
+    backend = backend_for(layout.mesh)
+    rep = backend.replicated(t, layout.mesh)
+    full = Layout(layout.mesh, ((),) * t.dim())
+    return execute(plan_layouts(full, layout, _ft.hint_shape(t.shape), t.dtype), rep, tuple(t.shape))
+
+
+# -- autograd functions -------------------------------------------------------------------
+
+
+class _Function(torch.autograd.Function):
+    """An autograd Function whose ``apply`` skips torch's per-call ``inspect.signature``
+    binding of default arguments (tens of microseconds; these forwards have no defaults
+    and are always called with every argument), except under torch.func transforms,
+    which take torch's own path."""
+
+    @classmethod
+    def apply(cls, *args: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
+
+
+_unwrap_dead = torch._functorch.utils.unwrap_dead_wrappers
+
+
+def _vmap_into_layout(fn: type, in_dims: tuple, x: Any, layout: Layout) -> tuple:
+    """The vmap rule of ``fn(x, layout)`` (a move into ``layout``): the batch dim of ``x``
+    becomes an unsharded dim of the layout."""
+    b = in_dims[0]
+    return fn.apply(x, layout if b is None else _ft.insert_dim(layout, b)), b
+
+
+class _Reshard(_Function):
+    @staticmethod
+    def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
+        return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.src, ctx.dst = _ft.layout_of(inputs[0]), inputs[1]
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any) -> Any:
+        return reshard(_as_sharded(t, ctx.dst), ctx.dst)
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return reshard(_as_sharded(g, ctx.src), ctx.src.without_partial()), None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any, dst: Layout) -> tuple:
+        return _vmap_into_layout(_Reshard, in_dims, x, dst)
+
+
+class _Distribute(_Function):
+    @staticmethod
+    def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
+        # like jax.device_put, a copy: where the plan only sliced or expanded ``t``, the
+        # shards are redone from one copy of ``t`` (replicas share that copy)
+        value = raw_distribute(t.detach(), layout)
+        if _shares_memory(value, t):
+            value = raw_distribute(t.detach().clone(), layout)
+        return wrap(value, layout, t.shape, t.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.layout = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        return (_FullTensor.apply(g) if _ft.base_array(g) is not None else g), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any) -> Any:
+        return distribute(t, ctx.layout)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, t: Any, layout: Layout) -> tuple:
+        return _vmap_into_layout(_Distribute, in_dims, t, layout)
+
+
+class _FullTensor(_Function):
+    @staticmethod
+    def forward(x: ShardedArray) -> torch.Tensor:
+        # a gather allocates; a replicated array's replica, and a pending value's reduction
+        # (kept on the array for later reads), are copied: the result is the caller's to write
+        full = raw_full(x)
+        if x._layout.partial or _shares_memory(full, x._local):
+            return full.clone(memory_format=torch.contiguous_format)
+        return full.contiguous()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.layout = _ft.layout_of(inputs[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        rep = Layout(ctx.layout.mesh, ((),) * g.dim())
+        return reshard(_Distribute.apply(g, rep), ctx.layout.without_partial())
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any) -> Any:
+        return _FullTensor.apply(t) if _ft.base_array(t) is not None else t
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any) -> tuple:
+        return _FullTensor.apply(x), in_dims[0]
+
+
+def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
+    if isinstance(g, ShardedArray) or _ft.base_array(g) is not None:
+        return g
+    return distribute(g, Layout(layout.mesh, ((),) * g.dim()))
+
+
+def _sharding_mesh(sharding: Any) -> Mesh | None:
+    return getattr(sharding, "mesh", None)
+
+
+# -- across mesh views (``Mesh.flatten`` / ``unflatten``) ------------------------------------------
+
+
+def relabel(value: Any, src: Mesh, dst: Mesh) -> Any:
+    """The backend value of a layout on ``src`` as the same shards on ``dst``."""
+    return backend_for(src).relabel(value, src, dst)
+
+
+def reshard_across(x: Any, dst: Layout) -> Any:
+    """``x`` laid out as ``dst`` on a view of its mesh (differentiable)."""
+    return _Across.apply(x, dst)
+
+
+def _move(x: Any, dst: Layout) -> Any:
+    src_mesh = x._layout.mesh
+    if backend_for(src_mesh) is not backend_for(dst.mesh):
+        raise not_a_view(src_mesh, dst.mesh)
+    fine, owner = refinement(src_mesh, dst.mesh)
+    src_f = to_fine(x._layout, fine, owner)
+    dst_f = to_fine(dst, fine, owner)
+    value = relabel(x._local, src_mesh, fine)
+    on_fine = ShardedArray(value, src_f, tuple(x.shape), x.dtype)
+    value = raw_reshard(on_fine, dst_f)
+    return wrap(relabel(value, fine, dst.mesh), dst, tuple(x.shape), x.dtype)
+
+
+class _Across(torch.autograd.Function):
+    @staticmethod
+    def forward(x: Any, dst: Layout) -> Any:
+        return _move(x, dst)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.src, ctx.dst = inputs[0]._layout, inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        if not isinstance(g, ShardedArray):
+            return None, None
+        return reshard_across(g, ctx.src.without_partial() if ctx.src.partial else ctx.src), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: Any, _: Any) -> Any:
+        return _move(reshard(t, ctx.src), ctx.dst)
