@@ -513,3 +513,14 @@ def test_pooling_with_an_empty_channel_shard(pool):
     out.sum().backward()
     ref.sum().backward()
     _close(X.grad, x.grad)
+
+
+def test_one_chunk_of_a_pending_sum_reduces_through_its_base():
+    # chunk returns a list even of one piece: the link to the pending base names the piece
+    mesh = sf.Mesh((2,), ("x",))
+    parts = [torch.randn(3, 5, 1) for _ in range(2)]
+    X = sf.ShardedArray.from_local(parts, P(None, None, None, partial="x"), mesh=mesh)
+    full = parts[0] + parts[1]
+    (piece,) = X.chunk(2, 2)
+    _close(piece, full)
+    _close(F.cross_entropy(piece, torch.softmax(full, 1)), F.cross_entropy(full, torch.softmax(full, 1)))

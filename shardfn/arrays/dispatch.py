@@ -62,7 +62,7 @@ def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     """A view of a pending value is reduced through its base (``redistribute.note_derived``)."""
     base = args[0] if args else None
     if isinstance(base, ShardedArray) and base._layout.partial:
-        note_derived(func, base, args[1:], kwargs, out if isinstance(out, (tuple, list)) else (out,))
+        note_derived(func, base, args[1:], kwargs, out)
 
 
 # the ops seen to return an alias of an input (``_inplace.is_view``), by id (fast keys hold

@@ -5,7 +5,7 @@ values that dispatch shares (a pending reduction runs once per target layout, ke
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -134,14 +134,16 @@ def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
     return value
 
 
-def note_derived(func: Any, base: ShardedArray, rest: tuple, kwargs: dict, outs: Sequence[Any]) -> None:
+def note_derived(func: Any, base: ShardedArray, rest: tuple, kwargs: dict, out: Any) -> None:
     """Link each pending output of a view op to its pending base, so one reduction serves
     both (``raw_reshard``): only where the view has at least the base's elements (reducing
-    the base then costs no more than reducing the view)."""
-    for i, o in enumerate(outs):
+    the base then costs no more than reducing the view). ``out``: the op's output, an array
+    or a sequence of them (``chunk``/``split``, even of one)."""
+    many = isinstance(out, (tuple, list))
+    for i, o in enumerate(out if many else (out,)):
         if (isinstance(o, ShardedArray) and o is not base and o._layout.partial == base._layout.partial
                 and o.numel() >= base.numel()):
-            o._derived = (base, func, rest, kwargs, i if len(outs) > 1 else None, o._local)
+            o._derived = (base, func, rest, kwargs, i if many else None, o._local)
             o._kf = None  # the fragment depends on whether the base has been reduced
 
 
