@@ -405,7 +405,9 @@ def view(c: Ctx, x: torch.Tensor) -> Step | None:
         "as_strided": lambda v: v.as_strided((2, 2), (1, 2)) if v.is_contiguous() and v.numel() >= 4 else v,
         "unfold": lambda v: v.unfold(d0, 2, 1),
         "is_contiguous": lambda v: (
-            torch.tensor([v.t().is_contiguous(), v.is_contiguous(), v.mT.is_contiguous()]) if n == 2 else torch.tensor(v.stride())
+            torch.tensor([v.t().is_contiguous(), v.is_contiguous(), v.mT.is_contiguous()]) if n == 2
+            # an empty tensor's strides are arbitrary (torch's TensorIterator gives (0, 1, 0) for x + 1)
+            else torch.tensor(v.stride()) if v.numel() else torch.tensor(v.shape)
         ),
     }
     f = fns[name]
