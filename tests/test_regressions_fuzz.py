@@ -533,3 +533,20 @@ def test_complex_empty_amax_over_a_sharded_dim(op):
     mesh = sf.Mesh((2, 2), ("x", "y"))
     x = torch.zeros(0, 4, dtype=torch.complex128)
     _close(op(sf.distribute(x, P(None, "y"), mesh=mesh), -1), op(x, -1))
+
+
+def test_empty_outputs_keep_torchs_index_checks():
+    # an empty shard's kernel may be skipped only where the global output is not empty
+    mesh = sf.Mesh((3,), ("x",))
+    x = torch.zeros(4, 0, dtype=torch.complex128)
+    idx = torch.tensor([-3, 2, 2])
+    with pytest.raises(RuntimeError):
+        torch.index_select(x, 0, idx)
+    with pytest.raises(RuntimeError):
+        torch.index_select(sf.distribute(x, P(), mesh=mesh), 0, sf.distribute(idx, P("x"), mesh=mesh))
+    w = torch.zeros(8, 0, dtype=torch.float16)
+    bad = torch.tensor([[1, 8], [7, 5], [8, 8]])
+    with pytest.raises((RuntimeError, IndexError)) as ref:
+        F.embedding(bad, w)
+    with pytest.raises(type(ref.value)):
+        F.embedding(sf.distribute(bad, P(None, "x"), mesh=mesh), sf.distribute(w, P(), mesh=mesh))

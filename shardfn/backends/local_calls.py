@@ -149,9 +149,12 @@ class PerDeviceCall:
                                       range(call.mesh.size))
         self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
         # per device: its local output shapes where every output is an array with no elements
-        # there (an empty shard: nothing to compute, and kernels may reject the empty piece)
+        # there while the global outputs have some (an empty shard of a valid call: nothing to
+        # compute, and kernels may reject the empty piece; an empty global output keeps
+        # torch's checks, e.g. of indices)
         self.empty = {}
-        if cand.out_layouts and all(layout is not None for layout in cand.out_layouts):
+        if (cand.out_layouts and all(layout is not None for layout in cand.out_layouts)
+                and all(0 not in tuple(shape) for shape in out_shapes)):
             local = [local_shapes(layout, tuple(shape)) for layout, shape in zip(cand.out_layouts, out_shapes)]
             for dev in range(call.mesh.size):
                 shapes = [ls[dev] for ls in local]
