@@ -65,6 +65,8 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
+        if arrays and all(v.numel() == 0 for _, v in arrays):
+            e = _torch_error(func, args, kwargs, e)  # a meta kernel may raise another type than torch's
         raise like_torch(e)(
             f"{_describe_call(func, leaves)}: shape mismatch or invalid arguments (the op rejects "
             f"these global shapes, whatever the sharding): {e}"
@@ -80,6 +82,16 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
     return _Entry(func, call, best)
+
+
+def _torch_error(func: Any, args: tuple, kwargs: dict, meta_error: Exception) -> Exception:
+    """The error torch's own kernel raises on empty tensors of the global shapes (amax over a
+    zero-size dim: an IndexError where the meta kernel raises a RuntimeError); else ``meta_error``."""
+    try:
+        _check_empty(func, args, kwargs)
+    except (RuntimeError, IndexError, ValueError, TypeError) as e:
+        return e
+    return meta_error
 
 
 def _check_empty(func: Any, args: tuple, kwargs: dict) -> None:

@@ -65,7 +65,10 @@ class Reduction:
             return Dims((ls,), outs, tuple((ls[d], op) for d in dims) if op else (), self.linear)
 
         if not self.mean:
-            cands = compile_dims(call, spec(self.reduce_op))
+            op = self.reduce_op
+            if op in ("max", "min") and call.arrays[0][1].dtype.is_complex:
+                op = None  # complex values have no order to leave pending (torch reduces only empty ones)
+            cands = compile_dims(call, spec(op))
             if self.identity is None:
                 return cands
             fn = _EmptyIdentity(call.func, dims, keep, self.identity)
