@@ -82,11 +82,19 @@ class StackedCall:
 
     def _once(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """Device 0's call on the squeezed values, its output given size-1 mesh dims: what
-        per-device execution gives when every device computes the same thing."""
-        a = with_locals(args, self.positional, self.first)
+        per-device execution gives when every device computes the same thing. The output
+        keeps its squeezed form (``_squeezed``), so a chain of such calls indexes nothing."""
+        a = list(args)
+        first = self.first
+        for p in self.positional:
+            v = args[p]._local
+            sq = v.__dict__.get("_squeezed")
+            a[p] = v[first] if sq is None else sq
         direct = self.once_direct
         out = direct(*a, **kwargs) if direct is not None else self.once(tuple(a), kwargs, 0)[0]
-        return out.unsqueeze(0) if self.m == 1 else out.view((1,) * self.m + tuple(out.shape))
+        res = out.unsqueeze(0) if self.m == 1 else out.view((1,) * self.m + tuple(out.shape))
+        res._squeezed = out  # a view of res's own storage: valid as long as res is
+        return res
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
         if self.mode == "batched":
