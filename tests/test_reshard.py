@@ -57,7 +57,7 @@ def to_layout_spec(spec, ndim, mesh):
 
 
 @given(st.data())
-def test_plan_never_moves_more_than_gathering_everything(data):
+def test_plan_never_costs_more_than_gathering_everything(data):
     mesh = data.draw(meshes())
     shape = data.draw(shapes())
     src = data.draw(specs(mesh, len(shape), partial_ops=OPS), label="src")
@@ -66,7 +66,12 @@ def test_plan_never_moves_more_than_gathering_everything(data):
     gather_all = sf.plan_redistribute(src, sf.P(), shape, mesh=mesh)
     from_full = sf.plan_redistribute(sf.P(), dst, shape, mesh=mesh)
     assert from_full.bytes_per_device == 0
-    assert plan.bytes_per_device <= gather_all.bytes_per_device
+    # the planner weighs latency against bytes (the cost model), so a plan may move more bytes
+    # than gathering everything where it saves a collective (all_gather of a size-1 dim split
+    # over 8 devices: 48 B in one collective vs 40 B in two), but it is never worse on both
+    fewer_bytes = plan.bytes_per_device <= gather_all.bytes_per_device
+    cheaper = sum(plan.cost_terms()) <= sum(gather_all.cost_terms()) * (1 + 1e-9)
+    assert fewer_bytes or cheaper, (plan, gather_all)
     assert all(step.kind in sf.plans.planner.KINDS for step in plan.steps)
 
 

@@ -220,8 +220,18 @@ def plan_layouts(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
     a, b = _drop_trivial(src), _drop_trivial(dst)
-    steps = () if a == b else _bounded_search(a, b, shape, itemsize, cost_model(src.mesh))
-    return Plan(src, dst, shape, dtype, steps)
+    model = cost_model(src.mesh)
+    steps = () if a == b else _bounded_search(a, b, shape, itemsize, model)
+    plan = Plan(src, dst, shape, dtype, steps)
+    full = Layout(a.mesh, ((),) * len(shape))
+    if steps and full not in (a, b) and plan.collectives > 1:
+        # never worse than gathering everything and cutting locally (the search's byte bound
+        # is per axis, which uneven splits of tiny dims can make loose)
+        via = Plan(src, dst, shape, dtype, _bounded_search(a, full, shape, itemsize, model)
+                   + _bounded_search(full, b, shape, itemsize, model))
+        if (sum(via.cost_terms()), via.bytes_per_device) < (sum(plan.cost_terms()), plan.bytes_per_device):
+            return via
+    return plan
 
 
 def _drop_trivial(layout: Layout) -> Layout:
