@@ -71,7 +71,7 @@ def reduced_parts(arrays: list[ShardedArray], p: float) -> dict[Any, tuple[list[
             dtype = torch.promote_types(dtype, v.dtype)
         stacked = torch.stack([v.to(dtype) for v in vals], dim=-1)
         flat = mesh
-        if mesh.ndim > 1:  # one axis over every device: one all_reduce, not one per axis
+        if len(mesh.axis_names) > 1:  # one axis over every device: one all_reduce, not one per axis
             flat = mesh.flatten(mesh.axis_names, "_".join(mesh.axis_names) + "_norm")
             stacked = backend.relabel(stacked, mesh, flat)
         pending = Layout(flat, ((),), tuple((a, op) for a in flat.axis_names))
