@@ -550,3 +550,17 @@ def test_empty_outputs_keep_torchs_index_checks():
         F.embedding(bad, w)
     with pytest.raises(type(ref.value)):
         F.embedding(sf.distribute(bad, P(None, "x"), mesh=mesh), sf.distribute(w, P(), mesh=mesh))
+
+
+def test_cross_entropy_over_a_split_sequence_under_func_grad():
+    """(N, C, L) cross_entropy with L split, under torch.func.grad: nll_loss2d_backward's CPU
+    kernel needs a contiguous ``self`` (it allocates grad_input like it), which a permuted
+    functorch value or a shard need not be (fuzzer seed 5705143733)."""
+    mesh = sf.Mesh((2,), ("x",))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 2, 2, dtype=torch.float64, generator=g)
+    t = torch.randint(0, 2, (7, 2), generator=g)
+    f = lambda a, b: F.cross_entropy(a, b, reduction="sum")  # noqa: E731
+    for spec in (P(None, None, "x"), P("x")):
+        got = torch.func.grad(f)(sf.distribute(x, spec, mesh=mesh), sf.distribute(t, P(), mesh=mesh))
+        _close(got, torch.func.grad(f)(x, t))

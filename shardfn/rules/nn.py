@@ -277,8 +277,20 @@ class _AnyOf:
 
 
 _NLL = _AnyOf((Leading(("self", "target"), _nll_lead, batched_outs=(0,)), ClassSharded(backward=False)))
-_NLL_BWD = _AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,)),
-                   ClassSharded(backward=True)))
+@attrs.frozen
+class _Dense:
+    """A rule whose local calls need contiguous inputs: torch's CPU ``nll_loss*_backward``
+    allocates ``grad_input`` like ``self`` and rejects it unless contiguous (a shard, or a
+    value torch.func has permuted, may be a view with other strides)."""
+
+    rule: Any
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return [attrs.evolve(c, dense=True) for c in self.rule.candidates(call)]
+
+
+_NLL_BWD = _Dense(_AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,)),
+                          ClassSharded(backward=True))))
 # the efficient kernel's backward names its gradient grad_out_
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "grad_out_", "out", "logsumexp", "attn_bias")
 # CUDA's fused kernels: outputs beyond (output, logsumexp) are per-call constants -- cumulative
