@@ -10,7 +10,7 @@ import attrs
 import torch
 
 from .base import Candidate, OpCall, bind, letters
-from .dims import Dims, compile_dims
+from .dims import LINEAR_OPS, Dims, compile_dims
 
 aten = torch.ops.aten
 
@@ -115,6 +115,55 @@ class AdvancedIndex:
 
 
 @attrs.frozen
+class IndexPut:
+    """index_put(self, indices, values, accumulate): the dims ``self`` does not index keep
+    their sharding, ``values`` taking the layout of ``self[indices]`` (index tensors
+    replicated, ``values`` of exactly that shape). With ``accumulate`` the op is linear in
+    (self, values) jointly, so pending sums of both pass through (a scatter-add of pending
+    gradient pieces, as in the backward of ``x[:, :, [i]]`` or of a table lookup)."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        indices = list(b["indices"])
+        x_shape = call.shapes[0]
+        n = len(x_shape)
+        values = b["values"]
+        if n == 0 or any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices):
+            return Replicated().candidates(call)
+        indices += [None] * (n - len(indices))
+        used = [i for i, t in enumerate(indices) if t is not None]
+        if not used:
+            return Replicated().candidates(call)
+        shapes = [tuple(t.shape) for t in indices if t is not None]
+        try:
+            k = len(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            return Replicated().candidates(call)
+        ls = letters(n)
+        rest = [ls[i] for i in range(n) if i not in used]
+        if used == list(range(used[0], used[-1] + 1)):
+            before = [ls[i] for i in range(used[0])]
+            val_letters = before + [None] * k + rest[len(before):]
+        else:
+            val_letters = [None] * k + rest
+        if not isinstance(values, torch.Tensor) or values.dim() != len(val_letters):
+            return Replicated().candidates(call)
+        src = tuple(None if i in used else L for i, L in enumerate(ls))
+        ins, partial_ins = [], []
+        for i, (_, v) in enumerate(call.arrays):
+            if v is b["self"] and i == 0:
+                ins.append(src)
+                partial_ins.append(i)
+            elif v is values:
+                ins.append(tuple(val_letters))
+                partial_ins.append(i)
+            else:
+                ins.append((None,) * v.ndim)
+        linear = LINEAR_OPS if b.get("accumulate", False) else ()
+        return compile_dims(call, Dims(tuple(ins), (src,), (), linear, joint=True, partial_ins=tuple(partial_ins)))
+
+
+@attrs.frozen
 class Replicated:
     """Ops with no better strategy: every input whole, the output replicated (no
     warning: the op is known to need the full tensors)."""
@@ -139,8 +188,8 @@ TABLE = {
     aten.index_reduce: IndexAlong(),
     aten.index.Tensor: AdvancedIndex(),
     aten._unsafe_index.Tensor: AdvancedIndex(),
-    aten.index_put: _REPLICATED,
-    aten._unsafe_index_put: _REPLICATED,
+    aten.index_put: IndexPut(),
+    aten._unsafe_index_put: IndexPut(),
     aten.masked_scatter: _REPLICATED,
     aten.take: _REPLICATED,
     aten.put: _REPLICATED,
