@@ -85,8 +85,9 @@ class IndexAlong:
 
 @attrs.frozen
 class AdvancedIndex:
-    """x[i0, i1, ...] (aten.index): indexed dims whole, index tensors replicated; dims
-    not indexed keep their sharding at their place in the output."""
+    """x[i0, i1, ...] (aten.index): indexed dims whole; dims not indexed keep their
+    sharding at their place in the output; index tensors of one shape may be sharded, the
+    output dims they shape following them."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
@@ -110,7 +111,14 @@ class AdvancedIndex:
         else:
             out_letters = [None] * k + rest
         src = tuple(None if i in used else L for i, L in enumerate(ls))
-        ins = (src,) + tuple((None,) * v.ndim for _, v in call.arrays[1:])
+        # index tensors of one shape (no broadcasting between them) may be sharded: the
+        # output dims they shape follow them (a lookup of batch-split ids stays split)
+        shapes = {tuple(t.shape) for t in indices if isinstance(t, torch.Tensor)}
+        idx = tuple(f"I{j}" for j in range(k)) if len(shapes) == 1 and len(next(iter(shapes))) == k else (None,) * k
+        at = (len(before) if contiguous and used else 0)
+        out_letters[at:at + k] = idx
+        index_ids = {id(t) for t in indices if isinstance(t, torch.Tensor)}
+        ins = (src,) + tuple(idx if id(v) in index_ids and v.ndim == k else (None,) * v.ndim for _, v in call.arrays[1:])
         return compile_dims(call, Dims(ins, (tuple(out_letters),)))
 
 
