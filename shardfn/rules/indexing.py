@@ -125,10 +125,11 @@ class AdvancedIndex:
 @attrs.frozen
 class IndexPut:
     """index_put(self, indices, values, accumulate): the dims ``self`` does not index keep
-    their sharding, ``values`` taking the layout of ``self[indices]`` (index tensors
-    replicated, ``values`` of exactly that shape). With ``accumulate`` the op is linear in
-    (self, values) jointly, so pending sums of both pass through (a scatter-add of pending
-    gradient pieces, as in the backward of ``x[:, :, [i]]`` or of a table lookup)."""
+    their sharding, ``values`` taking the layout of ``self[indices]`` (``values`` of exactly
+    that shape). With ``accumulate`` the op adds ``values`` into ``self``: linear in both,
+    so a pending sum of ``values`` passes through (``self`` taking it on), and index tensors
+    split like ``values``' rows leave the output pending over their axes (the backward of
+    ``x[:, :, [i]]``, of a table lookup, of ``w[batch_ids]``)."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
@@ -153,22 +154,36 @@ class IndexPut:
             before = [ls[i] for i in range(used[0])]
             val_letters = before + [None] * k + rest[len(before):]
         else:
+            before = []
             val_letters = [None] * k + rest
+        accumulate = bool(b.get("accumulate", False))
+        # with accumulate, index tensors of one shape may be split (values alike): each
+        # device scatters its own rows, the output a pending sum (self added once)
+        ishapes = {tuple(t.shape) for t in indices if isinstance(t, torch.Tensor)}
+        idx = (tuple(f"I{j}" for j in range(k)) if accumulate and len(ishapes) == 1 and len(next(iter(ishapes))) == k
+               else (None,) * k)
+        at = len(before) if used == list(range(used[0], used[-1] + 1)) else 0
+        val_letters[at:at + k] = idx
         if not isinstance(values, torch.Tensor) or values.dim() != len(val_letters):
             return Replicated().candidates(call)
         src = tuple(None if i in used else L for i, L in enumerate(ls))
+        index_ids = {id(t) for t in indices if isinstance(t, torch.Tensor)}
         ins, partial_ins = [], []
         for i, (_, v) in enumerate(call.arrays):
             if v is b["self"] and i == 0:
                 ins.append(src)
-                partial_ins.append(i)
             elif v is values:
                 ins.append(tuple(val_letters))
                 partial_ins.append(i)
+            elif id(v) in index_ids and v.ndim == k:
+                ins.append(idx)
             else:
                 ins.append((None,) * v.ndim)
-        linear = LINEAR_OPS if b.get("accumulate", False) else ()
-        return compile_dims(call, Dims(tuple(ins), (src,), (), linear, joint=True, partial_ins=tuple(partial_ins)))
+        if not accumulate:
+            return compile_dims(call, Dims(tuple(ins), (src,)))
+        reduce = tuple((L, "sum") for L in idx if L is not None)
+        return compile_dims(call, Dims(tuple(ins), (src,), reduce, LINEAR_OPS, joint=True, addends=(0,),
+                                       partial_ins=tuple(partial_ins)))
 
 
 @attrs.frozen
