@@ -80,7 +80,7 @@ def register() -> None:
         if issubclass(cls, tuple):
             cls.__fx_create_arg__ = _p_node
         members = torch_compat.opaque_value_members(cls)
-        register_opaque_type(cls, typ="value", **({"members": members} if members else {}))
+        register_opaque_type(cls, typ="value", **({} if members is None else {"members": members}))
     allow_in_graph = sys.modules["torch._dynamo"].allow_in_graph
     for fn in _graph_functions():
         allow_in_graph(fn)

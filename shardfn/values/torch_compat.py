@@ -57,11 +57,11 @@ class ValueMeta(_OpaqueBaseMeta):  # type: ignore[misc, valid-type]
 # (``MemberType.USE_REAL``) and the result baked in, as 2.13 does by default.
 
 
-def opaque_value_members(cls: type) -> dict[str, Any] | None:
+def opaque_value_members(cls: type, version: str = torch.__version__) -> dict[str, Any] | None:
     """``members=`` for ``register_opaque_type(cls, typ="value")``: None where torch reads a
     value type's attributes without it, else every attribute and field of
     ``cls`` read off the real object (dunders aside: Python finds operators on the type)."""
-    if _release(torch.__version__) >= (2, 13):
+    if _release(version) >= (2, 13):
         return None
     from torch._library.opaque_object import MemberType
 
