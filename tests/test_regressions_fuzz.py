@@ -564,3 +564,107 @@ def test_cross_entropy_over_a_split_sequence_under_func_grad():
     for spec in (P(None, None, "x"), P("x")):
         got = torch.func.grad(f)(sf.distribute(x, spec, mesh=mesh), sf.distribute(t, P(), mesh=mesh))
         _close(got, torch.func.grad(f)(x, t))
+
+
+# -- lazy conj/neg flags kept as torch keeps them (fuzzer seed 1001577) ------------------------
+
+_FLAGGED = {
+    "conj": lambda v: v.conj(),
+    "conj_t": lambda v: v.conj().t(),
+    "conj_select": lambda v: v.conj()[1],
+    "conj_conj": lambda v: v.conj().conj(),
+    "mH": lambda v: v.mH,
+    "conj_imag": lambda v: v.conj().imag,
+    "conj_imag_t": lambda v: v.conj().imag.t(),
+    "conj_resolve": lambda v: v.conj().resolve_conj(),
+    "conj_clone": lambda v: v.conj().clone(),
+    "conj_add": lambda v: v.conj() + 1,
+    "conj_matmul": lambda v: v.conj() @ v.t(),
+    "conj_sum": lambda v: v.conj().sum(0),
+    "imag_neg": lambda v: v.conj().imag.neg(),
+    "view_as_real": lambda v: torch.view_as_real(v.conj()),
+    "view_dtype": lambda v: v.conj().view(torch.float64),
+    "view_dtype_neg": lambda v: v.conj().imag.view(torch.int64),
+    "resolved_view_as_real": lambda v: torch.view_as_real(v.conj().resolve_conj()),
+    "resolved_neg_view_dtype": lambda v: v.conj().imag.resolve_neg().view(torch.int64),
+    "vdot_conj": lambda v: torch.vdot(v[0], v[1].conj()),
+    "dot_conj_conj": lambda v: torch.dot(v[0].conj(), v[1].conj()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FLAGGED))
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x"), P()])
+def test_lazy_conj_and_neg_views_match_torch(name, spec):
+    # shards hold true values; the flags say what torch's tensor says, so what torch rejects
+    # on a conjugated / negated view (view_as_real, view(dtype)) is rejected too
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 4, dtype=torch.complex128)
+    f = _FLAGGED[name]
+    try:
+        ref = f(x)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match=str(e)[:30]):
+            f(sf.distribute(x, spec, mesh=mesh))
+        return
+    got = f(sf.distribute(x, spec, mesh=mesh))
+    assert (got.is_conj(), got.is_neg()) == (ref.is_conj(), ref.is_neg())
+    _close(got, ref.resolve_conj().resolve_neg())
+
+
+@pytest.mark.parametrize("spec", [P("x"), P()])
+def test_gradients_through_conj_views(spec):
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 3, dtype=torch.complex128)
+
+    def loss(v):
+        return ((v.conj().imag * 2).sum(0) ** 2).sum() + torch.view_as_real(v.mH @ v).pow(2).sum()
+
+    xs = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss(xs), xs)
+    xs2 = x.clone().requires_grad_()
+    (got,) = torch.autograd.grad(loss(sf.distribute(xs2, spec, mesh=mesh)), xs2)
+    _close(got, want)
+    _close(torch.func.grad(loss)(sf.distribute(x, spec, mesh=mesh)), want)
+
+
+# -- found by the fuzzer: compile, promotion, printing -----------------------------------------
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_compiled_view_minus_one_of_a_sharded_dim(dynamic):
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    f = torch.compile(lambda v: v.view(-1) * 2, backend="aot_eager", dynamic=dynamic)
+    for spec in (P("x"), P(None, "x")):
+        _close(f(sf.distribute(x, spec, mesh=mesh)), x.view(-1) * 2)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_compiled_max_of_an_empty_array_raises(dynamic):
+    # the empty-input check ran on fake tensors while Dynamo traced, passed, and the cached
+    # entry then answered the real call with -inf
+    torch._dynamo.reset()
+    mesh = sf.Mesh((4,), ("x",))
+    f = torch.compile(lambda v: v.max(), backend="aot_eager", dynamic=dynamic)
+    with pytest.raises(RuntimeError, match="numel"):
+        f(sf.distribute(torch.zeros(0, 8, 4), P(), mesh=mesh))
+    with pytest.raises(RuntimeError, match="numel"):
+        sf.distribute(torch.zeros(0, 8, 4), P(), mesh=mesh).max()
+
+
+def test_comparison_of_half_with_a_0d_complex_computes_in_complex32():
+    # the output is bool either way, but torch computes in complex32 (and logical_and rejects it);
+    # a stacked 0-d operand promoted as dimensioned (complex64) and passed
+    mesh = sf.Mesh((1, 2), ("x", "y"))
+    a, b = torch.randn(2).half(), torch.tensor(1 + 1j, dtype=torch.complex64)
+    with pytest.raises(NotImplementedError):
+        torch.logical_and(a, b)
+    with pytest.raises(NotImplementedError):
+        torch.logical_and(sf.distribute(a, P("x"), mesh=mesh), sf.distribute(b, P(), mesh=mesh))
+    _close(torch.eq(sf.distribute(a, P("y"), mesh=mesh), b), torch.eq(a, b))
+
+
+def test_repr_of_a_0d_array():
+    mesh = sf.Mesh((4,), ("x",))
+    assert "1.5" in repr(sf.distribute(torch.tensor(1.5), P(), mesh=mesh))
+    assert "6." in repr(sf.distribute(torch.ones(6), P("x"), mesh=mesh).sum())

@@ -47,15 +47,31 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if entry is not None:
             out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
+                keep_math_bits(func, args, out)
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
                     _note_derived(func, args, kwargs, out)
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
+        keep_math_bits(func, args, out)
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
         _note_derived(func, args, kwargs, out)
     return out
+
+
+def keep_math_bits(func: Any, args: tuple, out: Any) -> None:
+    """A view keeps its base's lazy conj/neg flags, as torch's views do (``special_ops``: the
+    shards hold true values; the flags only decide what torch would reject)."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or func in special_ops.OWN_FLAGS:
+        return
+    conj, neg = x.is_conj(), x.is_neg()
+    if conj or neg:
+        for o in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(o, torch.Tensor):
+                torch._C._set_conj(o, conj)
+                torch._C._set_neg(o, neg)
 
 
 def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:

@@ -97,11 +97,15 @@ def _torch_error(func: Any, args: tuple, kwargs: dict, meta_error: Exception) ->
 def _check_empty(func: Any, args: tuple, kwargs: dict) -> None:
     """Run ``func`` on real empty tensors of the global shapes, for torch's own errors
     (``max()`` of an empty tensor raises; its meta kernel does not check). Empty tensors
-    hold no data, so this costs no copy; a call that raises is never cached."""
-    def empty(path: Any, v: Any) -> Any:
-        return torch.empty(v.shape, dtype=v.dtype) if isinstance(v, ShardedArray) else v
+    hold no data, so this costs no copy; a call that raises is never cached. Real tensors even
+    while torch.compile traces (under its fake mode the check passed, and the entry it cached
+    then answered real calls: ``max()`` of an empty array gave -inf)."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    with torch.no_grad():
+    def empty(path: Any, v: Any) -> Any:
+        return torch.empty(_ft.hint_shape(v.shape), dtype=v.dtype) if isinstance(v, ShardedArray) else v
+
+    with torch.no_grad(), _disable_current_modes():
         eargs, ekwargs = _replace(args, kwargs, empty)
         func(*eargs, **ekwargs)
 

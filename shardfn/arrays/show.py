@@ -74,7 +74,7 @@ def _whole(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, shards: l
     out = None
     for devs in groups.values():
         parts = torch.stack([shards[d] for d in devs])  # row-major over the pending axes
-        parts = parts.reshape(*(mesh.shape[i] for i in pos), *parts.shape[1:])
+        parts = parts.reshape((*(mesh.shape[i] for i in pos), *parts.shape[1:]))  # () for a 0-d shard
         for k in reversed(range(len(pos))):
             op = pending[mesh.axis_names[pos[k]]]
             if op == "sum":

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 
 from ..backends.registry import backend_for
-from ..values.errors import ShardingError
+from ..values.errors import ShardingError, ShardingRuntimeError
 from .array import ShardedArray, _wrap_output
 from .redistribute import raw_full, raw_reshard
 
@@ -72,6 +72,61 @@ def _scalar(func: Any, args: tuple, kwargs: dict) -> Any:
     return func(raw_full(args[0]))
 
 
+# -- torch's lazy conj/neg flags ----------------------------------------------------------------
+# A ShardedArray's shards always hold its true values; its conj/neg flags are metadata that say
+# what torch's own tensor would say (``x.conj().is_conj()``), so the ops torch rejects on such a
+# view reject it too. Torch's fallback resolves a flagged input with ``clone`` (an unflagged alias
+# here: already the true values); views keep the flags (``dispatch.keep_math_bits``).
+
+
+def _flag_view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``_conj`` / ``_neg_view``: the values conjugated / negated, the flag toggled."""
+    x = args[0]
+    conj, neg = x.is_conj(), x.is_neg()
+    if func is aten._conj.default:
+        out, conj = aten.conj_physical.default(x), not conj
+    else:
+        out, neg = aten.neg.default(x), not neg
+    if conj:
+        torch._C._set_conj(out, True)
+    if neg:
+        torch._C._set_neg(out, True)
+    return out
+
+
+def _no_flagged_reinterpret(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``view_as_real`` and ``view(dtype)`` of a lazily conjugated or negated view raise as in torch."""
+    x = args[0]
+    if func is aten.view_as_real.default and x.is_conj():
+        raise ShardingRuntimeError(
+            "view_as_real doesn't work on unresolved conjugated tensors.  To resolve the conjugate tensor so you "
+            "can view it as real, use self.resolve_conj(); however, be warned that the resulting tensor will NOT "
+            "alias the original."
+        )
+    if func is aten.view.dtype and (x.is_conj() or x.is_neg()):
+        what = "conjugate view tensors" if x.is_conj() else "tensors with negative bit set"
+        raise ShardingRuntimeError(f"torch.Tensor.view is not supported for {what} when converting to a different dtype.")
+    return NotImplemented
+
+
+def _dot_flags(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``dot`` / ``vdot`` of flagged operands: torch's kernels answer some pairs with a
+    conjugated view (``dot(a.conj(), b.conj())``, ``vdot(a, b.conj())``); so does this."""
+    a, b = args[0], args[1]
+    ca, cb = a.is_conj(), b.is_conj()
+    if not (ca or cb) or not a.is_complex():
+        return NotImplemented
+    out = func(_unflagged(a), _unflagged(b))
+    if (ca and cb) if func is aten.dot.default else (cb and not ca):
+        torch._C._set_conj(out, True)
+    return out
+
+
+def _unflagged(v: Any) -> Any:
+    """``v``'s values without its lazy flags (an alias here: the shards hold true values)."""
+    return _alias(None, (v,), {}) if isinstance(v, ShardedArray) else v.resolve_conj().resolve_neg()
+
+
 HANDLERS: dict[Any, Callable] = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
@@ -83,4 +138,11 @@ HANDLERS: dict[Any, Callable] = {
     aten.equal.default: _equal,
     aten.allclose.default: _allclose,
     aten._local_scalar_dense.default: _scalar,
+    aten._conj.default: _flag_view,
+    aten._neg_view.default: _flag_view,
+    aten.view_as_real.default: _no_flagged_reinterpret,
+    aten.view.dtype: _no_flagged_reinterpret,
+    aten.dot.default: _dot_flags,
+    aten.vdot.default: _dot_flags,
 }
+OWN_FLAGS = frozenset({aten._conj.default, aten._neg_view.default})

@@ -30,7 +30,6 @@ import torch
 from . import custom_ops as _contract  # noqa: F401  (registers torch.ops.shardfn.*, whose kernels batch)
 from ..values.schema import _schema_info
 from ..values.sharded import Sharded
-from ..values.errors import ShardingError
 from ..values.layout import local_shapes
 from . import device_call as dc
 from . import stacked_matmul
@@ -146,7 +145,6 @@ class _Call:
         self.align = list(align)
         self.dense = info.cand.dense
         self.m = info.m
-        self.op_name = str(info.func)
         # nothing to adapt: callers may call ``fn(*args, **kwargs)`` directly
         self.direct = fn if self.rebind is None and not (self.fixes or self.sized or self.align or self.dense) else None
 
@@ -164,7 +162,7 @@ class _Call:
             m = self.m
             for where, splits, local in self.sized:
                 if symbolic:
-                    local = _symbolic_local(_get(args, kwargs, where), splits, self.op_name)
+                    local = _symbolic_local(_get(args, kwargs, where), splits)
                 _set(args, kwargs, where, [*args[0].shape[:m], *local])
             for where, pad in self.align:
                 x = _get(args, kwargs, where)
@@ -188,13 +186,13 @@ def _set(args: list, kwargs: dict, where: tuple[int, str], v: Any) -> None:
         kwargs[name] = v
 
 
-def _symbolic_local(sizes: Sequence[Any], splits: Sequence[int], op: str) -> list:
-    """Local sizes from global ones that may be symbolic (torch.compile dynamic shapes)."""
+def _symbolic_local(sizes: Sequence[Any], splits: Sequence[int]) -> list:
+    """Local sizes from global ones that may be symbolic (torch.compile dynamic shapes). A -1
+    stays -1: every device holds the same share of the elements (the stacked form is even), so
+    torch infers the local size from the local elements as it infers the global one."""
     out = []
     for n, k in zip(sizes, splits):
-        if k > 1 and not isinstance(n, torch.SymInt) and n < 0:
-            raise ShardingError(f"{op}: a -1 size on a sharded dim with dynamic sizes; give the size")
-        out.append(n if k == 1 else n // k)
+        out.append(n if k == 1 or not isinstance(n, torch.SymInt) and n == -1 else n // k)
     return out
 
 
@@ -269,7 +267,16 @@ def _promotes_apart(info: Info) -> bool:
     except Exception:  # noqa: BLE001 - no batched form then; the per-device path decides
         return True
     outs = out if isinstance(out, (tuple, list)) else [out]
-    return [getattr(o, "dtype", None) for o in outs] != info.out_dtypes
+    if [getattr(o, "dtype", None) for o in outs] != info.out_dtypes:
+        return True
+    # a fixed output dtype (comparisons, logical ops) hides the dtype the kernel computes in
+    # (float16 with a 0-d complex64 computes in complex32, which logical_and rejects)
+    logical = [a for a in info.args if isinstance(a, torch.Tensor)][:2]
+    return len(logical) == 2 and torch.result_type(*map(_meta, logical)) != torch.result_type(*map(stacked, logical))
+
+
+def _meta(v: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
 
 
 def _masked_fill(x: torch.Tensor, mask: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
