@@ -197,6 +197,7 @@ _KW = object()  # separates a fast key's keyword arguments from its positional o
 _TRUE, _FALSE = object(), object()  # bools keyed apart from ints (True == 1 promotes differently)
 _MISS = object()
 _AS_IS = frozenset({int, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+_INTS = {int}
 
 
 def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
@@ -245,6 +246,8 @@ def _fast_part(a: Any, t: type) -> Any:
     if t is bool:
         return _TRUE if a else _FALSE
     if t is list or t is tuple:
+        if set(map(type, a)) == _INTS:  # sizes and dims: keyed as they are (C-level calls only)
+            return tuple(a)
         out = tuple(_fast_part(b, type(b)) for b in a)
         return _MISS if _MISS in out else out
     if t is complex:
