@@ -74,7 +74,7 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
             return
     while len(_SAME) >= _SAME_MAX:
         del _SAME[next(iter(_SAME))]
-    drop = lambda _, k=key: _SAME.pop(k, None)  # noqa: E731  an input died: the key can never match again
+    drop = lambda _, k=key, same=_SAME: same.pop(k, None)  # noqa: E731  an input died: the key can never match again
     _SAME[key] = (out, [(weakref.ref(v, drop), v._local) for v in arrays])
 
 
