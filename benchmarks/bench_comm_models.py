@@ -21,7 +21,9 @@ where it is first read (a row-parallel layer's output by the next norm, the last
 norm), so a layer's reduction may count for the next layer or for "other": the totals compare
 like for like. Every case checks its
 values (and gradients) against the unsharded model. The records tree of one case is printed
-at the end. ``SHARDFN_BENCH_QUICK=1`` runs Llama in two modes (the smoke test).
+at the end, then a second table: totals for the 18 families of ``tests/test_hf_families.py``
+(Megatron's counts by block structure there). ``SHARDFN_BENCH_QUICK=1`` runs Llama in two
+modes (the smoke test).
 Run ``python benchmarks/bench_comm_models.py``.
 """
 
