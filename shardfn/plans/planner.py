@@ -327,7 +327,7 @@ def _per_axis_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: 
             continue
         for step in edges(state):
             comm = step.kind in COMM_KINDS
-            if comm and step.axis in used:
+            if (comm and step.axis in used) or step.kind == "pad_local":  # DTensor has no such step
                 continue
             nxt = (step.dst, used | {step.axis} if comm else used)
             n = nbytes + step.bytes
