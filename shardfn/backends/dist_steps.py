@@ -155,14 +155,16 @@ def _reduce_scatter_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) 
 
 
 def _reduce_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    if step.dim is not None:
+        return _pad_local_step(step, x, shape, mesh)
     if step.op == "sum" and _axis_pos(step, mesh) != 0:
         return torch.zeros_like(x)
     return x
 
 
 def _pad_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
-    """This device's piece of dim ``step.dim`` in place in the group's whole extent, zeros
-    around it (a pending sum over the axis)."""
+    """reduce_local of a shard (``step.dim`` set): this device's piece of that dim in place
+    in the group's whole extent, zeros around it (a pending sum over the axis)."""
     rank, d = _state(mesh).rank, step.dim
     (lo, hi), (base, end) = device_box(step.src, shape, rank)[d], device_box(step.dst, shape, rank)[d]
     before, after = lo - base, end - hi
@@ -170,7 +172,6 @@ def _pad_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> to
 
 
 _STEPS = {
-    "pad_local": _pad_local_step,
     "all_gather": _all_gather_step,
     "all_to_all": _all_to_all_step,
     "slice": _slice_step,

@@ -39,7 +39,7 @@ def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtyp
             value = value.view(*value.shape[:mesh.ndim], *local_shapes(step.src, shape)[0])
         return run_step(step, value, shape, dtype)
     shards = parts(value, mesh)
-    if step.kind == "pad_local":
+    if step.kind == "reduce_local" and step.dim is not None:
         return from_parts(tuple(pad_piece(step, x, dev, shape) for dev, x in enumerate(shards)), step.dst, shape)
     if step.kind in ("all_reduce", "reduce_local"):
         return from_parts(_reduce_uneven(step, shards, mesh), step.dst, shape)
@@ -254,7 +254,10 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, .
 def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     """A value the same on every device of the axis made pending a sum over it: the first
     device of the axis keeps it, the others hold zeros. One op (a zero pad of the mesh dim
-    after the first part: one fill and one copy), not a mask built and applied per call."""
+    after the first part: one fill and one copy), not a mask built and applied per call.
+    With ``step.dim`` set, a shard of that dim is zero-padded instead (``_pad_local``)."""
+    if step.dim is not None:
+        return _pad_local(step, x, mesh, shape)
     if step.op != "sum":
         return x
     ai, _ = _ai(step, mesh)
@@ -278,7 +281,7 @@ def _pad_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) 
 
 
 def pad_piece(step: Step, x: torch.Tensor, device: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """One device's shard for a ``pad_local`` step: its piece in place in the extent of dim
+    """One device's shard for a reduce_local step of a shard (``step.dim`` set): its piece in place in the extent of dim
     ``step.dim`` it shares with its axis group, zeros around it."""
     d = step.dim
     (lo, hi), (base, end) = device_box(step.src, shape, device)[d], device_box(step.dst, shape, device)[d]
@@ -295,7 +298,6 @@ _STACKED = {
     "all_reduce": _all_reduce,
     "reduce_scatter": _reduce_scatter,
     "reduce_local": _reduce_local,
-    "pad_local": _pad_local,
 }
 
 

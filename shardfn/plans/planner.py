@@ -86,7 +86,7 @@ def cost_model(mesh: Mesh) -> CostModel:
     return COST_MODELS["nccl" if getattr(mesh, "device_type", "cpu") == "cuda" else "gloo"]
 
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute", "slice", "reduce_local", "pad_local")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute", "slice", "reduce_local")
 COMM_KINDS = frozenset(KINDS[:5])
 
 
@@ -139,9 +139,9 @@ class Step:
             "slice": f"slice dim {self.dim} by '{ax}' (local, no communication)",
             "all_reduce": f"all_reduce({self.op}) over '{ax}'",
             "reduce_scatter": f"reduce_scatter({self.op}) over '{ax}' onto dim {self.dim}",
-            "reduce_local": f"mark pending {self.op} over '{ax}' (local, no communication)",
-            "pad_local": (f"zero-pad dim {self.dim}'s shards into a pending sum over '{ax}' "
-                          f"(local, no communication)"),
+            "reduce_local": (f"mark pending {self.op} over '{ax}' (local, no communication)" if self.dim is None else
+                             f"mark pending {self.op} over '{ax}', each shard of dim {self.dim} zero-padded to the "
+                             f"whole extent (local, no communication)"),
             "permute": f"permute shards over '{ax}' (each device sends its shard to one peer)",
         }[self.kind]
         return f"{what}: {self.src.spec_str()} -> {self.dst.spec_str()}, {self.bytes} B/device"
@@ -327,7 +327,7 @@ def _per_axis_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: 
             continue
         for step in edges(state):
             comm = step.kind in COMM_KINDS
-            if (comm and step.axis in used) or step.kind == "pad_local":  # DTensor has no such step
+            if (comm and step.axis in used) or (step.kind == "reduce_local" and step.dim is not None):  # not DTensor's
                 continue
             nxt = (step.dst, used | {step.axis} if comm else used)
             n = nbytes + step.bytes
@@ -368,7 +368,7 @@ def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int, excha
             if goal_ops.get(a) == "sum":
                 # each device's piece in place in the whole dim, zeros elsewhere: a pending
                 # sum with no communication (a split residual added to a pending block output)
-                yield Step("pad_local", a, s, base.with_partial({**s.partial_ops, a: "sum"}), 0, g, dim=d, op="sum")
+                yield Step("reduce_local", a, s, base.with_partial({**s.partial_ops, a: "sum"}), 0, g, dim=d, op="sum")
             for e in range(ndim):
                 if e != d:
                     t = base.with_dims(e, base.dims[e] + (a,))
