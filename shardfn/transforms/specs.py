@@ -26,14 +26,32 @@ def _match(specs: Any, tree: Any, what: str, root: str) -> tuple[list, list, lis
     """Broadcast the spec prefix tree over ``tree``: (paths, leaves, specs, treespec)."""
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=_is_spec, none_is_leaf=True)
-    except ValueError as e:
+    except ValueError:
+        path, sub_specs, sub_tree = _first_mismatch(specs, tree)
+        where = "".join(f"[{k!r}]" for k in path)
         raise ShardingError(
-            f"{what} {specs!r} does not match the structure of {root}: {e} {what} must be a "
-            f"prefix of {root} (one spec per leaf, or one spec for a whole subtree)"
+            f"{what}{where} is {sub_specs!r} but {root}{where} has the structure "
+            f"{optree.tree_structure(sub_tree, none_is_leaf=True)}: {what} must be a tree prefix of {root} "
+            f"(one spec per leaf, or one spec for a whole subtree)"
         ) from None
     flat_specs = optree.tree_leaves(full, is_leaf=_is_spec, none_is_leaf=True)
     paths, leaves, treespec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     return [_path_str(root, p) for p in paths], leaves, flat_specs, treespec
+
+
+def _first_mismatch(specs: Any, tree: Any, path: tuple = ()) -> tuple[tuple, Any, Any]:
+    """Where the spec tree ``specs`` stops being a prefix of ``tree``: (path, specs, subtree)."""
+    s = optree.tree_flatten_one_level(specs, is_leaf=_is_spec, none_is_leaf=True)
+    t = optree.tree_flatten_one_level(tree, none_is_leaf=True) if optree.tree_structure(tree, none_is_leaf=True).num_nodes > 1 else None
+    if t is None or type(specs) is not type(tree) or s.entries != t.entries:
+        return path, specs, tree
+    for key, sc, tc in zip(s.entries, s.children, t.children):
+        if not _is_spec(sc):
+            try:
+                optree.tree_broadcast_prefix(sc, tc, is_leaf=_is_spec, none_is_leaf=True)
+            except ValueError:
+                return _first_mismatch(sc, tc, (*path, key))
+    return path, specs, tree
 
 
 def _match_columns(outs: list, out_specs: Any, what: str) -> tuple[Any, list[tuple[str, list, Any]]]:
