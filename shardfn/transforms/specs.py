@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import torch
 
 from ..arrays.array import ShardedArray
+from ..arrays.functorch import base_array
 from ..values.errors import ShardingError
 from ..values.layout import Layout
 from ..values.mesh import Mesh, current_mesh
@@ -92,15 +94,25 @@ def _layout(spec: Any, ndim: int, mesh: Mesh, where: str) -> Layout:
         raise ShardingError(f"{where}: {e}") from None
 
 
-def _mesh_for(mesh: Mesh | None, leaves: list, fn: str) -> Mesh:
-    arrays = [v for v in leaves if isinstance(v, ShardedArray)]
+def _mesh_for(mesh: Mesh | None, leaves: list, fn: str, paths: list[str] | None = None) -> Mesh:
+    """The mesh a transform runs on: ``mesh=``, else the first ShardedArray argument's, else
+    the current one; every ShardedArray argument must live on it."""
+    paths = paths if paths is not None else [f"argument {i}" for i in range(len(leaves))]
+    # a ShardedArray under torch.func wrappers (vmap of the transform) counts
+    bases = [v if isinstance(v, ShardedArray) else base_array(v) if isinstance(v, torch.Tensor) else None for v in leaves]
+    arrays = [(p, v) for p, v in zip(paths, bases) if isinstance(v, ShardedArray)]
     if mesh is not None:
         check_mesh(mesh, f"{fn}(mesh=...)")
+    given = mesh is not None
     if mesh is None:
-        mesh = arrays[0].mesh if arrays else current_mesh()
+        mesh = arrays[0][1].mesh if arrays else current_mesh()
     if mesh is None:
         raise ShardingError(f"{fn} needs a mesh: pass mesh=, pass ShardedArray arguments, or enter `with mesh:`")
-    for v in arrays:
+    for p, v in arrays:
         if v.mesh != mesh:
-            raise ShardingError(f"{fn}: an argument lives on {v.mesh!r} but the transform runs on {mesh!r}")
+            source = "mesh=" if given else f"{arrays[0][0]}'s mesh"
+            raise ShardingError(
+                f"{fn}: {p} lives on {v.mesh!r} but the transform runs on {mesh!r} ({source}); "
+                f"move it first (sf.distribute(sf.gather(x), spec, mesh=...)) or run on its mesh"
+            )
     return mesh
