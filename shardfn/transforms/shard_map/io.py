@@ -12,6 +12,7 @@ import optree
 import torch
 
 from ...arrays.array import ShardedArray
+from ...arrays.functorch import base_array
 from ...backends.registry import backend_for
 from ...values.errors import ShardingError
 from ...values.layout import Layout, is_even
@@ -41,10 +42,12 @@ class _Inputs:
         if spec is None:
             return None
         layout = _layout(spec, v.dim(), self.mesh, f"shard_map in_specs for {path}")
-        if layout.partial:
+        if layout.partial and not isinstance(v, ShardedArray) and base_array(v) is None:
             raise ShardingError(
-                f"shard_map in_specs for {path} is {layout_to_spec(layout)!r}; an in_spec cannot be "
-                f"partial (the body sees values, not pending sums); reshard the argument first"
+                f"shard_map in_specs for {path} is {layout_to_spec(layout)!r}, but {path} is a plain tensor "
+                f"(a whole value, not pending sums): a partial in_spec (the body sees each device's summand, "
+                f"JAX's unreduced) takes a ShardedArray with pending sums over those axes, e.g. from "
+                f"sf.matmul(..., out_sharding=P(partial=...)); give a plain tensor a spec without partial="
             )
         return layout
 

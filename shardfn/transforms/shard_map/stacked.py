@@ -24,6 +24,7 @@ import torch._C._functorch as _ft
 from torch._functorch.vmap import vmap_increment_nesting
 
 from ...arrays.array import ShardedArray
+from ...arrays.functorch import base_array
 from ...arrays.redistribute import reshard
 from ...values.errors import ShardingError
 from ...values.layout import Layout
@@ -213,7 +214,8 @@ def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
 
 def _to_canonical(v: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Canonical form (see ``stacked``) of argument ``v`` laid out as ``layout``."""
-    if isinstance(v, ShardedArray):
+    if isinstance(v, ShardedArray) or (layout.partial and base_array(v) is not None):
+        # (a torch.func-wrapped array with a partial in_spec too: the body sees its summands)
         v = reshard(v, layout)
         used = B.used_axes(layout)
         dims = tuple(n if a in used else 1 for a, n in zip(layout.mesh.axis_names, layout.mesh.shape))
