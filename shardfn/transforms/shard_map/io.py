@@ -12,7 +12,7 @@ import optree
 import torch
 
 from ...arrays.array import ShardedArray
-from ...arrays.functorch import base_array
+from ...arrays.functorch import base_array, layout_of
 from ...backends.registry import backend_for
 from ...values.errors import ShardingError
 from ...values.layout import Layout, is_even
@@ -63,7 +63,7 @@ def _own_specs(args: tuple) -> tuple:
     paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
     specs = []
     for path, v in zip(paths, leaves):
-        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) and base_array(v) is None:
             from ...values.errors import ShardingTypeError
 
             raise ShardingTypeError(  # a TypeError too, as JAX's in_specs=None error
@@ -71,7 +71,7 @@ def _own_specs(args: tuple) -> tuple:
                 f"is a plain tensor with no spec; pass in_specs= (instead of in_specs=None, did you mean "
                 f"in_specs=P()?), or sf.distribute it first"
             )
-        specs.append(v._layout if isinstance(v, ShardedArray) else None)
+        specs.append(v._layout if isinstance(v, ShardedArray) else layout_of(v) if isinstance(v, torch.Tensor) else None)
     return tuple(optree.tree_unflatten(treespec, specs))
 
 
