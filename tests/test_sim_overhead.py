@@ -4,6 +4,7 @@ gives them."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -125,7 +126,7 @@ def test_a_bases_view_set_forgets_dead_views():
     """A private base's live views: a weak set (``inplace._Views``) that drops a view when it
     dies and keeps no reference cycle with its base."""
     views = _inplace._Views()
-    views.drop = lambda r, w=weakref.ref(views): _inplace._drop(w, r)
+    views.drop = functools.partial(_inplace._drop, weakref.ref(views))
     a, b = torch.zeros(1), torch.zeros(2)
     views.add(weakref.ref(a, views.drop))
     views.add(weakref.ref(b, views.drop))
