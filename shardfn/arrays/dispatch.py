@@ -26,7 +26,7 @@ from ..plans.planner import PLAN_CACHES
 from .array import ShardedArray, _BatchedArray
 from .redistribute import note_derived
 from .fragments import _fragment
-from .reduced import reduced_forms
+from .reduced import note_recomputed, reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
 from .op_calls import _leaves, _lift_plain, _replace
 
@@ -51,12 +51,16 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
                     _note_derived(func, args, kwargs, out)
+            elif isinstance(out, ShardedArray) and out._layout.partial:
+                note_recomputed(func, args, kwargs, out, aten.view.default)
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
         keep_math_bits(func, args, out)
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
         _note_derived(func, args, kwargs, out)
+    elif isinstance(out, ShardedArray) and out._layout.partial and not func._schema.is_mutable:
+        note_recomputed(func, args, kwargs, out, aten.view.default)
     return out
 
 
