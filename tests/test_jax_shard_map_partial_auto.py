@@ -142,7 +142,9 @@ def test_close_over_a_sharded_array():
     assert torch.equal(wr.grad.full_tensor(), torch.arange(16.0).reshape(2, 2, 4).sum(0))
 
 
-def _nested(inner_spec=P(None, "j"), power=2):
+def _nested(power):
+    inner_spec = P(None, "j")
+
     def h(x):
         return sf.shard_map(lambda t: t ** power, in_specs=inner_spec, out_specs=inner_spec)(x)
     return h

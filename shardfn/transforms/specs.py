@@ -44,7 +44,8 @@ def _match(specs: Any, tree: Any, what: str, root: str) -> tuple[list, list, lis
 def _first_mismatch(specs: Any, tree: Any, path: tuple = ()) -> tuple[tuple, Any, Any]:
     """Where the spec tree ``specs`` stops being a prefix of ``tree``: (path, specs, subtree)."""
     s = optree.tree_flatten_one_level(specs, is_leaf=_is_spec, none_is_leaf=True)
-    t = optree.tree_flatten_one_level(tree, none_is_leaf=True) if optree.tree_structure(tree, none_is_leaf=True).num_nodes > 1 else None
+    is_node = optree.tree_structure(tree, none_is_leaf=True).num_nodes > 1
+    t = optree.tree_flatten_one_level(tree, none_is_leaf=True) if is_node else None
     if t is None or type(specs) is not type(tree) or s.entries != t.entries:
         return path, specs, tree
     for key, sc, tc in zip(s.entries, s.children, t.children):
