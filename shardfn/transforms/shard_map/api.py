@@ -91,12 +91,14 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
 
 # What torch's vmap raises for a body it cannot batch but that runs on each device's own
 # tensors: Python control flow on a varying value, .item(), ops of data-dependent output
-# shape, an autograd.Function without vmap support (JAX's eager shard_map runs such bodies).
+# shape, an autograd.Function without vmap support, an op with no batching rule (JAX's eager
+# shard_map runs such bodies).
 _NOT_BATCHABLE = (
     "vmap: It looks like you're",
     "vmap: We do not support batching operators that can output dynamic shape",
     "it must override the setup_context",
     "but it does not have vmap support",
+    "Batching rule not implemented for",  # and no fallback (view and out= ops)
 )
 
 
