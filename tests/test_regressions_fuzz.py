@@ -4,6 +4,7 @@ plain torch (values, errors) on the smallest case that showed the bug."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -668,3 +669,24 @@ def test_repr_of_a_0d_array():
     mesh = sf.Mesh((4,), ("x",))
     assert "1.5" in repr(sf.distribute(torch.tensor(1.5), P(), mesh=mesh))
     assert "6." in repr(sf.distribute(torch.ones(6), P("x"), mesh=mesh).sum())
+
+
+def test_compiled_shard_map_with_dynamic_sizes():
+    # evenness (which runner) was asked of symbolic sizes: "unhashable type: non-nested SymInt"
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 6)
+    g = sf.shard_map(lambda b: sf.lax.all_gather(b, "x", axis=0, tiled=True), mesh=mesh,
+                     in_specs=(P("x", None),), out_specs=P(None, None))
+    f = torch.compile(lambda v: g(v) * 2, backend="aot_eager", dynamic=True)
+    _close(f(sf.distribute(x, P("x"), mesh=mesh)), x * 2)
+
+
+def test_compiled_data_dependent_shape_breaks_the_graph():
+    # nonzero's fake run raises DynamicOutputShapeException, on which Dynamo breaks the graph;
+    # shardfn turned it into a ShardingRuntimeError, which failed the compile
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0])
+    f = torch.compile(lambda v: torch.nonzero(v) + 1, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sf.FallbackWarning)  # nonzero: a data-dependent shape
+        _close(f(sf.distribute(x, P(), mesh=mesh)), torch.nonzero(x) + 1)

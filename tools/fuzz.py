@@ -787,7 +787,7 @@ class Case:
     x: torch.Tensor
     spec: P
     steps: list[Step]
-    mode: str  # "value", "grad", "func_grad", "compile", "compile_dynamic"
+    mode: str  # "value", "grad", "func_grad", "jvp", "vjp", "vmap", "compile", "compile_dynamic"
     lines: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -829,7 +829,8 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
         if st.undo is not None:
             break
     grads = x.dtype in (torch.float64, torch.complex128) and not (getattr(spec, "partial", None))
-    modes = ["value"] * 4 + (["grad", "grad", "func_grad"] if grads else [])
+    modes = ["value"] * 5 + (["grad", "grad", "func_grad", "jvp", "vjp"] if grads else [])
+    modes += ["vmap"] if not getattr(spec, "partial", None) else []
     mode = ch.choice(modes)
     if compile_rate and ch.chance(compile_rate):
         mode = ch.choice(["compile", "compile_dynamic"])
@@ -914,11 +915,23 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             or not isinstance(ref, torch.Tensor)
             or not ref.dtype.is_floating_point
             and run in ("grad", "func_grad")
+            or not (ref.dtype.is_floating_point or ref.dtype.is_complex)
+            and run in ("jvp", "vjp")
         ):
-            run = "value" if run in ("grad", "func_grad") else run
+            run = "value" if run in ("grad", "func_grad", "jvp", "vjp", "vmap") else run
         rg = None
-        try:  # torch's gradient first: where torch cannot differentiate, compare values only
-            if run == "grad":
+        tan = make_tensor(tuple(x.shape), x.dtype, gen) if run in ("jvp", "vjp") else None
+        ct = make_tensor(tuple(ref.shape), ref.dtype, gen) if run == "vjp" else None
+        xb = torch.stack([x, x * 2 if x.dtype != torch.bool else ~x]) if run == "vmap" else None
+        try:  # torch's transform first: where torch cannot transform the program, compare values only
+            if run == "jvp":
+                rg = torch.func.jvp(lambda v: _chain(case.steps, v, plain), (x,), (tan,))
+            elif run == "vjp":
+                rout, rfn = torch.func.vjp(lambda v: _chain(case.steps, v, plain), x)
+                rg = (rout, rfn(ct)[0])
+            elif run == "vmap":
+                rg = torch.func.vmap(lambda v: _chain(case.steps, v, plain))(xb)
+            elif run == "grad":
                 xl = x.clone().requires_grad_()
                 (rg,) = torch.autograd.grad(_scalar_loss(_chain(case.steps, xl, plain)), xl, allow_unused=True)
                 rg = rg if rg is not None else torch.zeros_like(x)
@@ -938,6 +951,19 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 got = _chain(case.steps, sf.distribute(xs, case.spec, mesh=mesh), shard)
                 (g,) = torch.autograd.grad(_scalar_loss(got), xs, allow_unused=True)
                 _compare(g if g is not None else torch.zeros_like(x), rg, "grad", x.dtype)
+            elif run == "jvp":
+                T = sf.distribute(tan, case.spec, mesh=mesh)
+                got, gt = torch.func.jvp(lambda v: _chain(case.steps, v, shard), (X,), (T,))
+                _compare(gt, rg[1], "jvp tangent", x.dtype)
+                _compare(got, rg[0], "jvp primal", x.dtype)
+            elif run == "vjp":
+                got, gfn = torch.func.vjp(lambda v: _chain(case.steps, v, shard), X)
+                _compare(gfn(ct)[0], rg[1], "vjp cotangent", x.dtype)
+            elif run == "vmap":
+                XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
+                got = torch.func.vmap(lambda v: _chain(case.steps, v, shard))(XB)
+                _compare(got, rg, "vmap", x.dtype)
+                got = _chain(case.steps, X, shard)
             else:
                 g = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, shard)))(X)
                 _compare(g, rg, "func.grad", x.dtype)

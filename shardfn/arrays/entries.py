@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import attrs
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from ..backends.registry import backend_for
 from ..plans.planner import cost_model, plan_layouts
@@ -33,6 +34,9 @@ aten = torch.ops.aten
 # reductions whose meta kernels accept an empty input that torch's kernels reject (only these:
 # shardfn's own compositions call amax on empty shards torch's ops never see)
 _EMPTY_CHECKED = frozenset({aten.max.default, aten.min.default, aten.argmax.default, aten.argmin.default})
+
+
+_DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
 
 def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -64,6 +68,8 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
         out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
+    except _DATA_DEPENDENT:
+        raise  # torch.compile's fake run: Dynamo breaks the graph there, as it does for plain tensors
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
         if arrays and all(v.numel() == 0 for _, v in arrays):
             e = _torch_error(func, args, kwargs, e)  # a meta kernel may raise another type than torch's
