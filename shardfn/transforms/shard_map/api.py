@@ -14,6 +14,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+import torch
+
 from ...backends.hooks import SHARD_MAP, SHARD_MAP_RUNNERS
 from ...values.graph_calls import in_graph
 from ...values.mesh import Mesh
@@ -89,9 +91,17 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
 
 
 def _run_local(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-    """The local backend's run: stacked under vmap when every shard has one shape, else per device."""
-    run = stacked._run_stacked if inputs.even() else per_device._run_per_device
-    return run(f, inputs, out_specs, check_vma, kwargs)
+    """The local backend's run: stacked under vmap when every shard has one shape, else per device.
+    The per-device run (a thread per device) cannot be traced (torch.compile's fake and functional
+    modes are per-thread): while Dynamo traces, it breaks the graph there and the call runs eagerly."""
+    if inputs.even():
+        return stacked._run_stacked(f, inputs, out_specs, check_vma, kwargs)
+    if torch._guards.detect_fake_mode() is not None:
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported("shard_map with uneven shards runs a thread per device: not traced, run eagerly",
+                          gb_type="shardfn: uneven shard_map")
+    return per_device._run_per_device(f, inputs, out_specs, check_vma, kwargs)
 
 
 SHARD_MAP_RUNNERS["local"] = _run_local
