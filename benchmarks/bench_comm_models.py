@@ -21,7 +21,9 @@ where it is first read (a row-parallel layer's output by the next norm, the last
 norm), so a layer's reduction may count for the next layer or for "other": the totals compare
 like for like. Every case checks its
 values (and gradients) against the unsharded model. The records tree of one case is printed
-at the end. ``SHARDFN_BENCH_QUICK=1`` runs Llama in two modes (the smoke test).
+at the end, then a second table: totals for the 18 families of ``tests/test_hf_families.py``
+(Megatron's counts by block structure there). ``SHARDFN_BENCH_QUICK=1`` runs Llama in two
+modes (the smoke test).
 Run ``python benchmarks/bench_comm_models.py``.
 """
 
@@ -149,6 +151,33 @@ def _layers_fmt(layers: list[Counter]) -> str:
     return _fmt(layers[0]) if all(c == layers[0] for c in layers) else " | ".join(_fmt(c) for c in layers)
 
 
+def more_families() -> None:
+    """Totals over 2 layers for the families of ``tests/test_hf_families.py`` (its configs,
+    rules and Megatron counts by block structure), each case checked against the unsharded
+    model there: TP forward, TP forward + backward (autograd, torch.func), vocabulary-parallel
+    forward."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import test_hf_families as fam
+
+    print(f"\nMore families (totals over {fam.LAYERS} layers, shardfn | Megatron; AR all_reduce, AG all_gather, "
+          f"RS reduce_scatter)")
+    print(f"{'model':11} {'tp fwd':16} {'tp fwd+bwd':22} {'tp fwd+bwd func':22} {'vocab fwd':16}")
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
+
+    def fmt(cc: sf.debug.CommCounter | None) -> str:
+        return "n/a" if cc is None else " + ".join(f"{v} {short.get(k, k)}" for k, v in sorted(cc.counts.items())) or "0"
+
+    megatron = {**fam.MEGATRON, "mixtral": (1, 2), "qwen2moe": (2, 4), "bloom": (2, 4), "phi3": (2, 4), "gpt2": (2, 4)}
+    for name in [*sorted(fam.MEGATRON), "mixtral", "qwen2moe", "bloom", "phi3", "gpt2"]:
+        f, b = megatron[name]
+        cells = [fmt(fam._forward(name)), fmt(fam._backward(name, "autograd")),
+                 fmt(None if name in fam.NO_FUNC else fam._backward(name, "func")),
+                 fmt(fam._forward(name, vocab=True) if name in fam.MEGATRON else None)]
+        want = [f"{f * fam.LAYERS} AR", f"{b * fam.LAYERS + 1} AR", f"{b * fam.LAYERS + 1} AR", f"{f * fam.LAYERS + 1} AR"]
+        print(f"{name:11} " + " ".join(f"{c + ' | ' + w:{n}}" for c, w, n in zip(cells, want, (16, 22, 22, 16))), flush=True)
+    print("values and gradients equal unsharded (1e-4)")
+
+
 def main() -> None:
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
     families = ["llama"] if QUICK else ["llama", "qwen2", "mistral", "gemma"]
@@ -175,6 +204,8 @@ def main() -> None:
     print("values and gradients equal unsharded")
     if tree is not None:
         print(f"\nrecords of {tree[0]} {tree[1]} (sf.debug.CommCounter, by module):\n{tree[2]}")
+    if not QUICK:
+        more_families()
 
 
 if __name__ == "__main__":

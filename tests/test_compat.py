@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from torch._library.opaque_object import is_opaque_value_type
 from torch._opaque_base import OpaqueBaseMeta
 
@@ -37,6 +38,31 @@ def test_value_types_pass_torch_2_11_opaque_check(cls: type) -> None:
     assert isinstance(cls, OpaqueBaseMeta)
     importlib.import_module("torch._dynamo")  # importing it registers them
     assert is_opaque_value_type(cls)
+
+
+@pytest.mark.parametrize("cls", VALUE_TYPES, ids=lambda c: c.__name__)
+def test_value_types_register_their_members_for_torch_2_11(cls: type) -> None:
+    # torch 2.11's Dynamo reads only registered members of an opaque value (mesh.axis_names
+    # inside a compiled function); 2.13 reads any, so nothing is registered there
+    from torch._library.opaque_object import MemberType
+
+    assert _compat.opaque_value_members(cls, "2.13.0") is None
+    members = _compat.opaque_value_members(cls, "2.11.0+cu130")
+    assert members is not None and set(members.values()) <= {MemberType.USE_REAL}
+    assert not any(n.startswith("__") and n.endswith("__") for n in members)  # torch copies them onto a stand-in
+    want = {sf.Mesh: {"axis_names", "shape", "device_type", "axis_size"}, sf.P: {"partial"},
+            Layout: {"mesh", "dims", "partial", "spec_str"}}.get(cls, set())
+    assert want <= set(members)
+
+
+def test_symint_hint_reads_a_plain_int_and_a_symint() -> None:
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    n = env.create_symintnode(env.create_symbol(7, source=ConstantSource("n")), hint=7)
+    assert isinstance(n, torch.SymInt)
+    assert _compat.symint_hint(n) == 7 and _compat.symint_hint(5) == 5
 
 
 def test_value_types_keep_plain_isinstance() -> None:

@@ -210,31 +210,25 @@ class ShardedArray(torch.Tensor):
         return ShardedArray(local, layout, outer_size, like.dtype, stride=outer_stride)
 
     # torch._dynamo.mark_dynamic(x, d) mirrors itself onto inner tensors of x's rank only;
-    # a stacked value has the mesh dims in front, so mirror dim d to mesh.ndim + d here.
+    # a stacked value has the mesh dims in front, so dim d is mirrored to mesh.ndim + d as
+    # it is added (every supported torch records a marked dim with _dynamo_dynamic_indices.add).
     @property
-    def _has_dynamo_dim_marking(self) -> bool:
+    def _dynamo_dynamic_indices(self) -> set:
         try:
-            return self.__dict__["_has_dynamo_dim_marking"]
+            return self.__dict__["_dynamo_dynamic_indices"]
         except KeyError:
-            raise AttributeError("_has_dynamo_dim_marking") from None
+            raise AttributeError("_dynamo_dynamic_indices") from None
 
-    @_has_dynamo_dim_marking.setter
-    def _has_dynamo_dim_marking(self, value: bool) -> None:
+    @_dynamo_dynamic_indices.setter
+    def _dynamo_dynamic_indices(self, value: set) -> None:
         # stored in __dict__ like a plain attribute: Dynamo's guards look for it there
-        self.__dict__["_has_dynamo_dim_marking"] = value
         local = self.__dict__.get("_local")
-        if not value or not isinstance(local, torch.Tensor) or local.dim() == self.dim():
-            return
-        from torch._dynamo import mark_dynamic
+        extra = local.dim() - self.dim() if isinstance(local, torch.Tensor) else 0
+        self.__dict__["_dynamo_dynamic_indices"] = _MirroredDims(value, local if extra else None, extra)
 
-        m = self._layout.mesh.ndim
-        for d in sorted(getattr(self, "_dynamo_dynamic_indices", ())):
-            if d + m not in getattr(local, "_dynamo_dynamic_indices", ()):
-                mark_dynamic(local, d + m)
-
-    @_has_dynamo_dim_marking.deleter
-    def _has_dynamo_dim_marking(self) -> None:
-        self.__dict__.pop("_has_dynamo_dim_marking", None)
+    @_dynamo_dynamic_indices.deleter
+    def _dynamo_dynamic_indices(self) -> None:
+        self.__dict__.pop("_dynamo_dynamic_indices", None)
 
     # torch.compile: a compiled backward guesses its tangents' layouts from the forward
     # outputs (pending reductions read as replicated); real tangents are resharded to it.
@@ -383,6 +377,29 @@ def check_partial_dtype(layout: Layout, dtype: torch.dtype) -> None:
                 f"like torch.mean, an average needs a floating or complex dtype; convert the parts "
                 f"(e.g. .float()) or use Partial('sum') and divide"
             )
+
+
+class _MirroredDims(set):
+    """A ShardedArray's dims marked dynamic: adding dim ``d`` marks ``d + offset`` of its
+    stacked shard tensor too (``local`` is None for one of the array's own rank: torch
+    mirrors those)."""
+
+    def __init__(self, dims: Any, local: torch.Tensor | None, offset: int) -> None:
+        super().__init__()
+        self._local, self._offset = local, offset
+        for d in dims:
+            self.add(d)
+
+    def __reduce__(self) -> tuple:  # copies and pickles are plain sets
+        return set, (list(self),)
+
+    def add(self, d: int) -> None:
+        super().add(d)
+        local = self._local
+        if local is not None and d + self._offset not in getattr(local, "_dynamo_dynamic_indices", ()):
+            from torch._dynamo import mark_dynamic
+
+            mark_dynamic(local, d + self._offset)
 
 
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:

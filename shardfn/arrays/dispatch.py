@@ -26,7 +26,7 @@ from ..plans.planner import PLAN_CACHES
 from .array import ShardedArray, _BatchedArray
 from .redistribute import note_derived
 from .fragments import _fragment
-from .reduced import reduced_forms
+from .reduced import note_recomputed, reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
 from .op_calls import _leaves, _lift_plain, _replace
 
@@ -51,23 +51,34 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
                     _note_derived(func, args, kwargs, out)
+            elif isinstance(out, ShardedArray) and out._layout.partial:
+                note_recomputed(func, args, kwargs, out, aten.view.default)
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _inplace.is_view(func):
         keep_math_bits(func, args, out)
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
         _note_derived(func, args, kwargs, out)
+    elif isinstance(out, ShardedArray) and out._layout.partial and not func._schema.is_mutable:
+        note_recomputed(func, args, kwargs, out, aten.view.default)
     return out
+
+
+_dispatch_keys = torch._C._dispatch_keys
+_FLAG_BITS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
+              | torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)).raw_repr()
 
 
 def keep_math_bits(func: Any, args: tuple, out: Any) -> None:
     """A view keeps its base's lazy conj/neg flags, as torch's views do (``special_ops``: the
     shards hold true values; the flags only decide what torch would reject)."""
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or func in special_ops.OWN_FLAGS:
+    # read off the dispatch keys: ``is_conj()`` of an array with a torch-function hook (3+ dims)
+    # is a Python call, and so is hashing the op
+    if not isinstance(x, torch.Tensor) or not _dispatch_keys(x).raw_repr() & _FLAG_BITS:
         return
     conj, neg = x.is_conj(), x.is_neg()
-    if conj or neg:
+    if func not in special_ops.OWN_FLAGS:
         for o in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(o, torch.Tensor):
                 torch._C._set_conj(o, conj)
@@ -193,6 +204,7 @@ _KW = object()  # separates a fast key's keyword arguments from its positional o
 _TRUE, _FALSE = object(), object()  # bools keyed apart from ints (True == 1 promotes differently)
 _MISS = object()
 _AS_IS = frozenset({int, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+_INTS = {int}
 
 
 def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
@@ -241,6 +253,8 @@ def _fast_part(a: Any, t: type) -> Any:
     if t is bool:
         return _TRUE if a else _FALSE
     if t is list or t is tuple:
+        if set(map(type, a)) == _INTS:  # sizes and dims: keyed as they are (C-level calls only)
+            return tuple(a)
         out = tuple(_fast_part(b, type(b)) for b in a)
         return _MISS if _MISS in out else out
     if t is complex:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..values import torch_compat
 from ..values.layout import Layout
 from ..values.sharded import Sharded
 
@@ -75,9 +76,7 @@ def hint_int(n: Any) -> int:
     """``n`` as an int without guarding: a SymInt gives its example value (hint)."""
     if isinstance(n, int):
         return n
-    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
-
-    return int(guarding_hint_or_throw(n))
+    return torch_compat.symint_hint(n)
 
 
 def hint_shape(shape: Any) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ decided when the view is made (the base is then an argument of the view op).
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Any
@@ -95,11 +96,30 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     rest = args[1:]
     views = base.__dict__.get("_views")
     if views is None:
-        views = base._views = weakref.WeakSet()
+        views = base._views = _Views()
+        views.drop = functools.partial(_drop, weakref.ref(views))
     for i, o in enumerate(outs):
         if isinstance(o, ShardedArray) and o is not base:
             o._view_of = (base, func, rest, kwargs, i if outs is out else None)
-            views.add(o)
+            views.add(weakref.ref(o, views.drop))
+
+
+class _Views(set):
+    """A base's live views as weak references, each dropped from the set when its view dies
+    (what ``weakref.WeakSet`` does, made and filled by C-level calls: a view op on a private
+    base runs no Python-level set code). ``len`` counts the live views."""
+
+    __slots__ = ("drop",)
+
+
+def _drop(views_ref: Any, view_ref: Any) -> None:
+    views = views_ref()
+    if views is not None:
+        views.discard(view_ref)
+
+
+def _live_views(base: Any) -> list:
+    return [v for v in (r() for r in list(base.__dict__.get("_views") or ())) if v is not None]
 
 
 def _replay(link: tuple, base: Any) -> Any:
@@ -291,7 +311,7 @@ def _as_functional(x: Any, functional: dict) -> Any:
 
 def _regenerate_views(base: Any) -> None:
     """Bring every live view of ``base`` (transitively) up to date after ``base`` changed."""
-    for v in list(base.__dict__.get("_views") or ()):
+    for v in _live_views(base):
         link = v.__dict__.get("_view_of")
         if link is None or link[0] is not base:
             continue

@@ -20,7 +20,7 @@ from . import functorch as _ft
 from .reduced import base_reduced, link_of
 from ..values.spec import Sharding, check_mesh, to_layout
 from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
-from .array import ShardedArray, wrap
+from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, wrap
 
 
 def _shares_memory(a: Any, sources: Any) -> bool:
@@ -93,10 +93,10 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
             return distribute(x, sharding)
         raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
     target = _sharding_mesh(sharding)
-    if target is not None and target != base.mesh and isinstance(x, ShardedArray):
+    if target is not None and target is not base.mesh and target != base.mesh and isinstance(x, ShardedArray):
         return reshard_across(x, to_layout(sharding, x.ndim, target))
     dst = to_layout(sharding, x.ndim, base.mesh)
-    if dst == _ft.layout_of(x):
+    if dst == (x._layout if base is x else _ft.layout_of(x)):
         return x
     return _Reshard.apply(x, dst)
 
@@ -166,7 +166,12 @@ def _via_base(x: ShardedArray, dst: Layout) -> Any:
 
 
 def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
-    return execute(plan_layouts(x._layout, dst, _ft.hint_shape(x.shape), x.dtype), x._local, tuple(x.shape))
+    shape = tuple(x.shape)
+    try:
+        plan = plan_layouts(x._layout, dst, shape, x.dtype)
+    except TypeError:  # symbolic sizes (SymInts do not hash): planned on their hints
+        plan = plan_layouts(x._layout, dst, _ft.hint_shape(shape), x.dtype)
+    return execute(plan, x._local, shape)
 
 
 def raw_full(x: ShardedArray) -> torch.Tensor:
@@ -214,7 +219,8 @@ class _Reshard(_Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.src, ctx.dst = _ft.layout_of(inputs[0]), inputs[1]
+        x = inputs[0]
+        ctx.src, ctx.dst = x._layout if type(x) in _ARRAY_TYPES else _ft.layout_of(x), inputs[1]
 
     @staticmethod
     def jvp(ctx: Any, t: Any, _: Any) -> Any:

@@ -4,7 +4,10 @@ them on the array; dispatch keys and costs strategies with them."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
+
+import torch
 
 
 def reduced_forms(x: Any) -> frozenset:
@@ -37,3 +40,57 @@ def base_reduced(x: Any) -> bool:
             return True
         link = link_of(base)
     return False
+
+
+# -- recomputations: the same pure op on the same arrays is the same value -----------------
+
+_SAME: dict[tuple, tuple] = {}  # key of a call -> (its pending output, the input arrays' weakrefs and shards)
+_SAME_MAX = 64
+
+
+def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -> None:
+    """Link a pending output to the output of an earlier call of the same deterministic op
+    on the same (immutable) arrays and arguments, so one reduction serves both: code that
+    writes an expression twice (``(h - mean).pow(2)`` then ``(h - mean) * r`` in a layer
+    norm) reads a pending sum once. The earlier output is kept while its inputs live (at
+    most ``_SAME_MAX`` of them). ``view``: the op re-viewing the earlier output
+    (``aten.view.default``), so the link has ``note_derived``'s form."""
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return
+    arrays: list = []
+    try:
+        key = (func, _key_of(args, arrays), _key_of(kwargs, arrays))
+        hit = _SAME.get(key)
+    except (_Plain, TypeError):  # a plain tensor takes part, or an argument does not hash
+        return
+    if not arrays:
+        return
+    if hit is not None:
+        prev = hit[0]
+        if (prev is not out and prev._layout == out._layout and prev.shape == out.shape and prev.dtype == out.dtype
+                and all(w() is v and v._local is loc for (w, loc), v in zip(hit[1], arrays))):
+            out._derived = (prev, view, (list(out.shape),), {}, None, out._local)
+            out._kf = None
+            return
+    while len(_SAME) >= _SAME_MAX:
+        del _SAME[next(iter(_SAME))]
+    drop = lambda _, k=key, same=_SAME: same.pop(k, None)  # noqa: E731  an input died: the key can never match again
+    _SAME[key] = (out, [(weakref.ref(v, drop), v._local) for v in arrays])
+
+
+class _Plain(Exception):
+    """A plain tensor takes part in the call: it may change, so the call is not remembered."""
+
+
+def _key_of(x: Any, arrays: list) -> Any:
+    """A hashable stand-in for an argument tree: arrays by identity (collected in ``arrays``)."""
+    if isinstance(x, torch.Tensor):
+        if not hasattr(x, "_layout"):
+            raise _Plain
+        arrays.append(x)
+        return ("array", id(x))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(_key_of(v, arrays) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _key_of(v, arrays)) for k, v in sorted(x.items())))
+    return x

@@ -250,14 +250,18 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, .
 
 
 def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
+    """A value the same on every device of the axis made pending a sum over it: the first
+    device of the axis keeps it, the others hold zeros. One op (a zero pad of the mesh dim
+    after the first part: one fill and one copy), not a mask built and applied per call."""
     if step.op != "sum":
         return x
     ai, _ = _ai(step, mesh)
-    x = _along(x, ai, mesh)
-    keep = torch.zeros(mesh.shape[ai], dtype=torch.bool, device=x.device)
-    keep[0] = True
-    keep = keep.view([-1 if i == ai else 1 for i in range(x.dim())])
-    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    g = mesh.shape[ai]
+    if g == 1:
+        return x
+    if x.shape[ai] != 1:  # the same part on every device of the axis (expanded or copied)
+        x = x.narrow(ai, 0, 1)
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - ai) + (0, g - 1))
 
 
 _REGRID_KINDS = frozenset({"all_gather", "all_to_all", "slice", "permute"})

@@ -135,8 +135,12 @@ def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int,
 
 
 def replicated(whole: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """A stacked value in which every device holds ``whole`` (size 1 on every mesh dim)."""
-    return whole.view((1,) * mesh.ndim + tuple(whole.shape))
+    """A stacked value in which every device holds ``whole`` (size 1 on every mesh dim). It
+    keeps ``whole`` as its squeezed form (``local_calls.StackedCall._once`` reads it instead
+    of indexing device 0's part: ``whole`` is its base, so no reference cycle)."""
+    value = whole.view((1,) * mesh.ndim + tuple(whole.shape))
+    value._squeezed = whole
+    return value
 
 
 def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:

@@ -28,7 +28,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     plan = _cached_plan(a, b)
     if plan is None:
         return torch.matmul(a, b)
-    a_order, a_shape, b_order, b_shape, out_shape, out_order = plan  # orders: None where identity
+    a_order, a_shape, b_order, b_shape, out_shape, out_order, direct = plan  # orders: None where identity
+    if direct:  # ``a``'s rows only: torch.matmul folds them itself (the same mm, in C++)
+        return torch.matmul(a, b.reshape(b_shape[1:]))
     if a_order is not None:
         a = a.permute(a_order)
     if b_order is not None:
@@ -94,8 +96,12 @@ def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
     where = {d: j for j, d in enumerate([*common, *rows, "m", *cols, "n"])}
     out_order = [where[i] for i in range(lead)] + [where["m"], where["n"]]
     same = list(range(r))
+    # ``b`` the same on every leading dim: they all fold into a's rows, which torch.matmul of ``a`` and ``b``'s matrix
+    # folds as a view too (its condition: each leading stride spans the dims after it)
+    direct = (all(sb[i] == 1 for i in range(lead)) and all(a.stride(i) == a.stride(i + 1) * sa[i + 1] for i in range(r - 2))
+              and a.numel() > 0)
     return (None if a_order == same else a_order, (c, ma * m, k), None if b_order == same else b_order,
-            (c, k, nb * n), out_shape, None if out_order == same else out_order)
+            (c, k, nb * n), out_shape, None if out_order == same else out_order, direct)
 
 
 def _prod_sizes(shape: Sequence[int], dims: Sequence[int]) -> int:

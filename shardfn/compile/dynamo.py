@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..arrays import array, redistribute
 from ..transforms import constraints
-from ..values import graph_calls
+from ..values import graph_calls, torch_compat
 from ..values.layout import Layout
 from ..values.mesh import Mesh
 from ..values.spec import NamedSharding, P, Partial, Replicate, Shard, _make_p
@@ -79,7 +79,8 @@ def register() -> None:
         cls.__fx_repr__ = _fx_repr
         if issubclass(cls, tuple):
             cls.__fx_create_arg__ = _p_node
-        register_opaque_type(cls, typ="value")
+        members = torch_compat.opaque_value_members(cls)
+        register_opaque_type(cls, typ="value", **({} if members is None else {"members": members}))
     allow_in_graph = sys.modules["torch._dynamo"].allow_in_graph
     for fn in _graph_functions():
         allow_in_graph(fn)

@@ -120,7 +120,7 @@ def _build(call: OpCall, spec: Dims, choice: dict[str, tuple]) -> tuple | None:
     for i, letters in enumerate(spec.ins):
         p = {}
         for a, op in partial.items():
-            if spec.joint or partial_src[a] == i or i in spec.addends:
+            if (spec.joint and _may_be_partial(spec, i)) or partial_src[a] == i or i in spec.addends:
                 p[a] = op
         if i in spec.addends:
             p.update({a: red_ops[a] for a in reduced})

@@ -10,7 +10,7 @@ import attrs
 import torch
 
 from .base import Candidate, OpCall, bind, letters
-from .dims import Dims, compile_dims
+from .dims import LINEAR_OPS, Dims, compile_dims
 
 aten = torch.ops.aten
 
@@ -85,8 +85,9 @@ class IndexAlong:
 
 @attrs.frozen
 class AdvancedIndex:
-    """x[i0, i1, ...] (aten.index): indexed dims whole, index tensors replicated; dims
-    not indexed keep their sharding at their place in the output."""
+    """x[i0, i1, ...] (aten.index): indexed dims whole; dims not indexed keep their
+    sharding at their place in the output; index tensors of one shape may be sharded, the
+    output dims they shape following them."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
@@ -110,8 +111,79 @@ class AdvancedIndex:
         else:
             out_letters = [None] * k + rest
         src = tuple(None if i in used else L for i, L in enumerate(ls))
-        ins = (src,) + tuple((None,) * v.ndim for _, v in call.arrays[1:])
+        # index tensors of one shape (no broadcasting between them) may be sharded: the
+        # output dims they shape follow them (a lookup of batch-split ids stays split)
+        shapes = {tuple(t.shape) for t in indices if isinstance(t, torch.Tensor)}
+        idx = tuple(f"I{j}" for j in range(k)) if len(shapes) == 1 and len(next(iter(shapes))) == k else (None,) * k
+        at = (len(before) if contiguous and used else 0)
+        out_letters[at:at + k] = idx
+        index_ids = {id(t) for t in indices if isinstance(t, torch.Tensor)}
+        ins = (src,) + tuple(idx if id(v) in index_ids and v.ndim == k else (None,) * v.ndim for _, v in call.arrays[1:])
         return compile_dims(call, Dims(ins, (tuple(out_letters),)))
+
+
+@attrs.frozen
+class IndexPut:
+    """index_put(self, indices, values, accumulate): the dims ``self`` does not index keep
+    their sharding, ``values`` taking the layout of ``self[indices]`` (``values`` of exactly
+    that shape). With ``accumulate`` the op adds ``values`` into ``self``: linear in both,
+    so a pending sum of ``values`` passes through (``self`` taking it on), and index tensors
+    split like ``values``' rows leave the output pending over their axes (the backward of
+    ``x[:, :, [i]]``, of a table lookup, of ``w[batch_ids]``)."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        indices = list(b["indices"])
+        x_shape = call.shapes[0]
+        n = len(x_shape)
+        values = b["values"]
+        if n == 0 or any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in indices):
+            return Replicated().candidates(call)
+        indices += [None] * (n - len(indices))
+        used = [i for i, t in enumerate(indices) if t is not None]
+        if not used:
+            return Replicated().candidates(call)
+        shapes = [tuple(t.shape) for t in indices if t is not None]
+        try:
+            k = len(torch.broadcast_shapes(*shapes))
+        except RuntimeError:
+            return Replicated().candidates(call)
+        ls = letters(n)
+        rest = [ls[i] for i in range(n) if i not in used]
+        if used == list(range(used[0], used[-1] + 1)):
+            before = [ls[i] for i in range(used[0])]
+            val_letters = before + [None] * k + rest[len(before):]
+        else:
+            before = []
+            val_letters = [None] * k + rest
+        accumulate = bool(b.get("accumulate", False))
+        # with accumulate, index tensors of one shape may be split (values alike): each
+        # device scatters its own rows, the output a pending sum (self added once)
+        ishapes = {tuple(t.shape) for t in indices if isinstance(t, torch.Tensor)}
+        idx = (tuple(f"I{j}" for j in range(k)) if accumulate and len(ishapes) == 1 and len(next(iter(ishapes))) == k
+               else (None,) * k)
+        at = len(before) if used == list(range(used[0], used[-1] + 1)) else 0
+        val_letters[at:at + k] = idx
+        if not isinstance(values, torch.Tensor) or values.dim() != len(val_letters):
+            return Replicated().candidates(call)
+        src = tuple(None if i in used else L for i, L in enumerate(ls))
+        index_ids = {id(t) for t in indices if isinstance(t, torch.Tensor)}
+        ins, partial_ins = [], []
+        for i, (_, v) in enumerate(call.arrays):
+            if v is b["self"] and i == 0:
+                ins.append(src)
+            elif v is values:
+                ins.append(tuple(val_letters))
+                partial_ins.append(i)
+            elif id(v) in index_ids and v.ndim == k:
+                ins.append(idx)
+            else:
+                ins.append((None,) * v.ndim)
+        if not accumulate:
+            return compile_dims(call, Dims(tuple(ins), (src,)))
+        reduce = tuple((L, "sum") for L in idx if L is not None)
+        return compile_dims(call, Dims(tuple(ins), (src,), reduce, LINEAR_OPS, joint=True, addends=(0,),
+                                       partial_ins=tuple(partial_ins)))
 
 
 @attrs.frozen
@@ -139,8 +211,8 @@ TABLE = {
     aten.index_reduce: IndexAlong(),
     aten.index.Tensor: AdvancedIndex(),
     aten._unsafe_index.Tensor: AdvancedIndex(),
-    aten.index_put: _REPLICATED,
-    aten._unsafe_index_put: _REPLICATED,
+    aten.index_put: IndexPut(),
+    aten._unsafe_index_put: IndexPut(),
     aten.masked_scatter: _REPLICATED,
     aten.take: _REPLICATED,
     aten.put: _REPLICATED,

@@ -3,6 +3,7 @@ their conversion to the canonical :class:`~shardfn.values.layout.Layout`."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence, Union
 
 import attrs
@@ -205,6 +206,20 @@ Sharding = Union[NamedSharding, P, Sequence[Placement], Layout]
 
 
 def spec_to_layout(mesh: Mesh, spec: P, ndim: int) -> Layout:
+    """The layout of ``spec`` on ``mesh`` for an ``ndim``-dim value (remembered: a training
+    step reshards its gradients to their parameters' shardings every step)."""
+    try:
+        return _spec_layout(mesh, spec, ndim)
+    except TypeError:  # an unhashable entry: checked and reported below
+        return _spec_to_layout(mesh, spec, ndim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_layout(mesh: Mesh, spec: P, ndim: int) -> Layout:
+    return _spec_to_layout(mesh, spec, ndim)
+
+
+def _spec_to_layout(mesh: Mesh, spec: P, ndim: int) -> Layout:
     if len(spec) > ndim:
         raise ShardingError(
             f"{spec!r} has {len(spec)} entries but the tensor has rank {ndim}; "

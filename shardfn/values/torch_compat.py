@@ -51,6 +51,37 @@ class ValueMeta(_OpaqueBaseMeta):  # type: ignore[misc, valid-type]
     __subclasscheck__ = type.__subclasscheck__
 
 
+# torch 2.11 lets Dynamo read an opaque value's attributes only when they are registered
+# (``register_opaque_type(members=...)``); 2.13 reads any attribute of a value type. A
+# sharding value is a constant of the graph, so every member is read off the real object
+# (``MemberType.USE_REAL``) and the result baked in, as 2.13 does by default.
+
+
+def opaque_value_members(cls: type, version: str = torch.__version__) -> dict[str, Any] | None:
+    """``members=`` for ``register_opaque_type(cls, typ="value")``: None where torch reads a
+    value type's attributes without it, else every attribute and field of
+    ``cls`` read off the real object (dunders aside: Python finds operators on the type)."""
+    if _release(version) >= (2, 13):
+        return None
+    from torch._library.opaque_object import MemberType
+
+    names = set(dir(cls)) | set(getattr(cls, "__slots__", ()) or ()) | {a.name for a in getattr(cls, "__attrs_attrs__", ())}
+    # torch copies each member onto its stand-in object; operators are looked up on the type
+    return {n: MemberType.USE_REAL for n in sorted(names) if not (n.startswith("__") and n.endswith("__"))}
+
+
+# -- symbolic sizes (torch.compile dynamic dims) ------------------------------------------
+# 2.13 reads a SymInt's example value with guarding_hint_or_throw; 2.11 with size_hint.
+
+
+def symint_hint(n: Any) -> int:
+    """The example value (hint) of a SymInt, adding no guard."""
+    from torch.fx.experimental import symbolic_shapes
+
+    read = getattr(symbolic_shapes, "guarding_hint_or_throw", None) or symbolic_shapes.size_hint
+    return int(read(n))
+
+
 # -- functional collectives -----------------------------------------------------------
 # torch 2.11 names the single-tensor gather/scatter all_gather_tensor / reduce_scatter_tensor;
 # 2.13 adds all_gather_single / reduce_scatter_single (same arguments).

@@ -30,9 +30,10 @@ def _is_collective(target) -> bool:
             and target._opname not in _NOT_COLLECTIVES)
 
 
-# the op each funcol function of the dist backend issues
-_FUNCOL_OP = {"all_gather_single": "all_gather_into_tensor", "all_to_all_single": "all_to_all_single",
-              "all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter_tensor"}
+# the op each funcol function of the dist backend issues (torch 2.13 names / torch 2.11 names)
+_FUNCOL_OP = {"all_gather_single": "all_gather_into_tensor", "all_gather_tensor": "all_gather_into_tensor",
+              "all_to_all_single": "all_to_all_single", "all_reduce": "all_reduce",
+              "reduce_scatter_single": "reduce_scatter_tensor", "reduce_scatter_tensor": "reduce_scatter_tensor"}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,65 @@
+"""Pending sums through recomputed expressions and table lookups (issue 20's families):
+the same op on the same arrays reduces once; ``x[idx]`` with split ids stays split; the
+scatter-add backward of a lookup keeps pending sums and split ids without moving data."""
+
+from __future__ import annotations
+
+import torch
+
+import shardfn as sf
+from shardfn import P
+
+MESH = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+
+
+def _pending(t: torch.Tensor) -> sf.ShardedArray:
+    """``t`` as a pending sum over tp (the output of a row-parallel matmul)."""
+    a = sf.distribute(torch.randn(t.shape[-1], 8), P(None, "tp"), mesh=MESH)
+    b = sf.distribute(torch.randn(8, t.shape[-1]), P("tp", None), mesh=MESH)
+    return sf.distribute(t, P("dp"), mesh=MESH) @ a @ b
+
+
+def test_recomputed_expression_reduces_once() -> None:
+    torch.manual_seed(0)
+    h = _pending(torch.randn(4, 6))
+    mean = h.mean(-1, keepdim=True)
+    want_h = h.full_tensor()
+    with sf.debug.CommCounter() as cc:
+        var = (h - mean).pow(2).mean(-1, keepdim=True)  # reduces (h - mean)
+        out = (h - mean) * torch.rsqrt(var + 1e-5)  # the same (h - mean): no second reduction
+        y = torch.tanh(out).sum(-1)  # reads out whole
+    assert cc.counts["all_reduce"] == 1, cc
+    c = want_h - want_h.mean(-1, keepdim=True)
+    torch.testing.assert_close(y.full_tensor(), torch.tanh(c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5)).sum(-1))
+
+
+def test_lookup_by_split_ids_stays_split() -> None:
+    w = torch.randn(5, 3, 2)
+    ids = torch.randint(0, 5, (8,))
+    sw, sids = sf.distribute(w, P(), mesh=MESH), sf.distribute(ids, P("dp"), mesh=MESH)
+    with sf.debug.CommCounter() as cc:
+        out = sw[sids]
+    assert cc.total == 0 and out.spec == P("dp"), cc
+    torch.testing.assert_close(out.full_tensor(), w[ids])
+
+
+def test_lookup_backward_is_a_pending_scatter_add() -> None:
+    """grad of w[ids] (ids split over dp) and of x[:, [i]] under a pending gradient: index_put
+    with accumulate keeps both pending, and the values equal torch's."""
+    ids = torch.randint(0, 5, (8,))
+    g = torch.randn(8, 3)
+    sg = sf.distribute(g, P("dp"), mesh=MESH)
+    z = sf.distribute(torch.zeros(5, 3), P(), mesh=MESH)
+    with sf.debug.CommCounter() as cc:
+        out = torch.ops.aten.index_put(z, [sf.distribute(ids, P("dp"), mesh=MESH)], sg, True)
+    assert cc.total == 0 and out.spec == P(partial="dp"), (cc, out.spec)
+    torch.testing.assert_close(out.full_tensor(), torch.zeros(5, 3).index_put([ids], g, accumulate=True))
+
+    torch.manual_seed(1)
+    v = _pending(torch.randn(4, 2))  # pending values
+    col = torch.tensor([0, 2])
+    zz = sf.distribute(torch.zeros(4, 5), P("dp"), mesh=MESH)
+    with sf.debug.CommCounter() as cc:
+        out = torch.ops.aten.index_put(zz, [None, sf.distribute(col, P(), mesh=MESH)], v, True)
+    assert cc.total == 0 and out.spec == P("dp", partial="tp"), (cc, out.spec)
+    torch.testing.assert_close(out.full_tensor(), torch.ops.aten.index_put(torch.zeros(4, 5), [None, col], v.full_tensor(), True))
