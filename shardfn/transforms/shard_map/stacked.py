@@ -24,7 +24,8 @@ import torch._C._functorch as _ft
 from torch._functorch.vmap import vmap_increment_nesting
 
 from ...arrays.array import ShardedArray
-from ...arrays.redistribute import reshard
+from ...arrays.functorch import base_array
+from ...arrays.redistribute import gather, reshard
 from ...values import torch_compat
 from ...values.errors import ShardingError, ShardingRuntimeError
 from ...values.layout import Layout
@@ -223,7 +224,9 @@ def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
 
 def _to_canonical(v: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Canonical form (see ``stacked``) of argument ``v`` laid out as ``layout``."""
-    if isinstance(v, ShardedArray):
+    if isinstance(v, ShardedArray) or base_array(v) is not None:
+        # (torch.func-wrapped arrays too: their shards, not ops on the wrapper, e.g. the
+        # summands under a partial in_spec)
         v = reshard(v, layout)
         used = B.used_axes(layout)
         dims = tuple(n if a in used else 1 for a, n in zip(layout.mesh.axis_names, layout.mesh.shape))
@@ -292,6 +295,8 @@ def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool)
     if not isinstance(c, torch.Tensor):
         check_scalar_output(path, c, spec)
         return c
+    if isinstance(c, ShardedArray) or base_array(c) is not None:
+        c = gather(c)  # computed from a ShardedArray the body closed over: its whole (per-device) value
     m = mesh.ndim
     layout = _out_layout(path, spec, c.dim() - m, mesh)
     varying = {a for k, a in enumerate(mesh.axis_names) if c.shape[k] > 1}
