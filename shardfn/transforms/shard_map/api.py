@@ -15,6 +15,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+import torch
+
 from ...backends.hooks import SHARD_MAP, SHARD_MAP_RUNNERS
 from ...values.graph_calls import in_graph
 from ...values.mesh import Mesh
@@ -105,13 +107,24 @@ _NOT_BATCHABLE = (
 def _run_local(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
     """The local backend's run: stacked under vmap when every shard has one shape, else (or
     when the body cannot be batched, see ``_NOT_BATCHABLE``) once per device."""
-    if not inputs.even():
-        return per_device._run_per_device(f, inputs, out_specs, check_vma, kwargs)
-    try:
-        return stacked._run_stacked(f, inputs, out_specs, check_vma, kwargs)
-    except RuntimeError as e:
-        if not any(m in str(e) for m in _NOT_BATCHABLE):
-            raise
+    if inputs.even():
+        try:
+            return stacked._run_stacked(f, inputs, out_specs, check_vma, kwargs)
+        except RuntimeError as e:
+            if not any(m in str(e) for m in _NOT_BATCHABLE):
+                raise
+    return _per_device(f, inputs, out_specs, check_vma, kwargs)
+
+
+def _per_device(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+    """The body once per device, a thread each. Threads cannot be traced (torch.compile's fake
+    and functional modes are per-thread): while Dynamo traces, the graph breaks here and the call
+    runs eagerly."""
+    if torch._guards.detect_fake_mode() is not None:
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported("shard_map run per device (a thread each): not traced, run eagerly",
+                          gb_type="shardfn: shard_map per device")
     return per_device._run_per_device(f, inputs, out_specs, check_vma, kwargs)
 
 

@@ -12,7 +12,7 @@ import optree
 import torch
 
 from ...arrays.array import ShardedArray
-from ...arrays.functorch import base_array, layout_of
+from ...arrays.functorch import base_array, layout_of, static_int
 from ...backends.registry import backend_for
 from ...values.errors import ShardingError
 from ...values.layout import Layout, is_even
@@ -52,7 +52,8 @@ class _Inputs:
         return layout
 
     def even(self) -> bool:
-        return all(l is None or is_even(l, tuple(v.shape)) for v, l in zip(self.leaves, self.layouts))
+        # symbolic sizes (torch.compile, dynamic) are specialised: evenness decides the runner
+        return all(l is None or is_even(l, tuple(static_int(n) for n in v.shape)) for v, l in zip(self.leaves, self.layouts))
 
     def rebuild(self, leaves: list) -> tuple:
         return optree.tree_unflatten(self.treespec, leaves)
