@@ -89,3 +89,13 @@ def test_bench_uneven_gather_prints_both_figures() -> None:
     assert set(rows) == {"even", "uneven"}
     even, uneven = (float(rows[c][3].rstrip("x")) for c in ("even", "uneven"))
     assert uneven <= 1.1 * even  # one copy per distinct value (issue 25)
+
+
+def test_count_sim_counts_every_configuration() -> None:
+    out = _run("count_sim.py")
+    rows = {line[:16].strip(): line[16:].split() for line in out.splitlines()[2:] if line.strip()}
+    assert set(rows) == {"unsharded", "dp (8,)", "dp x tp (2, 4)", "dp of (2, 4)"}
+    assert rows["unsharded"][0] == "0" and int(rows["unsharded"][2]) > 0  # no ShardedArray, plain ops counted
+    for config in ("dp (8,)", "dp x tp (2, 4)", "dp of (2, 4)"):
+        dispatches, slow, shard_ops, calls = map(int, rows[config])
+        assert dispatches > 0 and 0 <= slow < dispatches and shard_ops > 0 and calls > dispatches

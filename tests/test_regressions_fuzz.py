@@ -4,6 +4,7 @@ plain torch (values, errors) on the smallest case that showed the bug."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -668,3 +669,64 @@ def test_repr_of_a_0d_array():
     mesh = sf.Mesh((4,), ("x",))
     assert "1.5" in repr(sf.distribute(torch.tensor(1.5), P(), mesh=mesh))
     assert "6." in repr(sf.distribute(torch.ones(6), P("x"), mesh=mesh).sum())
+
+
+def test_compiled_shard_map_with_dynamic_sizes():
+    # evenness (which runner) was asked of symbolic sizes: "unhashable type: non-nested SymInt"
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 6)
+    g = sf.shard_map(lambda b: sf.lax.all_gather(b, "x", axis=0, tiled=True), mesh=mesh,
+                     in_specs=(P("x", None),), out_specs=P(None, None))
+    f = torch.compile(lambda v: g(v) * 2, backend="aot_eager", dynamic=True)
+    _close(f(sf.distribute(x, P("x"), mesh=mesh)), x * 2)
+
+
+def test_compiled_data_dependent_shape_breaks_the_graph():
+    # nonzero's fake run raises DynamicOutputShapeException, on which Dynamo breaks the graph;
+    # shardfn turned it into a ShardingRuntimeError, which failed the compile
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0])
+    f = torch.compile(lambda v: torch.nonzero(v) + 1, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sf.FallbackWarning)  # nonzero: a data-dependent shape
+        _close(f(sf.distribute(x, P(), mesh=mesh)), torch.nonzero(x) + 1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_uneven_shard_map_runs_eagerly(dynamic):
+    # a thread per device cannot be traced (fake/functional modes are per-thread): the graph
+    # breaks at the call and the body runs eagerly (was: an assertion inside the fake run)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(5, 5)
+    g = sf.shard_map(lambda b: sf.lax.psum(b.sum(1, keepdim=True), "x"), mesh=mesh,
+                     in_specs=(P(None, "x"),), out_specs=P(None, None))
+    f = torch.compile(lambda v: g(v) * 2, backend="aot_eager", dynamic=dynamic)
+    _close(f(sf.distribute(x, P(), mesh=mesh)), x.sum(1, keepdim=True) * 2)
+
+
+@pytest.mark.parametrize("op", ["baddbmm", "addmv", "addbmm", "addmm"])
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_integer_add_products_with_float_scalars(op, spec):
+    # torch's integral kernels truncate a float alpha/beta; the stacked call multiplied by
+    # them and returned float32
+    mesh = sf.Mesh((2,), ("x",))
+    a = torch.randint(-5, 5, (2, 4, 2))
+    f = {
+        "baddbmm": lambda v: torch.baddbmm(v, v, v.mT @ v, alpha=0.5),
+        "addmv": lambda v: torch.addmv(v[0, :, 0], v[0], v[0, 0], alpha=1.5, beta=2.5),
+        "addbmm": lambda v: torch.addbmm(v[0], v, v.mT @ v, alpha=0.5, beta=2),
+        "addmm": lambda v: torch.addmm(v[0], v[0], v[0].mT @ v[0], alpha=2.7),
+    }[op]
+    got, want = f(sf.distribute(a, spec, mesh=mesh)), f(a)
+    assert got.dtype == want.dtype
+    _close(got, want)
+
+
+def test_empty_input_the_meta_kernel_rejects_but_torch_accepts():
+    # torch's meta vector_norm(inf) misreads a negative dim of an empty input as empty
+    mesh = sf.Mesh((4,), ("x",))
+    x = torch.randn(0, 7, 5, dtype=torch.float64)
+    f = lambda v: torch.linalg.vector_norm(v, ord=float("inf"), dim=-2, keepdim=True)  # noqa: E731
+    _close(f(sf.distribute(x, P(), mesh=mesh)), f(x))
+    with pytest.raises(RuntimeError, match="empty"):
+        torch.linalg.vector_norm(sf.distribute(x, P(), mesh=mesh), ord=float("inf"), dim=0)

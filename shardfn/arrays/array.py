@@ -292,6 +292,13 @@ class ShardedArray(torch.Tensor):
             "use an out-of-place op and rebind the result"
         )
 
+    def rename_(self, *names: Any, **rename_map: Any) -> ShardedArray:
+        # torch 2.11 still has named tensors (2.13 dropped them): names live on the wrapper in place
+        raise ImmutableError(
+            "rename_ would name a ShardedArray's dims in place, but ShardedArrays are immutable and "
+            "do not carry dim names; use out-of-place ops and keep names in your own code"
+        )
+
     # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it.
     # data_ptr() stays torch's 0 (the null pointer: no single buffer): torch's __deepcopy__,
     # pickling, autograd graph hooks and Dynamo recognise a wrapper subclass by it

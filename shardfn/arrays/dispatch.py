@@ -64,14 +64,21 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+_dispatch_keys = torch._C._dispatch_keys
+_FLAG_BITS = (torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate)
+              | torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)).raw_repr()
+
+
 def keep_math_bits(func: Any, args: tuple, out: Any) -> None:
     """A view keeps its base's lazy conj/neg flags, as torch's views do (``special_ops``: the
     shards hold true values; the flags only decide what torch would reject)."""
     x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or func in special_ops.OWN_FLAGS:
+    # read off the dispatch keys: ``is_conj()`` of an array with a torch-function hook (3+ dims)
+    # is a Python call, and so is hashing the op
+    if not isinstance(x, torch.Tensor) or not _dispatch_keys(x).raw_repr() & _FLAG_BITS:
         return
     conj, neg = x.is_conj(), x.is_neg()
-    if conj or neg:
+    if func not in special_ops.OWN_FLAGS:
         for o in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(o, torch.Tensor):
                 torch._C._set_conj(o, conj)

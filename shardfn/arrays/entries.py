@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import attrs
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from ..backends.registry import backend_for
 from ..plans.planner import cost_model, plan_layouts
@@ -33,6 +34,9 @@ aten = torch.ops.aten
 # reductions whose meta kernels accept an empty input that torch's kernels reject (only these:
 # shardfn's own compositions call amax on empty shards torch's ops never see)
 _EMPTY_CHECKED = frozenset({aten.max.default, aten.min.default, aten.argmax.default, aten.argmin.default})
+
+
+_DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
 
 def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -64,13 +68,17 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
         out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
         out_meta = None  # data-dependent output shape: only the fallback can run it
+    except _DATA_DEPENDENT:
+        raise  # torch.compile's fake run: Dynamo breaks the graph there, as it does for plain tensors
     except (RuntimeError, IndexError, ValueError, TypeError) as e:
-        if arrays and all(v.numel() == 0 for _, v in arrays):
-            e = _torch_error(func, args, kwargs, e)  # a meta kernel may raise another type than torch's
-        raise like_torch(e)(
-            f"{_describe_call(func, leaves)}: shape mismatch or invalid arguments (the op rejects "
-            f"these global shapes, whatever the sharding): {e}"
-        ) from None
+        if not (arrays and all(v.numel() == 0 for _, v in arrays)):
+            raise _rejected(func, leaves, e) from None
+        # empty inputs: torch's own kernel decides (a meta kernel may raise another type than
+        # torch's, or reject what torch accepts: vector_norm(inf) of [0, 7, 5] over dim -2)
+        try:
+            out_meta = _empty_meta(func, args, kwargs)
+        except (RuntimeError, IndexError, ValueError, TypeError) as torch_error:
+            raise _rejected(func, leaves, torch_error) from None
     call = OpCall(func, args, kwargs, arrays, out_meta, mesh)
     rule = _rules.lookup(func)
     cands = rule.candidates(call) if rule is not None and out_meta is not None else []
@@ -84,14 +92,12 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     return _Entry(func, call, best)
 
 
-def _torch_error(func: Any, args: tuple, kwargs: dict, meta_error: Exception) -> Exception:
-    """The error torch's own kernel raises on empty tensors of the global shapes (amax over a
-    zero-size dim: an IndexError where the meta kernel raises a RuntimeError); else ``meta_error``."""
-    try:
-        _check_empty(func, args, kwargs)
-    except (RuntimeError, IndexError, ValueError, TypeError) as e:
-        return e
-    return meta_error
+def _rejected(func: Any, leaves: list, e: Exception) -> Exception:
+    """The op's own error on these global shapes, as torch's type (``like_torch``)."""
+    return like_torch(e)(
+        f"{_describe_call(func, leaves)}: shape mismatch or invalid arguments (the op rejects "
+        f"these global shapes, whatever the sharding): {e}"
+    )
 
 
 def _check_empty(func: Any, args: tuple, kwargs: dict) -> None:
@@ -112,15 +118,19 @@ def _check_empty(func: Any, args: tuple, kwargs: dict) -> None:
 
 def _empty_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     """The op's output metadata from a run on real tensors holding no data: empty ones, and
-    an expanded zero for the others."""
+    an expanded zero for the others (real even while torch.compile traces: its fake tensors
+    would run the same meta kernels)."""
     def empty(path: Any, v: Any) -> Any:
         if not isinstance(v, ShardedArray):
             return v
+        shape = _ft.hint_shape(v.shape)
         if v.numel():
-            return torch.zeros((), dtype=v.dtype).expand(v.shape)
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+            return torch.zeros((), dtype=v.dtype).expand(shape)
+        return torch.empty_strided(shape, _ft.hint_shape(v.stride()), dtype=v.dtype)
 
-    with torch.no_grad():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch.no_grad(), _disable_current_modes():
         eargs, ekwargs = _replace(args, kwargs, empty)
         out = func(*eargs, **ekwargs)
     outs, rebuild = _flat_outputs(out)

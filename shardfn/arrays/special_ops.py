@@ -1,5 +1,6 @@
 """Ops dispatch runs by hand rather than by a rule: aliases of an immutable array (the
-array itself), size and storage queries, whole-value comparisons, and ``.item()``."""
+array itself), size and storage queries, whole-value comparisons, ``.item()``, and torch's lazy
+conj/neg flags (``_conj``, ``_neg_view``, what torch rejects on flagged views)."""
 
 from __future__ import annotations
 

@@ -338,6 +338,8 @@ def _addend(product: Callable) -> Callable[[Info], "_Call"]:
 
         def run(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
             out = product(a, b)
+            if not (out.is_floating_point() or out.is_complex()):
+                alpha, beta = int(alpha), int(beta)  # torch's integral kernels truncate float scalars
             if alpha != 1:
                 out = out * alpha
             if beta == 0:

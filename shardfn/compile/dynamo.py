@@ -84,7 +84,8 @@ def register() -> None:
     allow_in_graph = sys.modules["torch._dynamo"].allow_in_graph
     for fn in _graph_functions():
         allow_in_graph(fn)
-    graph_calls.install(allow_in_graph)  # shard_map / local_map functions, made before and after
+    graph_calls.install(lambda fn: (allow_in_graph(fn), _never_trace(fn)))  # shard_map / local_map functions
+    # (never traced as frames either: an uneven shard_map breaks the graph, then runs eagerly)
     _never_trace(array.ShardedArray.__torch_dispatch__)
 
 

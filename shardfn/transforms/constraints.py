@@ -9,12 +9,13 @@ import optree
 import torch
 
 from ..arrays.array import ShardedArray
+from ..arrays.functorch import base_array
 from ..arrays.redistribute import distribute
 from ..values.errors import ShardingError
-from ..values.spec import Sharding
+from ..values.spec import NamedSharding, P, Sharding
 from . import boundary as B
 from .coalesce import reshard_tree
-from .lax import _in_shard_map
+from .lax import _bodies, _in_shard_map, _manual_stack
 from .specs import _layout, _match
 
 
@@ -29,16 +30,46 @@ def with_sharding_constraint(x: Any, sharding: Any) -> Any:
 
         h = sf.with_sharding_constraint(h, P('dp', None))
     """
-    if _in_shard_map():
-        raise ShardingError(
-            "with_sharding_constraint inside a shard_map body: the body sees per-device local "
-            "tensors; constrain the arguments or results of the shard_map instead"
-        )
     paths, leaves, specs, treespec = _match(sharding, x, "with_sharding_constraint sharding", "x")
+    if _in_shard_map():
+        out = [_constrain_in_body(p, v, s) for p, v, s in zip(paths, leaves, specs)]
+        return optree.tree_unflatten(treespec, out)
     if len(leaves) > 1:
         leaves = _coalesced_moves(leaves, specs)
     out = [_constrain(p, v, s) for p, v, s in zip(paths, leaves, specs)]
     return optree.tree_unflatten(treespec, out)
+
+
+def _constrain_in_body(path: str, v: Any, sharding: Any) -> Any:
+    """A constraint inside a shard_map body: over its automatic axes only (``axis_names=``),
+    where the body's values are ShardedArrays over those axes (whole values under torch.func,
+    where the layout is not observable and the constraint is a no-op)."""
+    body = _bodies()[-1]
+    manual = _manual_stack()[-1] if _manual_stack() else frozenset(body.mesh.axis_names)
+    auto = [a for a in body.mesh.axis_names if a not in manual]
+    if sharding is None or not isinstance(v, torch.Tensor):
+        return v
+    if isinstance(sharding, NamedSharding):
+        spec = sharding.spec
+    elif isinstance(sharding, P):
+        spec = sharding
+    else:
+        raise ShardingError(
+            f"with_sharding_constraint for {path} inside a shard_map body: give a P or a NamedSharding "
+            f"naming axes (placements are per mesh axis, and the body's mesh has only its automatic axes {auto!r})"
+        )
+    named = [a for e in (*spec, *spec.partial) if e is not None for a in ((e,) if isinstance(e, str) else e)]
+    bad = [a for a in named if a in manual]
+    if not auto or bad:
+        what = f"names manual mesh axis {bad[0]!r}" if bad else "is inside a body manual over every mesh axis"
+        raise ShardingError(
+            f"with_sharding_constraint for {path} {what}: inside a shard_map body the manual axes "
+            f"({sorted(manual)!r}) are per-device, so only automatic axes (axis_names= leaves out: {auto!r}) "
+            f"can be constrained; constrain the arguments or results of the shard_map instead"
+        )
+    if not isinstance(v, ShardedArray) and base_array(v) is None:
+        return v
+    return _constrain(path, v, P(*spec, partial=spec.partial or None))
 
 
 def _coalesced_moves(leaves: list, specs: list) -> list:

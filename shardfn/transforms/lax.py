@@ -28,7 +28,7 @@ import torch
 
 from ..backends.hooks import OBSERVERS, SUBMESH_COLLECTIVES, notify
 from ..values.context import ThreadStack
-from ..values.errors import ShardingError
+from ..values.errors import ShardingError, ShardingTypeError
 from ..values.mesh import Mesh
 
 AxisName = str | tuple[str, ...]
@@ -43,6 +43,7 @@ __all__ = [
     "pmean",
     "pcast",
     "pmin",
+    "pvary",
     "ppermute",
     "psum",
     "psum_scatter",
@@ -132,7 +133,7 @@ def _context(fn: str, axis_name: Any) -> tuple[Collectives, tuple[str, ...]]:
 def _axes(fn: str, axis_name: Any, mesh: Mesh) -> tuple[str, ...]:
     axes = (axis_name,) if isinstance(axis_name, str) else axis_name
     if not isinstance(axes, (tuple, list)) or not axes or not all(isinstance(a, str) for a in axes):
-        raise ShardingError(
+        raise ShardingTypeError(  # a TypeError too, as JAX's
             f"sf.lax.{fn}: axis_name {axis_name!r} must be a mesh axis name or a non-empty "
             f"tuple of names; the mesh axes are {mesh.axis_names!r}"
         )
@@ -330,6 +331,11 @@ def pcast(x: Any, axis_name: AxisName, *, to: str = "varying") -> Any:
     cast = _on_whole(cast)
 
     return optree.tree_map(cast, x)
+
+
+def pvary(x: Any, axis_name: AxisName) -> Any:
+    """JAX's ``pvary``: ``pcast(x, axis_name, to="varying")``."""
+    return pcast(x, axis_name, to="varying")
 
 
 @_on_whole

@@ -64,7 +64,7 @@ def _local_map(f: Callable, out_specs: Any, in_specs: Any, in_grad_specs: Any, m
     _, _, gspecs, _ = _match(gspecs, args, "local_map in_grad_specs", "args")
     if not any(isinstance(v, ShardedArray) for v in leaves) and all(s is None for s in specs):
         return f(*args, **kwargs)
-    mesh = _mesh_for(mesh, leaves, "local_map")
+    mesh = _mesh_for(mesh, leaves, "local_map", paths)
     columns = [
         _local_inputs(p, v, s, g, mesh, redistribute) for p, v, s, g in zip(paths, leaves, specs, gspecs)
     ]

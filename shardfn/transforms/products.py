@@ -13,6 +13,7 @@ import torch
 
 from ..arrays.explicit import explicit
 from ..arrays.array import ShardedArray
+from ..arrays.functorch import base_array
 from ..arrays.redistribute import distribute, reshard
 from ..values.errors import ShardingError, like_torch
 from ..values.mesh import current_mesh
@@ -58,7 +59,8 @@ def einsum(equation: str, *operands: torch.Tensor, out_sharding: Sharding | None
 def _lay_out(out: torch.Tensor, out_sharding: Sharding | None, operands: tuple, what: str) -> torch.Tensor:
     if out_sharding is None:
         return out
-    mesh = next((t.mesh for t in operands if isinstance(t, ShardedArray)), None) or current_mesh()
+    bases = (t if isinstance(t, ShardedArray) else base_array(t) if isinstance(t, torch.Tensor) else None for t in operands)
+    mesh = next((b.mesh for b in bases if isinstance(b, ShardedArray)), None) or current_mesh()  # torch.func-wrapped too
     try:
         layout = to_layout(out_sharding, out.dim(), mesh, arg="out_sharding")
     except ShardingError as e:

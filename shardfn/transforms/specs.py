@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import torch
 
 from ..arrays.array import ShardedArray
+from ..arrays.functorch import base_array
 from ..values.errors import ShardingError
 from ..values.layout import Layout
 from ..values.mesh import Mesh, current_mesh
@@ -26,14 +28,33 @@ def _match(specs: Any, tree: Any, what: str, root: str) -> tuple[list, list, lis
     """Broadcast the spec prefix tree over ``tree``: (paths, leaves, specs, treespec)."""
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=_is_spec, none_is_leaf=True)
-    except ValueError as e:
+    except ValueError:
+        path, sub_specs, sub_tree = _first_mismatch(specs, tree)
+        where = "".join(f"[{k!r}]" for k in path)
         raise ShardingError(
-            f"{what} {specs!r} does not match the structure of {root}: {e} {what} must be a "
-            f"prefix of {root} (one spec per leaf, or one spec for a whole subtree)"
+            f"{what}{where} is {sub_specs!r} but {root}{where} has the structure "
+            f"{optree.tree_structure(sub_tree, none_is_leaf=True)}: {what} must be a tree prefix of {root} "
+            f"(one spec per leaf, or one spec for a whole subtree)"
         ) from None
     flat_specs = optree.tree_leaves(full, is_leaf=_is_spec, none_is_leaf=True)
     paths, leaves, treespec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
     return [_path_str(root, p) for p in paths], leaves, flat_specs, treespec
+
+
+def _first_mismatch(specs: Any, tree: Any, path: tuple = ()) -> tuple[tuple, Any, Any]:
+    """Where the spec tree ``specs`` stops being a prefix of ``tree``: (path, specs, subtree)."""
+    s = optree.tree_flatten_one_level(specs, is_leaf=_is_spec, none_is_leaf=True)
+    is_node = optree.tree_structure(tree, none_is_leaf=True).num_nodes > 1
+    t = optree.tree_flatten_one_level(tree, none_is_leaf=True) if is_node else None
+    if t is None or type(specs) is not type(tree) or s.entries != t.entries:
+        return path, specs, tree
+    for key, sc, tc in zip(s.entries, s.children, t.children):
+        if not _is_spec(sc):
+            try:
+                optree.tree_broadcast_prefix(sc, tc, is_leaf=_is_spec, none_is_leaf=True)
+            except ValueError:
+                return _first_mismatch(sc, tc, (*path, key))
+    return path, specs, tree
 
 
 def _match_columns(outs: list, out_specs: Any, what: str) -> tuple[Any, list[tuple[str, list, Any]]]:
@@ -74,15 +95,25 @@ def _layout(spec: Any, ndim: int, mesh: Mesh, where: str) -> Layout:
         raise ShardingError(f"{where}: {e}") from None
 
 
-def _mesh_for(mesh: Mesh | None, leaves: list, fn: str) -> Mesh:
-    arrays = [v for v in leaves if isinstance(v, ShardedArray)]
+def _mesh_for(mesh: Mesh | None, leaves: list, fn: str, paths: list[str] | None = None) -> Mesh:
+    """The mesh a transform runs on: ``mesh=``, else the first ShardedArray argument's, else
+    the current one; every ShardedArray argument must live on it."""
+    paths = paths if paths is not None else [f"argument {i}" for i in range(len(leaves))]
+    # a ShardedArray under torch.func wrappers (vmap of the transform) counts
+    bases = [v if isinstance(v, ShardedArray) else base_array(v) if isinstance(v, torch.Tensor) else None for v in leaves]
+    arrays = [(p, v) for p, v in zip(paths, bases) if isinstance(v, ShardedArray)]
     if mesh is not None:
         check_mesh(mesh, f"{fn}(mesh=...)")
+    given = mesh is not None
     if mesh is None:
-        mesh = arrays[0].mesh if arrays else current_mesh()
+        mesh = arrays[0][1].mesh if arrays else current_mesh()
     if mesh is None:
         raise ShardingError(f"{fn} needs a mesh: pass mesh=, pass ShardedArray arguments, or enter `with mesh:`")
-    for v in arrays:
+    for p, v in arrays:
         if v.mesh != mesh:
-            raise ShardingError(f"{fn}: an argument lives on {v.mesh!r} but the transform runs on {mesh!r}")
+            source = "mesh=" if given else f"{arrays[0][0]}'s mesh"
+            raise ShardingError(
+                f"{fn}: {p} lives on {v.mesh!r} but the transform runs on {mesh!r} ({source}); "
+                f"move it first (sf.distribute(sf.gather(x), spec, mesh=...)) or run on its mesh"
+            )
     return mesh

@@ -82,6 +82,20 @@ def symint_hint(n: Any) -> int:
     return int(read(n))
 
 
+# -- torch.utils.checkpoint under vmap ---------------------------------------------------
+# The local backend runs a shard_map body once for every device under torch.func.vmap. 2.11's
+# non-reentrant checkpoint saves its inputs through an autograd.Function with no vmap rule
+# (torch.utils.checkpoint._NoopSaveInputs); 2.13's does not use one.
+
+
+CHECKPOINT_UNDER_VMAP = _release(torch.__version__) >= (2, 13)
+
+
+def checkpoint_vmap_gap(error: BaseException) -> bool:
+    """Whether ``error`` is torch 2.11's refusal to run ``torch.utils.checkpoint`` under vmap."""
+    return isinstance(error, RuntimeError) and "_NoopSaveInputs" in str(error) and "vmap" in str(error)
+
+
 # -- functional collectives -----------------------------------------------------------
 # torch 2.11 names the single-tensor gather/scatter all_gather_tensor / reduce_scatter_tensor;
 # 2.13 adds all_gather_single / reduce_scatter_single (same arguments).

@@ -1,7 +1,8 @@
 """``shard_map`` (JAX's): map a function over the shards of its arguments.
 
 On the local backend the body runs once for the whole mesh under vmap when every shard
-has one shape (``stacked.py``), else once per device in threads (``per_device.py``); on
+has one shape and vmap can batch it (``stacked.py``), else once per device in threads
+(``per_device.py``); on
 the dist backend each rank runs it on plain tensors (``dist.py``). Inside a body, or with
 ``axis_names=``, it is manual over some axes only (``manual.py``). Arguments and outputs
 are matched and checked in ``io.py``; the crossings between ShardedArrays and local
@@ -13,6 +14,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
+
+import torch
 
 from ...backends.hooks import SHARD_MAP, SHARD_MAP_RUNNERS
 from ...values.graph_calls import in_graph
@@ -88,10 +91,41 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
     return in_graph(mapped)
 
 
+# What torch's vmap raises for a body it cannot batch but that runs on each device's own
+# tensors: Python control flow on a varying value, .item(), ops of data-dependent output
+# shape, an autograd.Function without vmap support, an op with no batching rule (JAX's eager
+# shard_map runs such bodies).
+_NOT_BATCHABLE = (
+    "vmap: It looks like you're",
+    "vmap: We do not support batching operators that can output dynamic shape",
+    "it must override the setup_context",
+    "but it does not have vmap support",
+    "Batching rule not implemented for",  # and no fallback (view and out= ops)
+)
+
+
 def _run_local(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-    """The local backend's run: stacked under vmap when every shard has one shape, else per device."""
-    run = stacked._run_stacked if inputs.even() else per_device._run_per_device
-    return run(f, inputs, out_specs, check_vma, kwargs)
+    """The local backend's run: stacked under vmap when every shard has one shape, else (or
+    when the body cannot be batched, see ``_NOT_BATCHABLE``) once per device."""
+    if inputs.even():
+        try:
+            return stacked._run_stacked(f, inputs, out_specs, check_vma, kwargs)
+        except RuntimeError as e:
+            if not any(m in str(e) for m in _NOT_BATCHABLE):
+                raise
+    return _per_device(f, inputs, out_specs, check_vma, kwargs)
+
+
+def _per_device(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
+    """The body once per device, a thread each. Threads cannot be traced (torch.compile's fake
+    and functional modes are per-thread): while Dynamo traces, the graph breaks here and the call
+    runs eagerly."""
+    if torch._guards.detect_fake_mode() is not None:
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported("shard_map run per device (a thread each): not traced, run eagerly",
+                          gb_type="shardfn: shard_map per device")
+    return per_device._run_per_device(f, inputs, out_specs, check_vma, kwargs)
 
 
 SHARD_MAP_RUNNERS["local"] = _run_local

@@ -12,6 +12,7 @@ import optree
 import torch
 
 from ...arrays.array import ShardedArray
+from ...arrays.functorch import base_array, layout_of, static_int
 from ...backends.registry import backend_for
 from ...values.errors import ShardingError
 from ...values.layout import Layout, is_even
@@ -29,7 +30,7 @@ class _Inputs:
     def __init__(self, in_specs: Any, args: tuple, mesh: Mesh | None) -> None:
         specs = _own_specs(args) if in_specs is None else _arg_specs(in_specs, args, "shard_map in_specs")
         self.paths, self.leaves, specs, self.treespec = _match(specs, args, "shard_map in_specs", "args")
-        self.mesh = _mesh_for(mesh, self.leaves, "shard_map")
+        self.mesh = _mesh_for(mesh, self.leaves, "shard_map", self.paths)
         self.layouts: list[Layout | None] = []
         for path, v, s in zip(self.paths, self.leaves, specs):
             self.layouts.append(self._layout(path, v, s))
@@ -41,15 +42,18 @@ class _Inputs:
         if spec is None:
             return None
         layout = _layout(spec, v.dim(), self.mesh, f"shard_map in_specs for {path}")
-        if layout.partial:
+        if layout.partial and not isinstance(v, ShardedArray) and base_array(v) is None:
             raise ShardingError(
-                f"shard_map in_specs for {path} is {layout_to_spec(layout)!r}; an in_spec cannot be "
-                f"partial (the body sees values, not pending sums); reshard the argument first"
+                f"shard_map in_specs for {path} is {layout_to_spec(layout)!r}, but {path} is a plain tensor "
+                f"(a whole value, not pending sums): a partial in_spec (the body sees each device's summand, "
+                f"JAX's unreduced) takes a ShardedArray with pending sums over those axes, e.g. from "
+                f"sf.matmul(..., out_sharding=P(partial=...)); give a plain tensor a spec without partial="
             )
         return layout
 
     def even(self) -> bool:
-        return all(l is None or is_even(l, tuple(v.shape)) for v, l in zip(self.leaves, self.layouts))
+        # symbolic sizes (torch.compile, dynamic) are specialised: evenness decides the runner
+        return all(l is None or is_even(l, tuple(static_int(n) for n in v.shape)) for v, l in zip(self.leaves, self.layouts))
 
     def rebuild(self, leaves: list) -> tuple:
         return optree.tree_unflatten(self.treespec, leaves)
@@ -60,7 +64,7 @@ def _own_specs(args: tuple) -> tuple:
     paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
     specs = []
     for path, v in zip(paths, leaves):
-        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray):
+        if isinstance(v, torch.Tensor) and not isinstance(v, ShardedArray) and base_array(v) is None:
             from ...values.errors import ShardingTypeError
 
             raise ShardingTypeError(  # a TypeError too, as JAX's in_specs=None error
@@ -68,7 +72,7 @@ def _own_specs(args: tuple) -> tuple:
                 f"is a plain tensor with no spec; pass in_specs= (instead of in_specs=None, did you mean "
                 f"in_specs=P()?), or sf.distribute it first"
             )
-        specs.append(v._layout if isinstance(v, ShardedArray) else None)
+        specs.append(v._layout if isinstance(v, ShardedArray) else layout_of(v) if isinstance(v, torch.Tensor) else None)
     return tuple(optree.tree_unflatten(treespec, specs))
 
 
@@ -83,15 +87,21 @@ def _shard_map(f: Callable, mesh: Mesh | None, in_specs: Any, out_specs: Any, ch
 def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) -> None:
     """The check_vma rule: an output may vary only over axes its out_spec names."""
     mesh = layout.mesh
+    missing = [a for a in mesh.axis_names if a in varying and a not in B.used_axes(layout)]
+    if missing:
+        a = missing[0]
+        hint = f"P({a!r})" if layout.ndim else f"P(partial={a!r})"
+        more = "".join(f" and {b!r}" for b in missing[1:])
+        over = repr(a) if len(missing) == 1 else repr(tuple(missing))
+        inferred = ", ".join(repr(b) for b in mesh.axis_names if b in varying)
+        raise ShardingError(
+            f"shard_map {path} varies over mesh axis {a!r}{more}, but its out_spec {spec!r} "
+            f"leaves {a!r}{more} out (it was inferred to vary over {inferred}), so the devices along "
+            f"{a!r} would disagree on its value; reduce it with sf.lax.psum(y, {over}) (or pmean / pmax / "
+            f"all_gather), or add {a!r}{more} to the out_spec (e.g. {hint}); check_vma=False takes device "
+            f"{a}=0's value"
+        )
     for a in mesh.axis_names:
-        if a in varying and a not in B.used_axes(layout):
-            hint = f"P({a!r})" if layout.ndim else f"P(partial={a!r})"
-            raise ShardingError(
-                f"shard_map {path} varies over mesh axis {a!r}, but its out_spec {spec!r} "
-                f"leaves {a!r} out, so the devices along {a!r} would disagree on its value; "
-                f"reduce it with sf.lax.psum(y, {a!r}) (or pmean / pmax / all_gather), or add "
-                f"{a!r} to the out_spec (e.g. {hint}); check_vma=False takes device {a}=0's value"
-            )
         if a in layout.partial_ops and a not in varying:
             raise ShardingError(
                 f"shard_map {path} has out_spec {spec!r} with partial over mesh axis {a!r}, but it does "

@@ -26,6 +26,7 @@ from ...values.errors import ShardingError
 from ...values.layout import Layout, device_box
 from ...values.mesh import Mesh
 from .. import boundary as B
+from . import recompute as _recompute
 from ..lax import _entered
 from ..specs import _match_columns
 from .io import _Inputs, assemble_parts
@@ -242,6 +243,25 @@ def run_threads(n: int, body: Callable[[int, _Rendezvous], Any], name: str) -> l
     return results
 
 
+class _Recomputing(DeviceBody):
+    """A checkpointed region of a per-device body recomputed during backward: each device's
+    recomputation runs alone, so there is no other device to meet; axis_index still works."""
+
+    def __init__(self, mesh: Mesh, dev: int) -> None:
+        super().__init__(mesh, dev, None)  # type: ignore[arg-type]
+        self.leader = False
+
+    def _collective(self, name: str, axes: tuple[str, ...], *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise ShardingError(
+            f"sf.lax.{name} over {axes!r} in a checkpointed region recomputed during backward: this "
+            f"shard_map body runs once per device (uneven shards, or a body torch.vmap cannot batch: "
+            f"data-dependent Python control flow, .item(), an autograd.Function without vmap support), "
+            f"and the devices' recomputations cannot meet; keep the collective outside the checkpointed "
+            f"region, or make the body batchable (torch.where instead of if, setup_context and "
+            f"generate_vmap_rule=True on the Function)"
+        )
+
+
 def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_closures: bool = False) -> list[Any]:
     """Call ``f(*per_device_args[d], **kwargs)`` for every device ``d`` concurrently and
     return the outputs, one per device (``traced_closures``: see :class:`_VmaMode`)."""
@@ -249,7 +269,7 @@ def run(mesh: Mesh, f: Any, per_device_args: list[tuple], kwargs: dict, traced_c
 
     def body(dev: int, rv: _Rendezvous) -> Any:
         with torch.set_grad_enabled(grad), mesh, _entered(DeviceBody(mesh, dev, rv)):
-            with _VmaMode(traced_closures):
+            with _VmaMode(traced_closures), _recompute.body_context(lambda: _entered(_Recomputing(mesh, dev))):
                 return f(*per_device_args[dev], **kwargs)
 
     return run_threads(mesh.size, body, "shard_map-device")

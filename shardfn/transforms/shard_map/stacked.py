@@ -24,8 +24,10 @@ import torch._C._functorch as _ft
 from torch._functorch.vmap import vmap_increment_nesting
 
 from ...arrays.array import ShardedArray
-from ...arrays.redistribute import reshard
-from ...values.errors import ShardingError
+from ...arrays.functorch import base_array
+from ...arrays.redistribute import gather, reshard
+from ...values import torch_compat
+from ...values.errors import ShardingError, ShardingRuntimeError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
 from .. import boundary as B
@@ -188,7 +190,16 @@ def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwa
     with body.levels_entered(), _entered(body), _recompute.body_context(
             functools.partial(_reopened, body, list(body.levels)) if leader else contextlib.nullcontext):
         leaves = [body.wrap(a) if mapped else a for a, mapped in zip(args, is_mapped)]
-        out = f(*rebuild(leaves), **kwargs)
+        try:
+            out = f(*rebuild(leaves), **kwargs)
+        except RuntimeError as e:
+            if torch_compat.checkpoint_vmap_gap(e):
+                raise ShardingRuntimeError(
+                    f"torch.utils.checkpoint inside a shard_map body on the local (simulated) backend needs "
+                    f"torch >= 2.13 (this is torch {torch.__version__}, whose checkpoint cannot run under the "
+                    f"vmap that simulates the mesh's devices); checkpoint around the shard_map call instead, "
+                    f"use the dist backend, or upgrade torch") from e
+            raise
         flat, spec = optree.tree_flatten(out, none_is_leaf=True)
         flat = [body.unwrap(o) if isinstance(o, torch.Tensor) else o for o in flat]
     return flat, spec
@@ -213,7 +224,9 @@ def _reopened(body: StackedBody, levels: list[int | None]) -> Iterator[None]:
 
 def _to_canonical(v: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Canonical form (see ``stacked``) of argument ``v`` laid out as ``layout``."""
-    if isinstance(v, ShardedArray):
+    if isinstance(v, ShardedArray) or base_array(v) is not None:
+        # (torch.func-wrapped arrays too: their shards, not ops on the wrapper, e.g. the
+        # summands under a partial in_spec)
         v = reshard(v, layout)
         used = B.used_axes(layout)
         dims = tuple(n if a in used else 1 for a, n in zip(layout.mesh.axis_names, layout.mesh.shape))
@@ -282,6 +295,8 @@ def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool)
     if not isinstance(c, torch.Tensor):
         check_scalar_output(path, c, spec)
         return c
+    if isinstance(c, ShardedArray) or base_array(c) is not None:
+        c = gather(c)  # computed from a ShardedArray the body closed over: its whole (per-device) value
     m = mesh.ndim
     layout = _out_layout(path, spec, c.dim() - m, mesh)
     varying = {a for k, a in enumerate(mesh.axis_names) if c.shape[k] > 1}

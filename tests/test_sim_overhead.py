@@ -1,0 +1,151 @@
+"""The simulated (local) backend's per-op host work: the torch calls an op makes on the
+stacked shards (counted on the plain tensors below dispatch), with values as plain torch
+gives them."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import shardfn as sf
+from shardfn import P
+from shardfn.arrays import dispatch as _dispatch
+from shardfn.arrays import inplace as _inplace
+from shardfn.arrays.redistribute import raw_reshard
+from shardfn.backends import stacked_matmul
+from shardfn.values.spec import to_layout
+
+aten = torch.ops.aten
+
+
+class _TorchCalls(TorchDispatchMode):
+    """Records the aten ops run on plain tensors; a ShardedArray op runs its dispatch with
+    the mode still on, so what it computes on the shards is recorded, not the op itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, sf.ShardedArray) for t in types):
+            with self:
+                return sf.ShardedArray.__torch_dispatch__(func, types, args, kwargs)
+        self.calls.append(func)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64])
+def test_a_replicated_value_made_pending_is_one_pad(dtype):
+    """``reduce_local`` (a replicated value made pending a sum over 'tp'): the first device
+    of each 'tp' group holds the value (inf, nan and -0.0 kept), the others zeros; one torch
+    op on the stacked shards (a zero pad of the mesh dim), not a mask built per call."""
+    mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
+    t = torch.randn(4, 3).to(dtype)
+    if dtype.is_floating_point:
+        t[0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    x = sf.distribute(t, P("dp"), mesh=mesh)
+    dst = to_layout(P("dp", partial="tp"), 2, mesh)
+    raw_reshard(sf.distribute(t, P("dp"), mesh=mesh), dst)  # the plan made and remembered
+    with _TorchCalls() as mode:
+        value = raw_reshard(x, dst)
+    assert mode.calls == [aten.constant_pad_nd.default]
+    assert tuple(value.shape) == (2, 4, 2, 3)
+    parts = sf.ShardedArray(value, dst, (4, 3), dtype).local_shards()
+    for dev, part in enumerate(parts):
+        dp, tp = divmod(dev, 4)
+        want = t[2 * dp:2 * dp + 2] if tp == 0 else torch.zeros(2, 3, dtype=dtype)
+        torch.testing.assert_close(part, want, equal_nan=True, rtol=0, atol=0)
+        if dtype.is_floating_point:
+            assert torch.equal(torch.signbit(part), torch.signbit(want))
+    y = sf.reshard(sf.distribute(t, P("dp"), mesh=mesh), P("dp", partial="tp"))
+    torch.testing.assert_close(y.full_tensor(), t, equal_nan=True, rtol=0, atol=0)
+
+
+def test_distributed_inputs_run_once_without_indexing():
+    """On a 1-device mesh addmm of distributed arrays runs device 0's call on the squeezed
+    shards, which ``distribute`` keeps (no select per input), and a sum likewise."""
+    mesh = sf.Mesh((1,), ("x",), backend="local")
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    xs, ws, bs = (sf.distribute(v, P("x"), mesh=mesh) for v in (x, w, b))
+    for _ in range(2):
+        torch.addmm(bs, xs, ws), xs.sum()
+    with _TorchCalls() as mode:
+        y = torch.addmm(bs, xs, ws)
+        s = xs.sum()
+    assert mode.calls == [aten.addmm.default, aten.unsqueeze.default, aten.sum.default, aten.unsqueeze.default]
+    torch.testing.assert_close(y.full_tensor(), torch.addmm(b, x, w))
+    torch.testing.assert_close(s.full_tensor(), x.sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=3), m=st.integers(1, 5),
+       k=st.integers(1, 4), n=st.integers(1, 4), b_varies=st.booleans(), transpose=st.booleans())
+def test_stacked_matmul_folds_like_torch(lead, m, k, n, b_varies, transpose):
+    """A stacked product equals ``torch.matmul`` exactly; where the other operand is the same
+    on every leading dim and the stacked one's leading dims chain as a view, it is one
+    ``torch.matmul`` of the squeezed matrix (torch's own fold, no batched GEMM)."""
+    g = torch.Generator().manual_seed(len(lead) * 100 + m * 10 + k)
+    a = torch.randn(*lead, m, k, generator=g)
+    if transpose and len(lead) >= 2:  # leading dims that do not chain as a view
+        a = torch.randn(lead[1], lead[0], *lead[2:], m, k, generator=g).transpose(0, 1)
+    b_lead = [n_ if b_varies and i == 0 else 1 for i, n_ in enumerate(lead)]
+    b = torch.randn(*b_lead, k, n, generator=g)
+    stacked_matmul._PLANS.clear()
+    with _TorchCalls() as mode:
+        got = stacked_matmul.matmul(a, b)
+    assert torch.equal(got, torch.matmul(a, b))
+    plan = stacked_matmul._cached_plan(a, b)
+    if plan is not None and plan[-1]:
+        assert all(n_ == 1 for n_ in b.shape[:-2]) and aten.bmm.default not in mode.calls
+        assert len(mode.calls) <= 5  # reshape and matmul's own view, mm, _unsafe_view
+
+
+def test_fast_key_of_int_lists():
+    """Sizes and dims lists are keyed as tuples of their ints: a list and a tuple of the
+    same ints share an entry; a bool or a float in the list is keyed apart."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    x = sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh)
+    key = _dispatch._fast_key
+    view = aten.view.default
+    assert key(view, (x, [2, 12]), {}) == key(view, (x, (2, 12)), {})
+    assert key(view, (x, [1, 24]), {}) != key(view, (x, [True, 24]), {})
+    assert key(view, (x, [2, 12]), {}) != key(view, (x, [2.0, 12]), {})
+    assert key(view, (x, []), {}) == key(view, (x, ()), {})
+
+
+def test_a_bases_view_set_forgets_dead_views():
+    """A private base's live views: a weak set (``inplace._Views``) that drops a view when it
+    dies and keeps no reference cycle with its base."""
+    views = _inplace._Views()
+    views.drop = functools.partial(_inplace._drop, weakref.ref(views))
+    a, b = torch.zeros(1), torch.zeros(2)
+    views.add(weakref.ref(a, views.drop))
+    views.add(weakref.ref(b, views.drop))
+    assert len(views) == 2
+    del a
+    gc.collect()
+    assert len(views) == 1
+    holder = torch.zeros(3)
+    holder._views = views
+    live = _inplace._live_views(holder)
+    assert len(live) == 1 and live[0] is b
+    gone = weakref.ref(views)
+    del views, holder
+    assert gone() is None  # no cycle through the drop callbacks
+
+
+def test_equal_meshes_stay_equal_and_hash_alike():
+    a = sf.Mesh((2, 2), ("x", "y"), backend="local")
+    b = sf.Mesh((2, 2), ("x", "y"), backend="local")
+    c = sf.Mesh((4,), ("x",), backend="local")
+    assert a == a and a == b and not (a != b) and a != c and hash(a) == hash(b)
+    assert (a == 3) is False and a != "mesh"
