@@ -2,7 +2,8 @@
 
 ``plan_redistribute`` is a pure, cached function of (src, dst, shape, dtype). It searches
 (collectives, bytes)-optimal paths over layouts whose edges are per-axis collectives (all_gather,
-all_to_all, slice, all_reduce, reduce_scatter, reduce_local of a replicated value or a zero-padded shard) plus one direct exchange to
+all_to_all, slice, all_reduce, reduce_scatter, reduce_local of a replicated value or of a
+zero-padded shard) plus one direct exchange to
 the destination (a permute or an all_to_all over several axes). A plan costs
 ``alpha * (collectives in sequence) + bytes / beta`` seconds: ``bytes`` is what the
 busiest device sends (ring algorithm costs; see ``Step.bytes``), ``alpha`` a collective's
