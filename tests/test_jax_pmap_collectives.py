@@ -68,8 +68,7 @@ def _np_f(op):
 
 def test_trees():
     n = N
-    x = {"a": torch.arange(n * n, 2 * n * n).reshape(n, n).double(), "b": torch.arange(2 * n * n, 3 * n * n).reshape(n, n).double(),
-         "c": torch.arange(4 * n * n, 5 * n * n).reshape(n, n).double()}
+    x = {k: torch.arange(lo * n * n, (lo + 1) * n * n).reshape(n, n).double() for k, lo in (("a", 1), ("b", 2), ("c", 4))}
 
     def protate(v):
         return lax.ppermute(v, "i", [(k, (k + 1) % n) for k in range(n)])
@@ -79,7 +78,7 @@ def test_trees():
         (lambda v: lax.psum(v, "i"), lambda t: t.sum(0)), (lambda v: lax.pmean(v, "i"), lambda t: t.mean(0)),
     ]
     for jf, nf in cases:
-        got = pmap(lambda t: optree.tree_map(jf, t))(x)
+        got = pmap(lambda t, jf=jf: optree.tree_map(jf, t))(x)
         for k in x:
             torch.testing.assert_close(got[k], nf(x[k]).expand(n, n))
     got = pmap(lambda t: optree.tree_map(lambda v: lax.all_to_all(v, "i", 0, 0), t))(x)
@@ -140,7 +139,8 @@ def test_collective_permute_and_grads():
     xs = torch.arange(float(N), dtype=torch.float64)
     shift_right = [(k, k + 1) for k in range(N - 1)]
     g = torch.func.grad(lambda v: (y * pmap(lambda t: lax.ppermute(t, "i", shift_right))(v)).sum())(xs)
-    torch.testing.assert_close(g, torch.cat([torch.pi + torch.arange(1.0, N, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]))
+    want = torch.cat([torch.pi + torch.arange(1.0, N, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    torch.testing.assert_close(g, want)
     cyc = lambda v: (y * pmap(lambda t: lax.ppermute(t, "i", rot))(v)).sum()  # noqa: E731
     torch.testing.assert_close(torch.func.grad(cyc)(xs), torch.roll(y, -1))
     torch.testing.assert_close(torch.func.jvp(cyc, (xs,), (torch.ones_like(xs),))[1], y.sum())
