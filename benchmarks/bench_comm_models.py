@@ -161,7 +161,7 @@ def more_families() -> None:
 
     print(f"\nMore families (totals over {fam.LAYERS} layers, shardfn | Megatron; AR all_reduce, AG all_gather, "
           f"RS reduce_scatter)")
-    print(f"{'model':11} {'tp fwd':16} {'tp fwd+bwd':22} {'tp fwd+bwd func':22} {'vocab fwd':16}")
+    print(f"{'model':11} {'tp fwd':16} {'tp fwd+bwd':22} {'tp fwd+bwd func':22} {'vocab fwd':16} {'seq fwd':20}")
     short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
 
     def fmt(cc: sf.debug.CommCounter | None) -> str:
@@ -174,8 +174,22 @@ def more_families() -> None:
                  fmt(None if name in fam.NO_FUNC else fam._backward(name, "func")),
                  fmt(fam._forward(name, vocab=True) if name in fam.MEGATRON else None)]
         want = [f"{f * fam.LAYERS} AR", f"{b * fam.LAYERS + 1} AR", f"{b * fam.LAYERS + 1} AR", f"{f * fam.LAYERS + 1} AR"]
-        print(f"{name:11} " + " ".join(f"{c + ' | ' + w:{n}}" for c, w, n in zip(cells, want, (16, 22, 22, 16))), flush=True)
+        if name in fam.SEQUENCE_PARALLEL:
+            recipe, ag, rs = fam.SEQUENCE_PARALLEL[name]
+            cells.append(fmt(_sequence_parallel(fam, name, recipe)))
+            want.append(f"{ag * fam.LAYERS + 1} AG + {rs * fam.LAYERS} RS")
+        print(f"{name:11} " + " ".join(f"{c + ' | ' + w:{n}}" for c, w, n in zip(cells, want, (16, 22, 22, 16, 20))),
+              flush=True)
     print("values and gradients equal unsharded (1e-4)")
+
+
+def _sequence_parallel(fam: object, name: str, recipe: list) -> sf.debug.CommCounter:
+    """The forward under ``fam``'s sequence-parallel recipe, its logits checked."""
+    model, params, plain, ids, _, mesh = fam._setup(name)
+    with sf.nn.shard_activations(model, recipe, mesh=mesh), sf.debug.CommCounter() as cc:
+        out = fam._logits(model, params, sf.distribute(ids, P("dp"), mesh=mesh))
+    fam._close(out, fam._logits(model, plain, ids))
+    return cc
 
 
 def main() -> None:

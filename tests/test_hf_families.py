@@ -250,3 +250,46 @@ def test_gathering_families_values(name: str) -> None:
 def test_gathering_families_megatron_counts(name: str) -> None:
     cc = _forward(name)
     assert set(cc.counts) == {"all_reduce"}, cc
+
+
+SP = P("dp", "tp")
+_EMBED = (r"(embed_tokens|embed_in|wte|word_embeddings)$", None, SP)
+SP_SEQUENTIAL = [_EMBED, (r"(self_attn|mlp)$", None, {0: SP}),
+                 (r"(input_layernorm|post_attention_layernorm|model\.norm)$", SP, P("dp"))]
+SP_GEMMA3 = [_EMBED, (r"(self_attn|mlp)$", None, {0: SP}),
+             (r"(post_attention_layernorm|post_feedforward_layernorm)$", SP, SP),  # norms of the block outputs
+             (r"(input_layernorm|pre_feedforward_layernorm|model\.norm)$", SP, P("dp"))]
+SP_PARALLEL = [_EMBED, (r"(layers|h)\.\d+$", None, {0: SP}),
+               (r"(input_layernorm|post_attention_layernorm|ln_1|ln_attn|ln_mlp|model\.norm|final_layernorm|"
+                r"final_layer_norm|ln_f)$", SP, P("dp"))]
+# family -> (recipe, Megatron's forward all_gather and reduce_scatter per layer)
+SEQUENCE_PARALLEL = {**{f: (SP_SEQUENTIAL, 2, 2) for f in ("qwen3", "granite", "stablelm", "starcoder2")},
+                     "gemma3": (SP_GEMMA3, 2, 2),
+                     **{f: (SP_PARALLEL, 1, 1) for f in ("phi", "cohere", "gptj")},
+                     **{f: (SP_PARALLEL, 2, 1) for f in ("gptneox", "falcon")}}
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCE_PARALLEL))
+def test_sequence_parallel_counts(name: str) -> None:
+    """Megatron's sequence parallelism through ``sf.nn.shard_activations``: the residual
+    stream split over the sequence; each norm feeding attention or the MLP gathers once,
+    each block output is reduce-scattered (a parallel block's two pending outputs and
+    the split residual added first: one reduce_scatter per layer), one gather before the
+    head. Forward + backward under torch.func: every forward collective has its
+    backward partner, plus the loss's scalar; values and gradients equal unsharded."""
+    recipe, ag, rs = SEQUENCE_PARALLEL[name]
+    model, params, plain, ids, labels, mesh = _setup(name)
+    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
+    loss_fn = _loss_fn(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.nn.shard_activations(model, recipe, mesh=mesh):
+            with sf.debug.CommCounter() as fwd:
+                out = _logits(model, params, sids)
+            with sf.debug.CommCounter() as both:
+                grads = torch.func.grad(loss_fn)(params, sids, slabels)
+    assert dict(fwd.counts) == {"all_gather": ag * LAYERS + 1, "reduce_scatter": rs * LAYERS}, fwd
+    assert both.total == 2 * fwd.total + 1 and both.counts["all_reduce"] == 1, both
+    _close(out, _logits(model, plain, ids))
+    for n, g in torch.func.grad(loss_fn)(plain, ids, labels).items():
+        _close(grads[n], g)

@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from ..plans.planner import Step
-from ..values.layout import local_shapes, split_range
+from ..values.layout import device_box, local_shapes, split_range
 from ..values.mesh import Mesh
 from .dist_collectives import _all_gather, _all_to_all, _native_reduce, _ordered, _scatter_ordered
 from .dist_groups import Group, _group, _state
@@ -155,9 +155,20 @@ def _reduce_scatter_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) 
 
 
 def _reduce_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    if step.dim is not None:
+        return _pad_local_step(step, x, shape, mesh)
     if step.op == "sum" and _axis_pos(step, mesh) != 0:
         return torch.zeros_like(x)
     return x
+
+
+def _pad_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> torch.Tensor:
+    """reduce_local of a shard (``step.dim`` set): this device's piece of that dim in place
+    in the group's whole extent, zeros around it (a pending sum over the axis)."""
+    rank, d = _state(mesh).rank, step.dim
+    (lo, hi), (base, end) = device_box(step.src, shape, rank)[d], device_box(step.dst, shape, rank)[d]
+    before, after = lo - base, end - hi
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - d) + (before, after))
 
 
 _STEPS = {

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from ..plans.planner import Step, routes_to
-from ..values.layout import Layout, is_even, local_shapes
+from ..values.layout import Layout, device_box, is_even, local_shapes
 from ..values.mesh import Mesh
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim, reduce_parts,
                            replica_of)
@@ -39,6 +39,8 @@ def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtyp
             value = value.view(*value.shape[:mesh.ndim], *local_shapes(step.src, shape)[0])
         return run_step(step, value, shape, dtype)
     shards = parts(value, mesh)
+    if step.kind == "reduce_local" and step.dim is not None:
+        return from_parts(tuple(pad_piece(step, x, dev, shape) for dev, x in enumerate(shards)), step.dst, shape)
     if step.kind in ("all_reduce", "reduce_local"):
         return from_parts(_reduce_uneven(step, shards, mesh), step.dst, shape)
     src = step.src
@@ -252,7 +254,10 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, .
 def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     """A value the same on every device of the axis made pending a sum over it: the first
     device of the axis keeps it, the others hold zeros. One op (a zero pad of the mesh dim
-    after the first part: one fill and one copy), not a mask built and applied per call."""
+    after the first part: one fill and one copy), not a mask built and applied per call.
+    With ``step.dim`` set, a shard of that dim is zero-padded instead (``_pad_local``)."""
+    if step.dim is not None:
+        return _pad_local(step, x, mesh, shape)
     if step.op != "sum":
         return x
     ai, _ = _ai(step, mesh)
@@ -262,6 +267,25 @@ def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...
     if x.shape[ai] != 1:  # the same part on every device of the axis (expanded or copied)
         x = x.narrow(ai, 0, 1)
     return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - ai) + (0, g - 1))
+
+
+def _pad_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
+    """Even shards of dim ``step.dim`` over an axis made a pending sum over it: device i's
+    piece at offset i * c of the whole extent, zeros around it (exact zeros: a pad, not a
+    mask, so inf and nan stay where they were)."""
+    ai, m = _ai(step, mesh)
+    g, dd = mesh.shape[ai], m + step.dim
+    c = x.shape[dd]
+    tail = (0, 0) * (x.dim() - 1 - dd)
+    return torch.cat([torch.constant_pad_nd(x.narrow(ai, i, 1), tail + (i * c, (g - 1 - i) * c)) for i in range(g)], ai)
+
+
+def pad_piece(step: Step, x: torch.Tensor, device: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """One device's shard for a reduce_local step of a shard (``step.dim`` set): its piece in place in the extent of dim
+    ``step.dim`` it shares with its axis group, zeros around it."""
+    d = step.dim
+    (lo, hi), (base, end) = device_box(step.src, shape, device)[d], device_box(step.dst, shape, device)[d]
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - d) + (lo - base, end - hi))
 
 
 _REGRID_KINDS = frozenset({"all_gather", "all_to_all", "slice", "permute"})

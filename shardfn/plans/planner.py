@@ -2,7 +2,8 @@
 
 ``plan_redistribute`` is a pure, cached function of (src, dst, shape, dtype). It searches
 (collectives, bytes)-optimal paths over layouts whose edges are per-axis collectives (all_gather,
-all_to_all, slice, all_reduce, reduce_scatter, reduce_local) plus one direct exchange to
+all_to_all, slice, all_reduce, reduce_scatter, reduce_local of a replicated value or of a
+zero-padded shard) plus one direct exchange to
 the destination (a permute or an all_to_all over several axes). A plan costs
 ``alpha * (collectives in sequence) + bytes / beta`` seconds: ``bytes`` is what the
 busiest device sends (ring algorithm costs; see ``Step.bytes``), ``alpha`` a collective's
@@ -139,7 +140,9 @@ class Step:
             "slice": f"slice dim {self.dim} by '{ax}' (local, no communication)",
             "all_reduce": f"all_reduce({self.op}) over '{ax}'",
             "reduce_scatter": f"reduce_scatter({self.op}) over '{ax}' onto dim {self.dim}",
-            "reduce_local": f"mark pending {self.op} over '{ax}' (local, no communication)",
+            "reduce_local": (f"mark pending {self.op} over '{ax}' (local, no communication)" if self.dim is None else
+                             f"mark pending {self.op} over '{ax}', each shard of dim {self.dim} zero-padded to the "
+                             f"whole extent (local, no communication)"),
             "permute": f"permute shards over '{ax}' (each device sends its shard to one peer)",
         }[self.kind]
         return f"{what}: {self.src.spec_str()} -> {self.dst.spec_str()}, {self.bytes} B/device"
@@ -325,7 +328,7 @@ def _per_axis_bytes(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: 
             continue
         for step in edges(state):
             comm = step.kind in COMM_KINDS
-            if comm and step.axis in used:
+            if (comm and step.axis in used) or (step.kind == "reduce_local" and step.dim is not None):  # not DTensor's
                 continue
             nxt = (step.dst, used | {step.axis} if comm else used)
             n = nbytes + step.bytes
@@ -363,6 +366,10 @@ def _edges(s: Layout, goal: Layout, shape: tuple[int, ...], itemsize: int, excha
                 continue
             base = s.with_dims(d, s.dims[d][:-1])
             yield Step("all_gather", a, s, base, (g - 1) * n_src, g, dim=d)
+            if goal_ops.get(a) == "sum":
+                # each device's piece in place in the whole dim, zeros elsewhere: a pending
+                # sum with no communication (a split residual added to a pending block output)
+                yield Step("reduce_local", a, s, base.with_partial({**s.partial_ops, a: "sum"}), 0, g, dim=d, op="sum")
             for e in range(ndim):
                 if e != d:
                     t = base.with_dims(e, base.dims[e] + (a,))
