@@ -41,10 +41,12 @@ __all__ = [
     "axis_size",
     "pmax",
     "pmean",
+    "pbroadcast",
     "pcast",
     "pmin",
     "pvary",
     "ppermute",
+    "pshuffle",
     "psum",
     "psum_scatter",
 ]
@@ -401,6 +403,31 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
 
 
 _perms: dict[int, tuple[Any, tuple]] = {}
+
+
+def pshuffle(x: torch.Tensor, axis_name: AxisName, perm: Sequence[int]) -> torch.Tensor:
+    """Device ``i`` gets the ``x`` of device ``perm[i]`` (JAX's ``pshuffle``: ``perm`` is a
+    permutation of the indices along ``axis_name``)."""
+    body, axes = _context("pshuffle", axis_name)
+    g = _group_size(body.mesh, axes)
+    perm = list(perm)
+    if sorted(perm) != list(range(g)):
+        raise ShardingError(
+            f"sf.lax.pshuffle: `perm` does not represent a permutation: {perm!r}; it must list each index "
+            f"0..{g - 1} along {axes!r} once"
+        )
+    return ppermute(x, axis_name, [(src, dst) for dst, src in enumerate(perm)])
+
+
+def pbroadcast(x: torch.Tensor, axis_name: AxisName, source: int) -> torch.Tensor:
+    """Every device of ``axis_name`` gets device ``source``'s ``x`` (JAX's ``pbroadcast``).
+    As in JAX the result counts as varying over the axis: its transpose sums the cotangents
+    of every device into ``source``'s."""
+    body, axes = _context("pbroadcast", axis_name)
+    g = _group_size(body.mesh, axes)
+    if not isinstance(source, int) or not 0 <= source < g:
+        raise ShardingError(f"sf.lax.pbroadcast: source={source!r} must be an index along {axes!r}, 0..{g - 1}")
+    return pcast(all_gather(x, axis_name, axis=0)[source], axis_name)
 
 
 def _materialised(perm: Any) -> Any:
