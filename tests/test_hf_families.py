@@ -1,4 +1,4 @@
-"""More Hugging Face model families under Megatron's tensor and vocabulary parallelism:
+"""More Hugging Face model families under Megatron's tensor, sequence and vocabulary parallelism:
 values and gradients against the unsharded model, and the collectives shardfn issues
 against what hand-written Megatron would issue for each architecture (issue 20).
 
@@ -292,4 +292,28 @@ def test_sequence_parallel_counts(name: str) -> None:
     assert both.total == 2 * fwd.total + 1 and both.counts["all_reduce"] == 1, both
     _close(out, _logits(model, plain, ids))
     for n, g in torch.func.grad(loss_fn)(plain, ids, labels).items():
+        _close(grads[n], g)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi", "gptneox", "cohere", "opt", "falcon", "gptj", "starcoder2"])
+def test_vocab_parallel_loss_counts(name: str) -> None:
+    """Vocabulary-parallel loss and gradients (embedding and LM head rows split, tied or
+    not; logits ``P("dp", None, "tp")``) under torch.func: the TP count plus the
+    embedding's all_reduce, the cross-entropy's three small statistics over the split
+    vocabulary (max, sum of exponentials, target logit) and the LM head's input gradient
+    -- Megatron's +5 -- and one more small one: torch's log_softmax backward sums the
+    incoming gradient over the split vocabulary, which Megatron's fused loss knows without
+    communicating. Values and gradients equal unsharded."""
+    model, params, plain, ids, labels, mesh = _setup(name, vocab=True)
+    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
+    loss_fn = _loss_fn(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.nn.shard_activations(model, [(r"lm_head$", None, P("dp", None, "tp"))], mesh=mesh):
+            with sf.debug.CommCounter() as cc:
+                loss, grads = torch.func.grad_and_value(loss_fn)(params, sids, slabels)[::-1]
+    assert dict(cc.counts) == {"all_reduce": MEGATRON[name][1] * LAYERS + 1 + 6}, cc
+    want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
+    _close(loss, want)
+    for n, g in want_grads.items():
         _close(grads[n], g)
