@@ -45,7 +45,7 @@ def base_reduced(x: Any) -> bool:
 # -- recomputations: the same pure op on the same arrays is the same value -----------------
 
 _SAME: dict[tuple, tuple] = {}  # key of a call -> (its pending output, the input arrays' weakrefs and shards)
-_SAME_MAX = 64
+_SAME_MAX = 8  # recomputations come within a few ops; each entry may keep an activation alive
 
 
 def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -> None:
@@ -53,7 +53,7 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
     on the same (immutable) arrays and arguments, so one reduction serves both: code that
     writes an expression twice (``(h - mean).pow(2)`` then ``(h - mean) * r`` in a layer
     norm) reads a pending sum once. The earlier output is kept while its inputs live (at
-    most ``_SAME_MAX`` of them). ``view``: the op re-viewing the earlier output
+    most the ``_SAME_MAX`` latest). ``view``: the op re-viewing the earlier output
     (``aten.view.default``), so the link has ``note_derived``'s form."""
     if torch.Tag.nondeterministic_seeded in func.tags:
         return
