@@ -308,3 +308,116 @@ def test_linalg_in_body():
     a = torch.eye(3).expand(4, 3, 3) * torch.arange(1.0, 5.0)[:, None, None]
     inv = sf.shard_map(torch.linalg.inv, mesh=m2, in_specs=P("x"), out_specs=P("x"))(a)
     torch.testing.assert_close(inv.full_tensor(), torch.linalg.inv(a))
+
+
+def test_axis_index_explicit_mesh_eager_shmap():
+    mesh = _mesh((2, 2), ("x", "y"))
+    with mesh:
+        out = sf.shard_map(lambda: torch.stack([lax.axis_index(n) for n in mesh.axis_names]), in_specs=(),
+                           out_specs=P(mesh.axis_names))()
+        assert torch.equal(out.full_tensor(), torch.tensor([0, 0, 0, 1, 1, 0, 1, 1]))
+        out = sf.shard_map(lambda: torch.stack([lax.axis_index(n) for n in mesh.axis_names]), in_specs=(),
+                           out_specs=P(), check_vma=False)()
+        assert torch.equal(out.full_tensor(), torch.tensor([0, 0]))
+
+
+def test_split_with_unused_result_in_shardmap():
+    mesh = _mesh((2,), ("x",))
+    f = sf.shard_map(lambda x: torch.split(x, 2)[0], mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    g = torch.func.grad(lambda x: (0.1 * sf.gather(f(x)).mean(0, keepdim=True)).squeeze(0))(torch.ones(8))
+    torch.testing.assert_close(g, torch.tensor([0.025, 0.025, 0, 0, 0.025, 0.025, 0, 0]))
+
+
+def test_zero_cotangent_sharding():
+    """A custom backward returning None (no gradient) inside a body."""
+    mesh = _mesh((2,), ("x",))
+
+    class Inner(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x):
+            return x.clone()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    f = sf.shard_map(Inner.apply, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    x = sf.distribute(torch.arange(8.0), P("x"), mesh=mesh)
+    g = torch.func.grad(lambda v: sf.gather(f(v)).sum())(torch.arange(8.0))
+    assert torch.equal(g, torch.zeros(8))
+    xr = x.detach().requires_grad_()
+    out = f(xr).full_tensor().sum()
+    if out.requires_grad:
+        (gr,) = torch.autograd.grad(out, xr, allow_unused=True)
+        assert gr is None or torch.equal(gr.full_tensor(), torch.zeros(8))
+
+
+def test_vmap_shmap_psum():
+    mesh = _mesh((2, 2), ("x", "y"))
+    full = torch.arange(16.0).reshape(2, 8)
+    arr = sf.distribute(full, P("x", "y"), mesh=mesh)
+    f = sf.shard_map(lambda x: lax.psum(x, "y"), in_specs=P("y"), out_specs=P(None))
+    out = torch.func.vmap(f)(arr)
+    assert torch.equal(sf.gather(out), full.reshape(2, 2, 4).sum(1))
+
+
+def test_psum_reduced_input():
+    mesh = _mesh((2, 2), ("x", "y"))
+    arr = sf.distribute(torch.arange(32.0).reshape(8, 4), P("x", "y"), mesh=mesh)
+
+    def f(x):
+        seq_x = lax.all_gather_invariant(x, "y", axis=1, tiled=True)
+        return lax.psum(seq_x.sum(), "x")
+
+    g = sf.shard_map(f, out_specs=P())
+    assert g(arr).full_tensor() == torch.arange(32.0).sum()
+    ar = arr.detach().requires_grad_()
+    g(ar).full_tensor().backward()
+    assert ar.grad.sharding == arr.sharding and torch.equal(ar.grad.full_tensor(), torch.ones(8, 4))
+
+
+def test_slice_oob_shmap():
+    mesh = _mesh((2,), ("x",))
+    arr = sf.distribute(torch.ones(32, 32), P(None, "x"), mesh=mesh)
+    out = sf.shard_map(lambda x: x[:, 100:116], in_specs=P(None, "x"), out_specs=P(None, "x"))(arr)
+    assert out.shape == (32, 0) and _same_spec(out, P(None, "x"))
+
+
+def _same_spec(a, spec):
+    return a.placements == sf.NamedSharding(a.mesh, spec).placements(a.ndim)
+
+
+def test_nested_shmap_innermost_no_axis_names():
+    mesh = _mesh((2, 2), ("x", "y"))
+    arr = torch.ones(4)
+
+    def h(x):
+        return sf.shard_map(lambda y: y * 2, in_specs=P(), out_specs=P())(x)
+
+    def g(x):
+        return sf.shard_map(h, in_specs=P(), out_specs=P(), axis_names={"y"})(x)
+
+    out = sf.shard_map(g, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"x"})(arr)
+    assert torch.equal(out.full_tensor(), arr * 2)
+
+
+def test_full_like_pvary_existing():
+    mesh = _mesh((2,), ("x",))
+
+    def f():
+        res = lax.pcast(torch.tensor([10, 11]), "x", to="varying")
+        fill = lax.pcast(torch.tensor(-1), "x", to="varying")
+        return torch.full_like(res, 0) + fill
+
+    assert torch.equal(sf.shard_map(f, mesh=mesh, in_specs=(), out_specs=P("x"))().full_tensor(), torch.full((4,), -1))
+
+
+def test_empty_mesh_error():
+    with pytest.raises(sf.ShardingError):
+        sf.shard_map(lambda x: x, mesh=sf.Mesh((), ()), in_specs=P("x"), out_specs=P("x"))(torch.arange(8))
