@@ -1,4 +1,4 @@
-"""More Hugging Face model families under Megatron's tensor and vocabulary parallelism:
+"""More Hugging Face model families under Megatron's tensor, sequence and vocabulary parallelism:
 values and gradients against the unsharded model, and the collectives shardfn issues
 against what hand-written Megatron would issue for each architecture (issue 20).
 
@@ -30,7 +30,10 @@ row split is per head. Phi3's qkv_proj/gate_up_proj and GPT-2's c_attn are conca
 [Q | K | V] / [gate | up]: a row split gives one device all of Q and the other K and V,
 which Megatron's local code would get wrong and shardfn computes right by moving data
 (the xfail tests below); a per-head split of those needs a strided layout (DTensor's
-``_StridedShard``) that shardfn's block layouts do not have.
+``_StridedShard``) that shardfn's block layouts do not have. What the user writes for
+Phi3 instead: split the fused weights into q/k/v and gate/up and run the same function as
+LlamaForCausalLM (test_phi3_split_into_llama_gets_megatron_counts). GPT-2 has no unfused
+twin in ``transformers``.
 """
 
 from __future__ import annotations
@@ -293,3 +296,65 @@ def test_sequence_parallel_counts(name: str) -> None:
     _close(out, _logits(model, plain, ids))
     for n, g in torch.func.grad(loss_fn)(plain, ids, labels).items():
         _close(grads[n], g)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi", "gptneox", "cohere", "opt", "falcon", "gptj", "starcoder2"])
+def test_vocab_parallel_loss_counts(name: str) -> None:
+    """Vocabulary-parallel loss and gradients (embedding and LM head rows split, tied or
+    not; logits ``P("dp", None, "tp")``) under torch.func: the TP count plus the
+    embedding's all_reduce, the cross-entropy's three small statistics over the split
+    vocabulary (max, sum of exponentials, target logit) and the LM head's input gradient
+    -- Megatron's +5 -- and one more small one: torch's log_softmax backward sums the
+    incoming gradient over the split vocabulary, which Megatron's fused loss knows without
+    communicating. Values and gradients equal unsharded."""
+    model, params, plain, ids, labels, mesh = _setup(name, vocab=True)
+    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
+    loss_fn = _loss_fn(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.nn.shard_activations(model, [(r"lm_head$", None, P("dp", None, "tp"))], mesh=mesh):
+            with sf.debug.CommCounter() as cc:
+                loss, grads = torch.func.grad_and_value(loss_fn)(params, sids, slabels)[::-1]
+    assert dict(cc.counts) == {"all_reduce": MEGATRON[name][1] * LAYERS + 1 + 6}, cc
+    want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
+    _close(loss, want)
+    for n, g in want_grads.items():
+        _close(grads[n], g)
+
+
+def test_phi3_split_into_llama_gets_megatron_counts() -> None:
+    """What a user writes for Phi3 instead of splitting its concatenated projections by rows:
+    Phi3 is Llama with q/k/v and gate/up stored concatenated, so splitting those weights
+    (a state-dict conversion) gives a LlamaForCausalLM computing the same function (checked
+    against Phi3's logits), and the plain rules give Megatron's 2 all_reduce per layer."""
+    make, _, _ = _cfg("phi3")
+    cfg = make()
+    torch.manual_seed(0)
+    phi3 = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=LAYERS,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps, hidden_act=cfg.hidden_act,
+        rope_parameters=cfg.rope_parameters, attn_implementation="sdpa")).eval()
+    state = {}
+    for k, v in phi3.state_dict().items():
+        if "qkv_proj" in k:
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), v.split([q, kv, kv])):
+                state[k.replace("qkv_proj", part)] = t
+        elif "gate_up_proj" in k:
+            for part, t in zip(("gate_proj", "up_proj"), v.chunk(2)):
+                state[k.replace("gate_up_proj", part)] = t
+        else:
+            state[k] = v
+    llama.load_state_dict(state)
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    params = sf.nn.shard_params(llama, STD, mesh=mesh, unmatched="ignore")
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.debug.CommCounter() as cc:
+            out = _logits(llama, params, sf.distribute(ids, P("dp"), mesh=mesh))
+    assert dict(cc.counts) == {"all_reduce": 2 * LAYERS}, cc
+    _close(out, phi3(ids, use_cache=False).logits)
