@@ -349,7 +349,8 @@ def _ckpt_case():
     return mesh, x, w
 
 
-@pytest.mark.skipif(not _compat.CHECKPOINT_UNDER_VMAP, reason="torch < 2.13: checkpoint runs once per device on the simulated mesh, where a collective in the region cannot recompute")
+@pytest.mark.skipif(not _compat.CHECKPOINT_UNDER_VMAP,
+                    reason="torch < 2.13: a checkpointing body runs per device, its collectives cannot recompute")
 def test_checkpoint_inside_body_recomputes_with_collectives():
     """JAX's test_shmap_of_remat_basic, with a collective inside the checkpointed region:
     the region runs again during backward and gradients equal plain torch's."""
