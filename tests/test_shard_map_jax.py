@@ -349,11 +349,8 @@ def _ckpt_case():
     return mesh, x, w
 
 
-needs_checkpoint_under_vmap = pytest.mark.skipif(
-    not _compat.CHECKPOINT_UNDER_VMAP, reason="torch < 2.13: checkpoint cannot run under the simulated mesh's vmap")
-
-
-@needs_checkpoint_under_vmap
+@pytest.mark.skipif(not _compat.CHECKPOINT_UNDER_VMAP,
+                    reason="torch < 2.13: a checkpointing body runs per device, its collectives cannot recompute")
 def test_checkpoint_inside_body_recomputes_with_collectives():
     """JAX's test_shmap_of_remat_basic, with a collective inside the checkpointed region:
     the region runs again during backward and gradients equal plain torch's."""
@@ -383,7 +380,6 @@ def test_checkpoint_inside_body_recomputes_with_collectives():
     _close(ws.grad, want[1], "grad w")
 
 
-@needs_checkpoint_under_vmap
 def test_checkpoint_inside_body_double_backward():
     mesh, x, w = _ckpt_case()
     body = sf.shard_map(lambda a, b: lax.psum(checkpoint(lambda u, v: torch.sin(u @ v) ** 2, a, b,
@@ -410,7 +406,6 @@ def test_checkpoint_around_shard_map():
     _close(x.grad, torch.cos(torch.sin(x.detach())) * torch.cos(x.detach()), "grad")
 
 
-@needs_checkpoint_under_vmap
 def test_checkpoint_under_torch_func_grad_is_torchs_error():
     """Checkpoint under torch.func.grad is a torch limitation (saved tensor hooks), raised
     by torch itself rather than silently wrong."""
@@ -564,10 +559,3 @@ def test_unchecked_output_transposes_as_jax(n):
     g = sf.shard_map(lambda a: lax.psum(torch.sin(a), "i"), mesh=mesh, in_specs=P("i"), out_specs=P(), check_vma=False)
     torch.testing.assert_close(torch.func.grad(lambda t: sf.gather(g(t)).sum())(x), torch.cos(x))
 
-
-@pytest.mark.skipif(_compat.CHECKPOINT_UNDER_VMAP, reason="torch >= 2.13 runs checkpoint under vmap")
-def test_checkpoint_inside_body_on_old_torch_is_a_clear_error():
-    mesh = sf.Mesh((2,), ("x",), backend="local")
-    f = sf.shard_map(lambda a: checkpoint(torch.sin, a, use_reentrant=False), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-    with pytest.raises(sf.ShardingRuntimeError, match=r"torch.utils.checkpoint inside a shard_map body .* torch >= 2.13"):
-        f(torch.ones(4, requires_grad=True))

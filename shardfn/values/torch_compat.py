@@ -83,17 +83,11 @@ def symint_hint(n: Any) -> int:
 
 
 # -- torch.utils.checkpoint under vmap ---------------------------------------------------
-# The local backend runs a shard_map body once for every device under torch.func.vmap. 2.11's
-# non-reentrant checkpoint saves its inputs through an autograd.Function with no vmap rule
-# (torch.utils.checkpoint._NoopSaveInputs); 2.13's does not use one.
-
-
+# The local backend runs a shard_map body for every device at once under torch.func.vmap.
+# 2.11's non-reentrant checkpoint saves its inputs through an autograd.Function with no vmap
+# rule (torch.utils.checkpoint._NoopSaveInputs), so such a body runs once per device there
+# (shard_map's fallback for bodies vmap cannot batch); 2.13's checkpoint batches.
 CHECKPOINT_UNDER_VMAP = _release(torch.__version__) >= (2, 13)
-
-
-def checkpoint_vmap_gap(error: BaseException) -> bool:
-    """Whether ``error`` is torch 2.11's refusal to run ``torch.utils.checkpoint`` under vmap."""
-    return isinstance(error, RuntimeError) and "_NoopSaveInputs" in str(error) and "vmap" in str(error)
 
 
 # -- functional collectives -----------------------------------------------------------

@@ -4,13 +4,11 @@ device's contribution, on both backends, as in JAX; checked against plain torch.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from dist_harness import collect, scenario
 
 import shardfn as sf
 from shardfn import P, lax
-from shardfn.values import torch_compat
 
 
 def _close(a, b, what=""):
@@ -131,8 +129,6 @@ def sharded_array_closure(mesh: sf.Mesh) -> None:
 def closure_in_checkpoint(mesh: sf.Mesh) -> None:
     """A checkpointed region closing over a parameter: recomputed in backward, where the
     closure is seen again."""
-    if mesh.backend == "local" and not torch_compat.CHECKPOINT_UNDER_VMAP:
-        pytest.skip("torch < 2.13: checkpoint cannot run under the simulated mesh's vmap")
     from torch.utils.checkpoint import checkpoint
 
     x, w0, b0 = _data()

@@ -26,8 +26,7 @@ from torch._functorch.vmap import vmap_increment_nesting
 from ...arrays.array import ShardedArray
 from ...arrays.functorch import base_array
 from ...arrays.redistribute import gather, reshard
-from ...values import torch_compat
-from ...values.errors import ShardingError, ShardingRuntimeError
+from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
 from .. import boundary as B
@@ -190,16 +189,7 @@ def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwa
     with body.levels_entered(), _entered(body), _recompute.body_context(
             functools.partial(_reopened, body, list(body.levels)) if leader else contextlib.nullcontext):
         leaves = [body.wrap(a) if mapped else a for a, mapped in zip(args, is_mapped)]
-        try:
-            out = f(*rebuild(leaves), **kwargs)
-        except RuntimeError as e:
-            if torch_compat.checkpoint_vmap_gap(e):
-                raise ShardingRuntimeError(
-                    f"torch.utils.checkpoint inside a shard_map body on the local (simulated) backend needs "
-                    f"torch >= 2.13 (this is torch {torch.__version__}, whose checkpoint cannot run under the "
-                    f"vmap that simulates the mesh's devices); checkpoint around the shard_map call instead, "
-                    f"use the dist backend, or upgrade torch") from e
-            raise
+        out = f(*rebuild(leaves), **kwargs)
         flat, spec = optree.tree_flatten(out, none_is_leaf=True)
         flat = [body.unwrap(o) if isinstance(o, torch.Tensor) else o for o in flat]
     return flat, spec
