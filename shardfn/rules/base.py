@@ -42,8 +42,13 @@ def out_of_range(index: torch.Tensor, size: int, allowed: int | None = None) -> 
     """The first entry of ``index`` outside ``[0, size)`` (other than ``allowed``), or None.
     A rule whose local call sees only part of an indexed dim checks the global range this
     way (torch's kernel would raise; the local one cannot tell). Traced values (fake or
-    functional tensors) are not checked: their data is unknown."""
-    if not isinstance(index, torch.Tensor) or type(index) is not torch.Tensor or index.device.type == "meta":
+    functional tensors): the check goes into the traced graph (a RuntimeError when it runs)."""
+    if not isinstance(index, torch.Tensor) or index.device.type == "meta":
+        return None
+    if type(index) is not torch.Tensor:
+        if not torch._C._functorch.is_functorch_wrapped_tensor(index):
+            ok = (index >= 0) & (index < size) if allowed is None else ((index >= 0) & (index < size)) | (index == allowed)
+            torch._assert_async(ok.all(), "index out of range in self")
         return None
     if torch._C._functorch.is_functorch_wrapped_tensor(index):
         return None
