@@ -43,12 +43,15 @@ def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
     """The op on meta tensors of the global shapes: the outputs' global metadata. A
     ``device=`` argument (``.to(device)``, a cast's backward, factories) is read as meta too:
     the shards' device is the mesh's business, the output's shape and dtype are not (on a
-    real device it raised here and was read as a data-dependent shape: a silent fallback)."""
+    real device it raised here and was read as a data-dependent shape: a silent fallback).
+    A rule with an ``out_meta`` computes it instead of the op's meta kernel (one stricter
+    than the device kernels: ``_grouped_mm``'s accepts only bfloat16, CPU's any float)."""
     with torch.no_grad():
         margs, mkwargs = _replace(args, kwargs, _to_meta)
         if isinstance(mkwargs.get("device"), (torch.device, str)):
             mkwargs["device"] = "meta"
-        return func(*margs, **mkwargs)
+        own = getattr(_rules.lookup(func), "out_meta", None)
+        return own(func, margs, mkwargs) if own is not None else func(*margs, **mkwargs)
 
 
 def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":

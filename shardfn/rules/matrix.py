@@ -12,8 +12,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .base import Candidate, OpCall, letters
-from .dims import Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
+from .base import Candidate, OpCall, bind, letters
+from .dims import LINEAR_OPS, Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
 
 aten = torch.ops.aten
 
@@ -58,6 +58,61 @@ class BatchedLinalg:
         return compile_dims(call, Dims(ins, outs))
 
 
+@attrs.frozen
+class GroupedMm:
+    """``_grouped_mm``: ``offs`` (global row offsets of the groups) splits the rows of a 2-D
+    operand into groups, so the grouped dim (rows of ``self`` against a 3-D ``mat2`` of
+    experts, or the contracted dim of two 2-D operands) and the group/expert dim stay whole
+    and ``offs`` replicated; the other matrix dims shard like ``mm``'s (a sharded
+    contraction leaving a pending sum), and a pending sum on one operand passes through.
+    Without ``offs`` it is ``bmm``. A bias or a 3-D ``self`` with 2-D ``mat2`` has no rule."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        a, m = b["self"], b["mat2"]
+        if b.get("bias") is not None:
+            return []
+        grouped = b.get("offs") is not None
+        if not grouped and a.dim() == m.dim() == 3:
+            by_name = {"self": "bmk", "mat2": "bkn"}
+            out = "bmn"
+        elif grouped and (a.dim(), m.dim()) == (2, 3):
+            by_name = {"self": "_k", "mat2": "_kn", "offs": "_"}
+            out = "_n"
+        elif grouped and (a.dim(), m.dim()) == (2, 2):
+            by_name = {"self": "m_", "mat2": "_n", "offs": "_"}
+            out = "_mn"
+        else:
+            return []
+        names = [a_.name for a_ in call.func._schema.arguments]
+        ins, linear_ins = [], []
+        for i, (path, _) in enumerate(call.arrays):
+            name = names[path] if isinstance(path, int) else path
+            if name not in by_name:
+                return []
+            ins.append(tuple(None if L == "_" else L for L in by_name[name]))
+            if name != "offs":
+                linear_ins.append(i)
+        reduce = (("k", "sum"),) if "k" not in out else ()
+        spec = Dims(tuple(ins), (tuple(None if L == "_" else L for L in out),), reduce, LINEAR_OPS,
+                    partial_ins=tuple(linear_ins))
+        return [attrs.evolve(c, dense=True) for c in compile_dims(call, spec)]
+
+    @staticmethod
+    def out_meta(func: object, args: tuple, kwargs: dict) -> torch.Tensor:
+        """torch's meta kernel accepts only bfloat16 operands (CUDA's kernel), CPU's every
+        float dtype; the shape is the same for all: computed in bfloat16, given the dtype
+        the device kernel returns (``out_dtype``, else ``self``'s)."""
+        b = bind(func, args, kwargs)
+        dtype = b.get("out_dtype") or b["self"].dtype
+
+        def bf16(v: object) -> object:
+            return v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+        out = func(*[bf16(v) for v in args], **{k: bf16(v) for k, v in kwargs.items() if k != "out_dtype"})
+        return out.to(dtype)
+
+
 _LINALG = (
     "cholesky", "linalg_cholesky_ex", "linalg_inv_ex", "_linalg_det", "_linalg_slogdet",
     "linalg_solve_triangular", "_linalg_solve_ex", "linalg_lu_factor_ex", "linalg_lu",
@@ -71,6 +126,7 @@ TABLE = {
     **{getattr(aten, n): BatchedLinalg() for n in _LINALG if hasattr(aten, n)},
     aten.mm: Einsum("mk,kn->mn"),
     aten.bmm: Einsum("bmk,bkn->bmn"),
+    aten._grouped_mm: GroupedMm(),
     aten.mv: Einsum("mk,k->m"),
     aten.dot: Einsum("k,k->"),
     aten.vdot: Einsum("k,k->"),
