@@ -86,6 +86,9 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     rule = _rules.lookup(func)
     cands = rule.candidates(call) if rule is not None and out_meta is not None else []
     if not cands:
+        if out_meta is None and getattr(rule, "local_when_replicated", False) and all(
+                v._layout.is_replicated() for _, v in arrays):
+            return _fallback_entry(func, call, None)  # each device runs it on its replica: the rule's strategy
         why = "has no sharding rule" if rule is None else (
             "has a sharding rule that does not cover this call" if out_meta is not None
             else "has an output shape that depends on the data")
