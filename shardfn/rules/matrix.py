@@ -96,21 +96,30 @@ class GroupedMm:
         reduce = (("k", "sum"),) if "k" not in out else ()
         spec = Dims(tuple(ins), (tuple(None if L == "_" else L for L in out),), reduce, LINEAR_OPS,
                     partial_ins=tuple(linear_ins))
-        return [attrs.evolve(c, dense=True) for c in compile_dims(call, spec)]
+        return compile_dims(call, spec)
 
     @staticmethod
     def out_meta(func: object, args: tuple, kwargs: dict) -> torch.Tensor:
-        """torch's meta kernel accepts only bfloat16 operands (CUDA's kernel), CPU's every
-        float dtype; the shape is the same for all: computed in bfloat16, given the dtype
-        the device kernel returns (``out_dtype``, else ``self``'s)."""
+        """The output's shape and dtype from the operands' shapes alone: torch's meta kernel
+        checks CUDA's dtype (bfloat16 only) and alignment, while CPU's kernel takes any float
+        dtype and checks its own alignment when it runs (each device's call)."""
         b = bind(func, args, kwargs)
-        dtype = b.get("out_dtype") or b["self"].dtype
-
-        def bf16(v: object) -> object:
-            return v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-
-        out = func(*[bf16(v) for v in args], **{k: bf16(v) for k, v in kwargs.items() if k != "out_dtype"})
-        return out.to(dtype)
+        a, m, offs = b["self"], b["mat2"], b.get("offs")
+        groups = None if offs is None else (offs.shape[0] if offs.dim() == 1 else -1)
+        if (a.dim(), m.dim()) == (3, 3) and groups is None and a.shape[0] == m.shape[0] and a.shape[2] == m.shape[1]:
+            shape = (a.shape[0], a.shape[1], m.shape[2])
+        elif (a.dim(), m.dim()) == (2, 3) and groups == m.shape[0] and a.shape[1] == m.shape[1]:
+            shape = (a.shape[0], m.shape[2])
+        elif (a.dim(), m.dim()) == (2, 2) and groups is not None and groups >= 0 and a.shape[1] == m.shape[0]:
+            shape = (groups, a.shape[0], m.shape[1])
+        elif (a.dim(), m.dim()) == (3, 2) and groups == a.shape[0] and a.shape[2] == m.shape[0]:
+            shape = (a.shape[1], m.shape[1])
+        else:
+            raise RuntimeError(
+                f"_grouped_mm: operands of shapes {tuple(a.shape)} and {tuple(m.shape)} with offs of shape "
+                f"{None if offs is None else tuple(offs.shape)}: the matrix sizes, the matrix batch sizes and "
+                "the group count have to match")
+        return torch.empty(shape, dtype=b.get("out_dtype") or a.dtype, device="meta")
 
 
 _LINALG = (
