@@ -730,3 +730,19 @@ def test_empty_input_the_meta_kernel_rejects_but_torch_accepts():
     _close(f(sf.distribute(x, P(), mesh=mesh)), f(x))
     with pytest.raises(RuntimeError, match="empty"):
         torch.linalg.vector_norm(sf.distribute(x, P(), mesh=mesh), ord=float("inf"), dim=0)
+
+
+def test_sum_of_empty_complex32_shards():
+    # torch sums an empty complex32 tensor (no kernel runs); the pending parts (one zero per
+    # device) were added with sum, which has no complex32 CPU kernel (fuzzer seed 5714762532)
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "ComplexHalf support is experimental"
+        x = torch.randn(7, 0, 3).half() * 0.5j
+        for spec in (P(None, None, "y"), P("x", None, "y")):
+            _close(sf.distribute(x, spec, mesh=mesh).sum(), x.sum())
+        y = torch.randn(4, 3).half() * 0.5j
+        with pytest.raises(NotImplementedError):
+            y.sum()
+        with pytest.raises(NotImplementedError):
+            sf.distribute(y, P("x"), mesh=mesh).sum()

@@ -89,8 +89,19 @@ def _key_of(x: Any, arrays: list) -> Any:
             raise _Plain
         arrays.append(x)
         return ("array", id(x))
-    if isinstance(x, (tuple, list)):
-        return (type(x).__name__, tuple(_key_of(v, arrays) for v in x))
+    if isinstance(x, (tuple, list)):  # one loop, no recursion for the usual flat leaves
+        out = []
+        for v in x:
+            if isinstance(v, torch.Tensor):
+                if not hasattr(v, "_layout"):
+                    raise _Plain
+                arrays.append(v)
+                out.append(("array", id(v)))
+            elif isinstance(v, (tuple, list, dict)):
+                out.append(_key_of(v, arrays))
+            else:
+                out.append(v)
+        return (type(x).__name__, tuple(out))
     if isinstance(x, dict):
-        return ("dict", tuple((k, _key_of(v, arrays)) for k, v in sorted(x.items())))
+        return ("dict", tuple((k, _key_of(v, arrays)) for k, v in sorted(x.items()))) if x else ("dict", ())
     return x

@@ -154,7 +154,10 @@ def device_view(value: Value, mesh: Mesh, device: int) -> torch.Tensor:
 
 def reduce_dim(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
     """Reduce ``x`` over ``dim`` (kept, size 1) by ``op``: sum, avg (floor division for
-    integers), max or min."""
+    integers), max or min. complex32 has no CPU sum kernel: its parts add in complex64 (torch's
+    own sum of empty complex32 shards succeeds, so the pending parts must add too)."""
+    if x.dtype == torch.complex32 and op in ("sum", "avg"):
+        return reduce_dim(x.to(torch.complex64), dim, op).to(x.dtype)
     if op == "sum":
         return x.sum(dim, keepdim=True, dtype=x.dtype)
     if op == "avg":
