@@ -746,3 +746,23 @@ def test_sum_of_empty_complex32_shards():
             y.sum()
         with pytest.raises(NotImplementedError):
             sf.distribute(y, P("x"), mesh=mesh).sum()
+
+
+@pytest.mark.parametrize("op", ["detach", "clone", "alias"])
+def test_aliases_report_torch_strides(op):
+    # detach/alias/clone of a strided view gave a contiguous array, so .view(-1) passed where
+    # torch raises (fuzzer seed 5715442527)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 6)
+    f = {"detach": torch.Tensor.detach, "clone": torch.Tensor.clone, "alias": torch.ops.aten.alias.default}[op]
+    for view in (lambda v: v.t(), lambda v: v[:, 1:], lambda v: v[1:]):
+        want, got = f(view(x)), f(view(sf.distribute(x, P("x"), mesh=mesh)))
+        assert (got.stride(), got.storage_offset()) == (want.stride(), want.storage_offset())
+        _close(got, want)
+        try:
+            want.view(-1)
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                got.view(-1)
+        else:
+            _close(got.view(-1), want.view(-1))

@@ -22,10 +22,23 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     reductions kept on ``x``), so its next op needs no fragment lookup."""
     x = args[0]
     shape = tuple(x.shape)
+    if not x.is_contiguous() or x.storage_offset():
+        # torch's strides for the output: a view (detach, alias) keeps x's, clone keeps them where
+        # x is dense (``x.as_strided(...).detach().view(-1)`` raises as in torch)
+        return _wrap_output(x._local, x._layout, shape, x.dtype, None, _meta_strides(func, x, args, kwargs))
     frag = x._kf
-    if frag is not None and (x._layout.partial or not x.is_contiguous() or x.storage_offset()):
+    if frag is not None and x._layout.partial:
         frag = None
     return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
+
+
+def _meta_strides(func: Any, x: Any, args: tuple, kwargs: dict) -> tuple:
+    """(strides, storage offset) of ``func``'s output on a meta tensor laid out as ``x`` reports."""
+    stride, off = x.stride(), x.storage_offset()
+    extent = off + 1 + sum((n - 1) * s for n, s in zip(x.shape, stride) if n > 0)
+    m = torch.empty(extent, dtype=x.dtype, device="meta").as_strided(tuple(x.shape), stride, off)
+    out = func(m, *args[1:], **kwargs)
+    return tuple(out.stride()), out.storage_offset()
 
 
 def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
