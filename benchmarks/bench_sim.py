@@ -2,7 +2,8 @@
 
 A transformer block (dim 256, 8 heads, MLP 1024, seq 64, batch 16; pre-norm causal
 attention (``scaled_dot_product_attention``) and MLP); one training step = forward +
-backward (``torch.autograd.grad``) + an SGD update, timed on plain tensors and on ShardedArrays of a simulated mesh in three configurations:
+backward (``torch.autograd.grad``) + an SGD update, timed on plain tensors and on
+ShardedArrays of a simulated mesh in three configurations:
 
 - ``dp (8,)``: data parallel on ``Mesh((8,), ('dp',))`` (batch split, params replicated);
 - ``dp x tp (2, 4)``: Megatron on ``Mesh((2, 4), ('dp', 'tp'))`` (batch over 'dp',

@@ -45,10 +45,11 @@ def _worker(rank: int, port: int, queue) -> None:
     for size in SIZES:
         n = max(1, size // 4)
         x = torch.ones(n)
-        rows.append(("all_reduce", size, 2 * (WORLD - 1) * n * 4 // WORLD, _time(lambda: dist.all_reduce(x))))
+        rows.append(("all_reduce", size, 2 * (WORLD - 1) * n * 4 // WORLD, _time(lambda x=x: dist.all_reduce(x))))
         shard = torch.ones(max(1, n // WORLD))
         out = [torch.empty_like(shard) for _ in range(WORLD)]
-        rows.append(("all_gather", size, (WORLD - 1) * shard.numel() * 4, _time(lambda: dist.all_gather(out, shard))))
+        gathered = _time(lambda out=out, shard=shard: dist.all_gather(out, shard))
+        rows.append(("all_gather", size, (WORLD - 1) * shard.numel() * 4, gathered))
     if rank == 0:
         queue.put(rows)
     dist.barrier()

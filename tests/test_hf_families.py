@@ -110,10 +110,14 @@ MEGATRON = {**SEQUENTIAL, **PARALLEL, "olmo2": (4, 8)}
 NO_FUNC = {"bloom"}
 
 
+EXPERTS: str | None = "batched_mm"  # the MoE families' experts_implementation (None: the default; test_hf_moe)
+
+
 def _setup(name: str, vocab: bool = False) -> tuple:
     make, attn, rules = _cfg(name)
     torch.manual_seed(0)
-    extra = {"experts_implementation": "batched_mm"} if name in ("mixtral", "qwen2moe") else {}
+    moe = name in ("mixtral", "qwen2moe", "qwen3moe")
+    extra = {"experts_implementation": EXPERTS} if moe and EXPERTS else {}
     model = transformers.AutoModelForCausalLM.from_config(make(), attn_implementation=attn, **extra).eval()
     mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
     params = sf.nn.shard_params(model, (EMBEDDINGS if vocab else []) + rules, mesh=mesh, unmatched="ignore")

@@ -43,12 +43,15 @@ def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
     """The op on meta tensors of the global shapes: the outputs' global metadata. A
     ``device=`` argument (``.to(device)``, a cast's backward, factories) is read as meta too:
     the shards' device is the mesh's business, the output's shape and dtype are not (on a
-    real device it raised here and was read as a data-dependent shape: a silent fallback)."""
+    real device it raised here and was read as a data-dependent shape: a silent fallback).
+    A rule with an ``out_meta`` computes it instead of the op's meta kernel (one stricter
+    than the device kernels: ``_grouped_mm``'s accepts only bfloat16, CPU's any float)."""
     with torch.no_grad():
         margs, mkwargs = _replace(args, kwargs, _to_meta)
         if isinstance(mkwargs.get("device"), (torch.device, str)):
             mkwargs["device"] = "meta"
-        return func(*margs, **mkwargs)
+        own = getattr(_rules.lookup(func), "out_meta", None)
+        return own(func, margs, mkwargs) if own is not None else func(*margs, **mkwargs)
 
 
 def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
@@ -83,6 +86,9 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     rule = _rules.lookup(func)
     cands = rule.candidates(call) if rule is not None and out_meta is not None else []
     if not cands:
+        if out_meta is None and getattr(rule, "local_when_replicated", False) and all(
+                v._layout.is_replicated() for _, v in arrays):
+            return _fallback_entry(func, call, None)  # each device runs it on its replica: the rule's strategy
         why = "has no sharding rule" if rule is None else (
             "has a sharding rule that does not cover this call" if out_meta is not None
             else "has an output shape that depends on the data")

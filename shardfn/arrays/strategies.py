@@ -88,4 +88,8 @@ class Candidate:
 
 
 class Rule(Protocol):
+    """A sharding rule. It may also define ``out_meta(func, args, kwargs)``: the outputs'
+    global metadata from meta-tensor arguments, used instead of the op's meta kernel
+    where that kernel rejects what the device kernels accept."""
+
     def candidates(self, call: OpCall) -> list[Candidate]: ...

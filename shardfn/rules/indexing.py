@@ -199,8 +199,26 @@ class Replicated:
 
 _REPLICATED = Replicated()
 
+@attrs.frozen
+class DataDependentShape:
+    """Ops whose output shape depends on the values (``nonzero``, ``masked_select``,
+    ``unique``...): no meta run gives it, so there are no candidates. On replicated inputs
+    each device computes the whole result from its own replica, which is this rule's only
+    strategy: dispatch runs it replicated, without communication and without a warning
+    (``local_when_replicated``); sharded inputs are gathered first, with a FallbackWarning."""
+
+    local_when_replicated = True
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return []
+
+
+_DATA_DEPENDENT = DataDependentShape()
+
 TABLE = {
     aten.index_select: IndexSelect(),
+    **{getattr(aten, n): _DATA_DEPENDENT for n in (
+        "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "bincount")},
     aten.gather: GatherScatter(gather=True),
     aten.scatter: GatherScatter(),
     aten.scatter_add: GatherScatter(),

@@ -12,8 +12,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .base import Candidate, OpCall, letters
-from .dims import Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
+from .base import Candidate, OpCall, bind, letters
+from .dims import LINEAR_OPS, Dims, broadcast_letters, compile_dims, einsum_dims, with_addend
 
 aten = torch.ops.aten
 
@@ -58,6 +58,70 @@ class BatchedLinalg:
         return compile_dims(call, Dims(ins, outs))
 
 
+@attrs.frozen
+class GroupedMm:
+    """``_grouped_mm``: ``offs`` (global row offsets of the groups) splits the rows of a 2-D
+    operand into groups, so the grouped dim (rows of ``self`` against a 3-D ``mat2`` of
+    experts, or the contracted dim of two 2-D operands) and the group/expert dim stay whole
+    and ``offs`` replicated; the other matrix dims shard like ``mm``'s (a sharded
+    contraction leaving a pending sum), and a pending sum on one operand passes through.
+    Without ``offs`` it is ``bmm``. A bias or a 3-D ``self`` with 2-D ``mat2`` has no rule."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        a, m = b["self"], b["mat2"]
+        if b.get("bias") is not None:
+            return []
+        grouped = b.get("offs") is not None
+        if not grouped and a.dim() == m.dim() == 3:
+            by_name = {"self": "bmk", "mat2": "bkn"}
+            out = "bmn"
+        elif grouped and (a.dim(), m.dim()) == (2, 3):
+            by_name = {"self": "_k", "mat2": "_kn", "offs": "_"}
+            out = "_n"
+        elif grouped and (a.dim(), m.dim()) == (2, 2):
+            by_name = {"self": "m_", "mat2": "_n", "offs": "_"}
+            out = "_mn"
+        else:
+            return []
+        names = [a_.name for a_ in call.func._schema.arguments]
+        ins, linear_ins = [], []
+        for i, (path, _) in enumerate(call.arrays):
+            name = names[path] if isinstance(path, int) else path
+            if name not in by_name:
+                return []
+            ins.append(tuple(None if L == "_" else L for L in by_name[name]))
+            if name != "offs":
+                linear_ins.append(i)
+        reduce = (("k", "sum"),) if "k" not in out else ()
+        spec = Dims(tuple(ins), (tuple(None if L == "_" else L for L in out),), reduce, LINEAR_OPS,
+                    partial_ins=tuple(linear_ins))
+        return compile_dims(call, spec)
+
+    @staticmethod
+    def out_meta(func: object, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The output's shape and dtype from the operands' shapes alone: torch's meta kernel
+        checks CUDA's dtype (bfloat16 only) and alignment, while CPU's kernel takes any float
+        dtype and checks its own alignment when it runs (each device's call)."""
+        b = bind(func, args, kwargs)
+        a, m, offs = b["self"], b["mat2"], b.get("offs")
+        groups = None if offs is None else (offs.shape[0] if offs.dim() == 1 else -1)
+        if (a.dim(), m.dim()) == (3, 3) and groups is None and a.shape[0] == m.shape[0] and a.shape[2] == m.shape[1]:
+            shape = (a.shape[0], a.shape[1], m.shape[2])
+        elif (a.dim(), m.dim()) == (2, 3) and groups == m.shape[0] and a.shape[1] == m.shape[1]:
+            shape = (a.shape[0], m.shape[2])
+        elif (a.dim(), m.dim()) == (2, 2) and groups is not None and groups >= 0 and a.shape[1] == m.shape[0]:
+            shape = (groups, a.shape[0], m.shape[1])
+        elif (a.dim(), m.dim()) == (3, 2) and groups == a.shape[0] and a.shape[2] == m.shape[0]:
+            shape = (a.shape[1], m.shape[1])
+        else:
+            raise RuntimeError(
+                f"_grouped_mm: operands of shapes {tuple(a.shape)} and {tuple(m.shape)} with offs of shape "
+                f"{None if offs is None else tuple(offs.shape)}: the matrix sizes, the matrix batch sizes and "
+                "the group count have to match")
+        return torch.empty(shape, dtype=b.get("out_dtype") or a.dtype, device="meta")
+
+
 _LINALG = (
     "cholesky", "linalg_cholesky_ex", "linalg_inv_ex", "_linalg_det", "_linalg_slogdet",
     "linalg_solve_triangular", "_linalg_solve_ex", "linalg_lu_factor_ex", "linalg_lu",
@@ -71,6 +135,7 @@ TABLE = {
     **{getattr(aten, n): BatchedLinalg() for n in _LINALG if hasattr(aten, n)},
     aten.mm: Einsum("mk,kn->mn"),
     aten.bmm: Einsum("bmk,bkn->bmn"),
+    aten._grouped_mm: GroupedMm(),
     aten.mv: Einsum("mk,k->m"),
     aten.dot: Einsum("k,k->"),
     aten.vdot: Einsum("k,k->"),

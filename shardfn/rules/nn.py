@@ -148,7 +148,8 @@ class Attention:
         # produce): those calls need dense inputs; others a last dim of stride 1 (torch's front-end
         # checks it before picking the kernel; a gathered shard may lack it)
         grouped = self.dense_gqa and q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
-        return [attrs.evolve(c, dense=True if grouped else "last", local_fn=fn if _no_heads_somewhere(call, c) else None) for c in cands]
+        return [attrs.evolve(c, dense=True if grouped else "last", local_fn=fn if _no_heads_somewhere(call, c) else None)
+                for c in cands]
 
 
 def _no_heads_somewhere(call: OpCall, c: Candidate) -> bool:

@@ -150,6 +150,22 @@ class AlongDim:
         return compile_dims(call, spec)
 
 
+@attrs.frozen
+class Histogram:
+    """``histc`` over fixed bins (``min < max``): the counts of the shards add up to the
+    whole's, so any sharding of the input leaves the bins a pending sum. Bins from the
+    data's own range (``min == max``) need the input whole."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if len(call.arrays) != 1 or call.arrays[0][0] != 0:
+            return []
+        b = bind(call.func, call.args, call.kwargs)
+        ls = letters(len(call.shapes[0]))
+        if b.get("min", 0) >= b.get("max", 0):
+            return compile_dims(call, Dims(((None,) * len(ls),), ((None,),)))
+        return compile_dims(call, Dims((ls,), ((None,),), tuple((L, "sum") for L in ls)))
+
+
 _SUM = Reduction("sum", LINEAR_OPS)
 _AMAX = Reduction("max", ("max",), identity=_lowest)
 _AMIN = Reduction("min", ("min",), identity=_highest)
@@ -165,6 +181,7 @@ TABLE = {
     aten.max.default: _AMAX,
     aten.min.default: _AMIN,
     aten.count_nonzero: Reduction("sum"),
+    aten.histc: Histogram(),
     **{op: _WHOLE for op in (
         aten.max.dim, aten.min.dim, aten.argmax, aten.argmin, aten.var, aten.std, aten.var_mean,
         aten.std_mean, aten.logsumexp, aten.linalg_vector_norm, aten.prod.default, aten.prod.dim_int,

@@ -43,7 +43,8 @@ def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
         f = min(ra, rb)
         if max(ra, rb) % f:
             raise ShardingError(
-                f"the target sharding is on a different mesh {b!r}, which is not a view of {a!r}: axis {b.axis_names[ib]!r} (size {b.shape[ib]}) does not "
+                f"the target sharding is on a different mesh {b!r}, which is not a view of {a!r}: "
+                f"axis {b.axis_names[ib]!r} (size {b.shape[ib]}) does not "
                 f"line up with axis {a.axis_names[ia]!r} (size {a.shape[ia]})"
             )
         name = f"_f{len(sizes)}"
