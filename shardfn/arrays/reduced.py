@@ -4,6 +4,7 @@ them on the array; dispatch keys and costs strategies with them."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -55,7 +56,7 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
     norm) reads a pending sum once. The earlier output is kept while its inputs live (at
     most the ``_SAME_MAX`` latest). ``view``: the op re-viewing the earlier output
     (``aten.view.default``), so the link has ``note_derived``'s form."""
-    if torch.Tag.nondeterministic_seeded in func.tags:
+    if _random_op(func) or not _communicates(out._layout):
         return
     arrays: list = []
     try:
@@ -76,6 +77,20 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
         del _SAME[next(iter(_SAME))]
     drop = lambda _, k=key, same=_SAME: same.pop(k, None)  # noqa: E731  an input died: the key can never match again
     _SAME[key] = (out, [(weakref.ref(v, drop), v._local) for v in arrays])
+
+
+@functools.lru_cache(maxsize=None)
+def _random_op(func: Any) -> bool:
+    """Whether two calls of ``func`` on the same inputs may differ (a random op)."""
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+@functools.lru_cache(maxsize=1024)
+def _communicates(layout: Any) -> bool:
+    """Whether resolving ``layout``'s pending reductions moves data (some axis has more than
+    one device); over size-1 axes there is nothing for a recomputation to share."""
+    mesh = layout.mesh
+    return any(mesh.axis_size(axis) > 1 for axis, _ in layout.partial)
 
 
 class _Plain(Exception):
