@@ -138,7 +138,7 @@ def _dot_flags(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _unflagged(v: Any) -> Any:
     """``v``'s values without its lazy flags (an alias here: the shards hold true values)."""
-    return _alias(None, (v,), {}) if isinstance(v, ShardedArray) else v.resolve_conj().resolve_neg()
+    return _alias(aten.alias.default, (v,), {}) if isinstance(v, ShardedArray) else v.resolve_conj().resolve_neg()
 
 
 HANDLERS: dict[Any, Callable] = {
