@@ -302,6 +302,11 @@ class ShardedArray(torch.Tensor):
     # untyped_storage() stays torch's (a RuntimeError: no data): torch.compile asks for it.
     # data_ptr() stays torch's 0 (the null pointer: no single buffer): torch's __deepcopy__,
     # pickling, autograd graph hooks and Dynamo recognise a wrapper subclass by it
+    def data_ptr(self) -> int:
+        # 0 even for a view with a storage offset (torch would add the offset to the null
+        # pointer): torch's deepcopy and pickling recognise a wrapper subclass by a 0
+        return 0
+
     def storage(self) -> Any:
         raise TypeError(
             "a ShardedArray has no single storage (its shards live on the mesh's devices); "
