@@ -304,7 +304,7 @@ def _worker(rank: int, port: int, first: int, limit: int | None, deadline: float
         except sf_dist.CollectiveError as e:
             print(f"seed {seed}: {_brief(e)}", flush=True)
             os._exit(3)  # the world is broken: the supervisor records the case and starts another
-        except Exception as e:  # noqa: BLE001 - a harness error on this rank
+        except Exception:  # noqa: BLE001 - a harness error on this rank
             case, report, outs = None, {"err": "harness", "msg": traceback.format_exc()[-2000:]}, None
         reports: list = [None] * WORLD
         dist.all_gather_object(reports, report)
