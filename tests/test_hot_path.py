@@ -109,6 +109,31 @@ def test_list_arguments_and_views(mesh):
     assert v.__dict__.get("_aliases_observable") or v.__dict__["_view_of"][0] is x
 
 
+def test_warm_aliases_skip_the_cold_path(mesh, monkeypatch):
+    """detach / alias / clone (autograd's detaches every step) of contiguous, strided and
+    pending arrays: a warm one is a wrap on the fast path, reporting torch's strides, with the
+    view link and the pending sum's reduction as on the cold path."""
+    t = torch.randn(4, 6)
+    x = sf.distribute(t, P("x"), mesh=mesh)
+    xt = x.t()  # strides (1, 6)
+    pending = sf.distribute(t, P(None, "y"), mesh=mesh) @ sf.distribute(torch.randn(6, 2), P("y"), mesh=mesh)
+    ops = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default)
+    runs = []
+    for warm in (False, True):
+        if warm:
+            seen = _slow_calls(monkeypatch)
+        runs.append([(op, a, op(a)) for op in ops for a in (x, xt, pending)])
+    assert seen == []
+    for (op, a, cold), (_, _, hot) in zip(*runs):
+        want = op(torch.empty_strided(tuple(a.shape), a.stride()))
+        assert (hot.stride(), hot.storage_offset()) == (want.stride(), want.storage_offset()) == (
+            cold.stride(), cold.storage_offset())
+        assert hot.sharding == cold.sharding == a.sharding
+        torch.testing.assert_close(hot.full_tensor(), a.full_tensor())
+        if op is not torch.ops.aten.clone.default:
+            assert hot.__dict__.get("_aliases_observable") or hot.__dict__["_view_of"][0] is a
+
+
 def test_a_rebound_array_is_keyed_by_its_new_layout(mesh):
     t = torch.randn(4, 4)
     x = sf.distribute(t, P("x"), mesh=mesh)

@@ -151,13 +151,14 @@ def test_fast_key_of_int_lists():
 
 
 def test_a_bases_view_set_forgets_dead_views():
-    """A private base's live views: a weak set (``inplace._Views``) that drops a view when it
+    """A private base's live views: weak references by id (``inplace._Views``) that drops a view when it
     dies and keeps no reference cycle with its base."""
     views = _inplace._Views()
     views.drop = functools.partial(_inplace._drop, weakref.ref(views))
     a, b = torch.zeros(1), torch.zeros(2)
-    views.add(weakref.ref(a, views.drop))
-    views.add(weakref.ref(b, views.drop))
+    for t in (a, b):
+        r = weakref.ref(t, views.drop)
+        views[id(r)] = r
     assert len(views) == 2
     del a
     gc.collect()

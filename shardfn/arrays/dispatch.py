@@ -102,6 +102,12 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
     if special is not None:
         out = special(func, args, kwargs)
         if out is not NotImplemented:  # a handler may leave a call to the rule table
+            if fkey is not None and _cache.get(fkey) is None:
+                entry = special_ops.alias_entry(func, args, kwargs)
+                if entry is not None:  # the next such call takes dispatch's fast path
+                    if _inplace.is_view(func):
+                        _VIEWS[id(func)] = func
+                    _remember(fkey, entry)
             return out
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
