@@ -134,6 +134,24 @@ def test_warm_aliases_skip_the_cold_path(mesh, monkeypatch):
             assert hot.__dict__.get("_aliases_observable") or hot.__dict__["_view_of"][0] is a
 
 
+def test_warm_views_keep_lazy_flags(mesh, monkeypatch):
+    """A warm view of a lazily conjugated or negated array keeps the flag, as torch's views do
+    (the fast path reads the flags off the dispatch keys), and an unflagged one gets none."""
+    t = torch.randn(4, 6, dtype=torch.complex64)
+    x = sf.distribute(t, P("x"), mesh=mesh)
+    for flagged, plain in ((x.conj(), t.conj()), (torch._neg_view(x), torch._neg_view(t)), (x, t)):
+        for _ in range(2):
+            for got, want in ((flagged.t(), plain.t()), (flagged.view(2, 12), plain.view(2, 12))):
+                assert (got.is_conj(), got.is_neg()) == (want.is_conj(), want.is_neg())
+                torch.testing.assert_close(got.full_tensor(), want.resolve_conj().resolve_neg())
+    seen = _slow_calls(monkeypatch)
+    x.conj().t()
+    assert aten_t not in seen
+
+
+aten_t = torch.ops.aten.t.default
+
+
 def test_a_rebound_array_is_keyed_by_its_new_layout(mesh):
     t = torch.randn(4, 4)
     x = sf.distribute(t, P("x"), mesh=mesh)
