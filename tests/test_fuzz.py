@@ -27,7 +27,11 @@ def test_random_programs_match_torch(data):
 
 
 # seeds the long runs found, each fixed at its cause (a replay runs the same program again)
-FOUND = [5715749537]  # dot of a conjugated strided view (an alias handed no op)
+FOUND = [
+    5715749537,  # dot of a conjugated strided view (an alias handed no op)
+    5715724596,  # jvp: torch's logsumexp_jvp divides a plain buffer in place by a ShardedArray
+    5715729700,  # min() of a nan: torch's backward branch for subclasses (the oracle accepts either branch)
+]
 
 
 def test_found_seeds_replay_clean():
