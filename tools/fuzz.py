@@ -11,6 +11,7 @@ compare gradients by autograd and by ``torch.func.grad``; ``--compile`` adds
 
     python tools/fuzz.py --minutes 10            # prints cases run and failures
     python tools/fuzz.py --replay 12345          # one case again, with its trace
+    python tools/fuzz.py --minutes 10 --modes compile,compile_dynamic   # compiled cases only
 
 Each failure prints its seed (``--replay SEED`` reruns it) and the program. The same
 generator drives ``tests/test_fuzz.py`` through hypothesis (a ``Chooser`` over
@@ -804,7 +805,13 @@ class Case:
         return "\n".join([head] + [f"  {i}. {s.desc}" for i, s in enumerate(self.steps)])
 
 
-def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0) -> Case:
+MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "compile", "compile_dynamic")
+
+
+def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0,
+              modes: Sequence[str] | None = None) -> Case:
+    """One random case; ``modes`` (default: all, compiled ones at ``compile_rate``) restricts
+    how it runs to those of them the program allows ("value" where none does)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else ch.integer(0, 2**31))
     mshape = ch.choice(MESH_SHAPES)
     mesh = sf.Mesh(mshape, NAMES[: len(mshape)], backend="local")
@@ -840,11 +847,15 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
         if st.undo is not None:
             break
     grads = x.dtype in (torch.float64, torch.complex128) and not (getattr(spec, "partial", None))
-    modes = ["value"] * 5 + (["grad", "grad", "func_grad", "jvp", "vjp"] if grads else [])
-    modes += ["vmap"] if not getattr(spec, "partial", None) else []
-    mode = ch.choice(modes)
+    choices = ["value"] * 5 + (["grad", "grad", "func_grad", "jvp", "vjp"] if grads else [])
+    choices += ["vmap"] if not getattr(spec, "partial", None) else []
+    modes_here = set(choices)
+    mode = ch.choice(choices)
     if compile_rate and ch.chance(compile_rate):
         mode = ch.choice(["compile", "compile_dynamic"])
+    if modes is not None and mode not in modes:
+        allowed = [m for m in modes if m in modes_here or m.startswith("compile")]
+        mode = ch.choice(allowed) if allowed else "value"
     return Case(seed, mshape, x, spec, steps, mode, loosest=loosest)
 
 
@@ -1013,6 +1024,10 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             if ref_err is not None:
                 return None  # both raise
             return f"shardfn raised where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
+        if ref_err is not None and run.startswith("compile"):
+            # torch.compile on plain tensors skips some eager kernels' checks too (its decompositions:
+            # an empty F.interpolate(mode="linear") returns): the oracle is then the compiled program
+            ref, ref_err = _compiled_plain(case.steps, x, run == "compile_dynamic")
         if ref_err is not None:
             return f"torch raised {type(ref_err).__name__}: {str(ref_err)[:200]}; shardfn returned {got!r}"[:600]
         undo = case.steps[-1].undo if case.steps else None
@@ -1026,6 +1041,17 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
     return None
 
 
+def _compiled_plain(steps: list[Step], x: torch.Tensor, dynamic: bool) -> tuple[Any, Exception | None]:
+    """The program compiled as the ShardedArray one was, on the plain tensor: (value, None),
+    or (None, what it raised)."""
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda v: _chain(steps, v, lambda a: a.plain), backend="aot_eager", dynamic=dynamic)
+        return f(x), None
+    except Exception as e:  # noqa: BLE001
+        return None, e
+
+
 def _where(e: BaseException) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     ours = [f for f in tb if "shardfn" in f.filename]
@@ -1033,8 +1059,8 @@ def _where(e: BaseException) -> str:
     return f"  at {f.filename.split('/')[-1]}:{f.lineno} {f.name}"
 
 
-def case_for_seed(seed: int, compile_rate: float = 0.0) -> Case:
-    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate)
+def case_for_seed(seed: int, compile_rate: float = 0.0, modes: Sequence[str] | None = None) -> Case:
+    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1043,10 +1069,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: from the clock)")
     ap.add_argument("--replay", type=int, default=None, help="rerun one seed and print its trace")
     ap.add_argument("--compile", type=float, default=0.02, help="share of cases under torch.compile (0 to skip)")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated run modes to keep (of {','.join(MODES)}; default: all); "
+                         "a replay needs the run's --modes")
     ap.add_argument("--max-print", type=int, default=40)
     a = ap.parse_args(argv)
+    modes = None if a.modes is None else tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    bad = [m for m in modes or () if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown mode(s) {bad}; known: {', '.join(MODES)}")
+    again = f" --modes {','.join(modes)}" if modes else ""
     if a.replay is not None:
-        case = case_for_seed(a.replay, a.compile)
+        case = case_for_seed(a.replay, a.compile, modes)
         print(case.describe())
         res = run_case(case)
         print(res or "ok")
@@ -1056,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, fails, kinds = 0, 0, {}
     while time.time() < end:
         try:
-            case = case_for_seed(seed, a.compile)
+            case = case_for_seed(seed, a.compile, modes)
             res = run_case(case)
         except Exception as e:  # noqa: BLE001 - the harness itself must not stop the run
             res = f"harness error {type(e).__name__}: {e}"
@@ -1067,7 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
             key = res.split(":")[0][:60] + " | " + (" > ".join(st.name for st in case.steps) if case else "")
             kinds[key] = kinds.get(key, 0) + 1
             if fails <= a.max_print:
-                print(f"FAIL seed {seed}  (python tools/fuzz.py --replay {seed})")
+                print(f"FAIL seed {seed}  (python tools/fuzz.py --replay {seed}{again})")
                 print(case.describe() if case else "")
                 print("  " + res.replace("\n", "\n  "), flush=True)
         seed += 1
