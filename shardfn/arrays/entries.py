@@ -22,7 +22,7 @@ from . import functorch as _ft
 from . import rule_table as _rules
 from .array import ShardedArray, _wrap_output, check_partial_dtype
 from .fragments import _odd_stride, fragment_of
-from .op_calls import _describe_call, _replace, _to_meta
+from .op_calls import _describe_call, _replace, _to_meta, host_slots
 from .reduced import reduced_forms
 from .redistribute import raw_full, raw_reshard
 from .strategies import Candidate, OpCall
@@ -49,6 +49,10 @@ def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
     than the device kernels: ``_grouped_mm``'s accepts only bfloat16, CPU's any float)."""
     with torch.no_grad():
         margs, mkwargs = _replace(args, kwargs, _to_meta)
+        host = host_slots(func)
+        if host:  # host-side arguments stay on the CPU (torch checks they are there)
+            margs = tuple(a if i in host else m for i, (a, m) in enumerate(zip(args, margs)))
+            mkwargs = {k: kwargs[k] if k in host else v for k, v in mkwargs.items()}
         if isinstance(mkwargs.get("device"), (torch.device, str)):
             mkwargs["device"] = "meta"
         own = getattr(_rules.lookup(func), "out_meta", None)

@@ -29,7 +29,6 @@ from ...values import replica_checks as _replicas
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh
-from ...values.torch_compat import funcol_gather_scatter
 from .. import boundary as B
 from ..lax import _entered
 from ..specs import _match
@@ -38,11 +37,8 @@ from . import stacked as _stacked
 from .io import assemble_parts
 from .io import _subs
 
-_all_gather_single, _reduce_scatter_single = funcol_gather_scatter()  # torch 2.11 / 2.13 names
-
-
 def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
-    """Hook into backends/dist_groups.py: the process group over ``axes`` containing this rank,
+    """Hook into backends/dist_groups.py: the :class:`Group` over ``axes`` containing this rank,
     and ``order[i]``: the group-order position (row-major over ``axes`` in mesh order)
     of the member ranked ``i`` row-major over ``axes`` as given."""
     from ...backends.dist_groups import _state
@@ -59,7 +55,7 @@ def _group_of(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
         for a in mesh_order:
             pos = pos * sizes[a] + coord[a]
         order.append(pos)
-    return group.pg, order
+    return group, order
 
 
 def _rank_in(mesh: Mesh, axes: tuple[str, ...]) -> int:
@@ -85,47 +81,55 @@ def _chunks_to(x: torch.Tensor, dim: int, order: list[int], inverse: bool = Fals
     return torch.cat(out, dim)
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    from ...backends.dist_collectives import pin_in_real_trace
-
-    return pin_in_real_trace(funcol.wait_tensor(t))
-
-
 # -- raw collectives (no autograd), in given-axes order ------------------------------------------------
+# Through the backend's collectives: any dtype (those the wire lacks move as bytes or reduce
+# widened), lazy conj/neg flags applied, and a failure or timeout is a CollectiveError naming it.
 
 
 def _all_reduce(x: torch.Tensor, mesh: Mesh, axes: tuple, op: str) -> torch.Tensor:
-    pg, _ = _group_of(mesh, axes)
-    return _wait(funcol.all_reduce(x.contiguous(), op, pg))
+    from ...backends.dist_collectives import _native_reduce
+
+    group, _ = _group_of(mesh, axes)
+    return _native_reduce(x, op, group, None)
 
 
 def _all_gather(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
-    pg, order = _group_of(mesh, axes)
-    y = _wait(_all_gather_single(x.contiguous(), dim, pg))
-    return _chunks_to(y, dim, order, inverse=True)
+    from ...backends.dist_collectives import _all_gather as gather
+
+    group, order = _group_of(mesh, axes)
+    return _chunks_to(gather(x, dim, group), dim, order, inverse=True)
 
 
 def _reduce_scatter(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int) -> torch.Tensor:
-    pg, order = _group_of(mesh, axes)
-    return _wait(_reduce_scatter_single(_chunks_to(x, dim, order).contiguous(), "sum", dim, pg))
+    from ...backends.dist_collectives import _native_reduce
+
+    group, order = _group_of(mesh, axes)
+    return _native_reduce(_chunks_to(x, dim, order), "sum", group, dim)
 
 
 def _all_to_all(x: torch.Tensor, mesh: Mesh, axes: tuple, split: int, concat: int) -> torch.Tensor:
-    pg, order = _group_of(mesh, axes)
+    from ...backends.dist_collectives import _all_to_all as exchange
+
+    group, order = _group_of(mesh, axes)
     g = len(order)
-    send = _chunks_to(x, split, order).movedim(split, 0).contiguous()
-    recv = _wait(funcol.all_to_all_single(send, None, None, pg)).movedim(0, split)
+    send = _chunks_to(x, split, order).movedim(split, 0)
+    splits = [send.numel() // g] * g
+    recv = exchange(send.reshape(-1), splits, splits, group).view(send.shape).movedim(0, split)
     pieces = recv.chunk(g, split)
     return torch.cat([pieces[order[i]] for i in range(g)], concat)
 
 
 def _ppermute(x: torch.Tensor, mesh: Mesh, axes: tuple, perm: tuple) -> torch.Tensor:
-    pg, order = _group_of(mesh, axes)
+    from ...backends.dist_collectives import _from_bytes, _bytes, run_collective
+
+    group, order = _group_of(mesh, axes)
     if len(perm) == len(order):  # a full permutation, in group (mesh-order) positions
         dst_of = [0] * len(order)
         for s, d in perm:
             dst_of[order[s]] = order[d]
-        return _wait(funcol.permute_tensor(x.contiguous().flatten(), dst_of, pg)).view(x.shape)
+        wire, _ = _bytes(x.reshape(-1))
+        y = run_collective("ppermute", group, funcol.permute_tensor, wire, dst_of)
+        return _from_bytes(y, x.dtype).view(x.shape)
     gathered = _all_gather(x.unsqueeze(0), mesh, axes, 0)  # a partial permutation
     src = {d: s for s, d in perm}
     me = _rank_in(mesh, axes)
