@@ -1014,13 +1014,21 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 rg = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, plain)))(x)
         except Exception:  # noqa: BLE001
             run = "value"
+        got2, stage = None, ""
         try:
             if run == "value":
                 got = _chain(case.steps, X, shard)
             elif run.startswith("compile"):
+                # "compile": torch's default (static, then automatic dynamic sizes on a recompile)
                 torch._dynamo.reset()
-                f = torch.compile(lambda v: _chain(case.steps, v, shard), backend="aot_eager", dynamic=run == "compile_dynamic")
+                f = torch.compile(lambda v: _chain(case.steps, v, shard), backend="aot_eager",
+                                  dynamic=True if run == "compile_dynamic" else None)
                 got = f(X)
+                # the same value in another layout: the guards on the layout recompile the program
+                X2 = _relaid(case, x, mesh)
+                stage = "after a sharding change (recompiled) "
+                got2 = f(X2) if X2 is not None else None
+                stage = ""
             elif run == "grad":
                 xs = x.clone().requires_grad_()
                 got = _chain(case.steps, sf.distribute(xs, case.spec, mesh=mesh), shard)
@@ -1048,7 +1056,7 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         except Exception as e:  # noqa: BLE001
             if ref_err is not None:
                 return None  # both raise
-            return f"shardfn raised where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
+            return f"shardfn raised {stage}where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
         if ref_err is not None and run.startswith("compile"):
             # torch.compile on plain tensors skips some eager kernels' checks too (its decompositions:
             # an empty F.interpolate(mode="linear") returns): the oracle is then the compiled program
@@ -1061,9 +1069,28 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             ref = undo(ref)
         try:
             _compare(got, ref, "value", prec)
+            if got2 is not None:
+                _compare(undo(got2.full_tensor() if isinstance(got2, sf.ShardedArray) else got2)
+                         if undo is not None and isinstance(got2, torch.Tensor) else got2,
+                         ref, f"value in layout {_relaid_spec(case, x, mesh)} (recompiled)", prec)
         except Mismatch as e:
             return str(e)
     return None
+
+
+def _relaid_spec(case: Case, x: torch.Tensor, mesh: sf.Mesh) -> P:
+    """Another layout for the case's input, drawn from its seed (a pending sum only where the
+    input is on the grid, as the first one's)."""
+    ch = Chooser(random.Random((case.seed or 0) * 7919 + 17))
+    return draw_spec(ch, mesh, x.dim(), partial=bool(getattr(case.spec, "partial", None)))
+
+
+def _relaid(case: Case, x: torch.Tensor, mesh: sf.Mesh) -> Any:
+    """The input laid out as ``_relaid_spec`` says, or None where that is its layout already."""
+    spec = _relaid_spec(case, x, mesh)
+    if spec == case.spec and getattr(spec, "partial", None) == getattr(case.spec, "partial", None):
+        return None
+    return lay_out(x, spec, mesh, torch.Generator().manual_seed(11))
 
 
 def _compiled_plain(steps: list[Step], x: torch.Tensor, dynamic: bool) -> tuple[Any, Exception | None]:
