@@ -3,6 +3,7 @@ plain torch (values, errors) on the smallest case that showed the bug."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -780,3 +781,99 @@ def test_compiled_vocab_sharded_embedding_checks_the_range(dynamic):
     _close(f(W, sf.distribute(good, P("y", None), mesh=mesh)), w[good])
     with pytest.raises(RuntimeError, match="out of range"):
         f(W, sf.distribute(torch.tensor([[5, 2], [1, 2]]), P("y", None), mesh=mesh))
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
+@pytest.mark.parametrize("spec", [P(), P(None, "x")])
+@pytest.mark.parametrize("n", [0, 4])
+def test_jvp_with_a_zero_tangent_writes_torchs_plain_buffer(spec, n):
+    # sgn's tangent is a plain zero tensor; logsumexp_jvp (log_softmax, cross_entropy with
+    # probabilities) divides a plain buffer made from it in place by a ShardedArray: refused as
+    # a write from ShardedArray inputs (fuzzer seed 5715724596)
+    mesh = sf.Mesh((4,), ("x",))
+    x, t, y = (torch.randn(3, n, 2, dtype=torch.float64) for _ in range(3))
+    X, T, Y = (sf.distribute(v, spec, mesh=mesh) for v in (x, t, y))
+    for f in (lambda v, w: F.log_softmax(torch.sgn(v), 1),
+              lambda v, w: F.cross_entropy(torch.sgn(v) * v, w.softmax(1))):
+        want = torch.func.jvp(functools.partial(f, w=y), (x,), (t,))
+        got = torch.func.jvp(functools.partial(f, w=Y), (X,), (T,))
+        _close(got[0], want[0], equal_nan=True)
+        _close(got[1], want[1], equal_nan=True)
+
+
+def test_in_place_ops_writing_plain_tensors_gather_their_sharded_inputs():
+    # a plain destination holds the full value: the sharded operands are gathered, with a warning
+    from shardfn.arrays import inplace
+
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    a, b = torch.randn(5, 3), torch.randn(5, 3)
+    A, B = sf.distribute(a, P("x", "y"), mesh=mesh), sf.distribute(b, P(None, "x"), mesh=mesh)
+    inplace._warned_plain.discard("aten.add_")
+    p = torch.ones(5, 3)
+    with pytest.warns(sf.FallbackWarning, match="aten.add_ writes a plain tensor"):
+        assert p.add_(A) is p
+    _close(p, 1 + a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sf.FallbackWarning)
+        out = torch.empty(5, 3)
+        assert torch.mul(A, B, out=out) is out
+        _close(out, a * b)
+        with pytest.raises(RuntimeError, match="can't be cast"):
+            torch.mul(A, B, out=torch.empty(5, 3, dtype=torch.int64))
+    _close(A, a)  # the arrays read are unchanged
+    with pytest.raises(sf.ImmutableError):
+        A.add_(p)  # a held ShardedArray is still never written
+
+
+@pytest.mark.parametrize("op", [torch.amax, torch.min, torch.max])
+def test_whole_reductions_with_a_non_finite_gradient_take_torchs_subclass_branch(op):
+    # torch's backward of max()/min()/median() has two branches: plain CPU tensors fill zeros
+    # around the selected elements; subclasses (and functorch's wrappers, and CUDA) compute
+    # mask * (grad / count), nan everywhere when grad is nan. shardfn takes the second, as
+    # torch.func.grad of the plain program does (fuzzer seed 5715729700)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.tensor([[1.0, float("nan")], [0.0, 2.0], [-3.0, 1.0]], dtype=torch.float64)
+    loss = lambda v: op(v) ** 2  # noqa: E731
+    want = torch.func.grad(loss)(x)
+    for spec in (P(), P("x"), P(None, "x")):
+        xs = x.clone().requires_grad_()
+        (got,) = torch.autograd.grad(loss(sf.distribute(xs, spec, mesh=mesh)), xs)
+        _close(got, want, equal_nan=True)
+
+
+def test_compiled_dynamic_views_report_torchs_strides():
+    # symbolic outputs were wrapped contiguous: x.t().is_contiguous() was True under
+    # compile(dynamic=True) and x.t().view(-1) passed where torch raises (fuzzer seed 5715696275)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(6, 5)
+
+    def meta(v):
+        # (not the storage offset: __tensor_unflatten__ has none to pass, static shapes too)
+        t, s = v.t(), v[:, 1:]
+        return torch.tensor([*t.stride(), t.is_contiguous(), *s.stride(), s.is_contiguous(), v.mT.is_contiguous()])
+
+    torch._dynamo.reset()
+    f = torch.compile(meta, backend="aot_eager", dynamic=True)
+    for spec in (P("x", None), P(None, None)):
+        X = sf.distribute(x, spec, mesh=mesh)
+        assert f(X).tolist() == meta(x).tolist()
+    g = torch.compile(lambda v: v.t().view(-1), backend="aot_eager", dynamic=True)
+    with pytest.raises(RuntimeError, match="view"):
+        g(sf.distribute(x, P("x", None), mesh=mesh))
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_compiled_dynamic_slice_by_a_traced_int_of_a_specialised_size(k):
+    # index_select's replicated output has a specialised size (2), so the tracer's contiguity
+    # guard on the sliced shard (2 - k >= 2) pinned k only in AOTAutograd's second pass, after
+    # the first had recorded the output size 2 - k: "IndexError: tuple index out of range" at
+    # run time (fuzzer seeds 5715755990, 5715727986)
+    mesh = sf.Mesh((3,), ("x",))
+    x, idx = torch.arange(3, dtype=torch.int32), torch.tensor([2, 1])
+
+    def make(k):  # k a closed-over int: Dynamo traces it as a symbol under dynamic=True
+        return lambda v: torch.conj(v + 1).index_select(0, idx)[..., k:]
+
+    torch._dynamo.reset()
+    f = torch.compile(make(k), backend="aot_eager", dynamic=True)
+    _close(f(sf.distribute(x, P(None), mesh=mesh)), make(k)(x))

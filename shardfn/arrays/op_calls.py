@@ -73,18 +73,27 @@ def _arg_name(func: Any, path: Any) -> str:
 
 
 _SLOTS: dict[Any, frozenset] = {}
+# host-side tensor arguments: the per-list-position ``scalars`` of the ``_foreach`` ops, which
+# torch requires on the CPU whatever the device of the lists (they stay plain CPU tensors)
+_HOST_ARGS = ("scalars",)
 
 
 def _tensor_slots(func: Any) -> frozenset:
-    """Positions and names of the parameters typed Tensor (or Tensor list / optional)."""
+    """Positions and names of the parameters typed Tensor (or Tensor list / optional), but
+    the host-side ones (``_HOST_ARGS``)."""
     slots = _SLOTS.get(func)
     if slots is None:
         found = set()
         for i, a in enumerate(func._schema.arguments):
-            if "Tensor" in str(a.type):
+            if "Tensor" in str(a.type) and a.name not in _HOST_ARGS:
                 found.update((i, a.name))
         slots = _SLOTS[func] = frozenset(found)
     return slots
+
+
+def host_slots(func: Any) -> tuple:
+    """Positions and names of ``func``'s host-side tensor arguments (see ``_HOST_ARGS``)."""
+    return tuple(x for i, a in enumerate(func._schema.arguments) if a.name in _HOST_ARGS for x in (i, a.name))
 
 
 def _replace(args: tuple, kwargs: dict, fn: Callable[[Any, Any], Any]) -> tuple[tuple, dict]:

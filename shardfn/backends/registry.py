@@ -197,7 +197,7 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
         return value
     backend = backend_for(plan.src.mesh)
     sym = shape if shape is not None and any(isinstance(n, torch.SymInt) for n in shape) else None
-    observed = bool(OBSERVERS) and not _on_meta(value)
+    observed = bool(OBSERVERS) and not _on_meta(value, plan.src.mesh)
     if observed:
         for step in plan.steps:
             if step.kind in COMM_KINDS:
@@ -205,11 +205,14 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
     return backend.run_steps(plan.steps, value, plan.shape, plan.dtype, sym_shape=sym)
 
 
-def _on_meta(value: Any) -> bool:
+def _on_meta(value: Any, mesh: Any) -> bool:
     """Whether a backend value is a trace (meta/fake tensors, or torch.compile tracing): no data
-    moves, so no collective is reported."""
+    moves, so no collective is reported. Meta values of a mesh whose device type is meta are
+    its data (the stand-in for an accelerator): their collectives count."""
     t = value[0] if isinstance(value, (tuple, list)) and value else value
-    if isinstance(t, torch.Tensor) and (t.is_meta or type(t).__name__ in ("FakeTensor", "FunctionalTensor")):
+    if isinstance(t, torch.Tensor) and type(t).__name__ in ("FakeTensor", "FunctionalTensor"):
+        return True
+    if isinstance(t, torch.Tensor) and t.is_meta and getattr(mesh, "device_type", None) != "meta":
         return True
     return torch.compiler.is_compiling()
 

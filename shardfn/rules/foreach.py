@@ -1,5 +1,7 @@
-"""p-norms of many arrays at once: ``aten._foreach_norm`` on ShardedArrays (what
-``torch.nn.utils.get_total_norm`` / ``clip_grad_norm_`` call) and ``sf.optim.clip_grad_norm``.
+"""``aten._foreach_*`` ops on ShardedArrays: the element-wise ones (what torch.optim's
+``foreach=True`` paths and ``clip_grad_norm_`` call) shard each list position like a
+pointwise op, and the p-norms of many arrays at once (``aten._foreach_norm``, also
+``sf.optim.clip_grad_norm``'s).
 
 Each process reduces the distinct shards it stores (``Backend.shard_reduce``: a replica
 counts once); the partial results of all arrays on one mesh travel as one vector pending a
@@ -17,7 +19,9 @@ import torch
 from ..arrays.array import ShardedArray, wrap
 from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
+from ..arrays.strategies import Candidate, OpCall
 from ..values.layout import Layout
+from .pointwise import _map_dims
 
 aten = torch.ops.aten
 
@@ -109,4 +113,47 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     return results
 
 
+class ForeachPointwise:
+    """An element-wise ``_foreach`` op: position ``j`` of every tensor list and output ``j``
+    form one pointwise call, laid out like the first array at ``j`` of the output's shape
+    (pending reductions resolved first; broadcast dims whole); tensors outside the lists
+    (a 0-d scalar, ``addcdiv``'s per-position scalars) replicated."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        mesh = call.mesh
+        at: dict[int, list[int]] = {}
+        for i, (path, _) in enumerate(call.arrays):
+            if isinstance(path, tuple):
+                at.setdefault(path[1], []).append(i)
+        ins: list[Layout | None] = [None] * len(call.arrays)
+        outs: list[Layout | None] = []
+        for j, m in enumerate(call.out_metas):
+            if not isinstance(m, torch.Tensor):
+                outs.append(None)
+                continue
+            shape = tuple(m.shape)
+            idx = at.get(j, [])
+            base = next((call.arrays[i][1]._layout.without_partial() for i in idx if call.shapes[i] == shape), None)
+            if base is None:
+                if any(call.arrays[i][1]._layout.dims != ((),) * len(call.shapes[i]) for i in idx):
+                    return []  # every operand at j broadcast: no rule (the fallback warns)
+                base = Layout(mesh, ((),) * len(shape))
+            for i in idx:
+                ins[i] = Layout(mesh, _map_dims(base, shape, call.shapes[i]))
+            outs.append(base)
+        final = tuple(lay if lay is not None else Layout(mesh, ((),) * len(call.shapes[i])) for i, lay in enumerate(ins))
+        return [Candidate(final, tuple(outs), broadcast=all(isinstance(p, tuple) for p, _ in call.arrays))]
+
+
+# the functional element-wise ``_foreach`` ops (not the reductions norm, max, powsum, nor mm)
+_ELEMENTWISE = (
+    "abs", "acos", "add", "addcdiv", "addcmul", "asin", "atan", "ceil", "clamp_max", "clamp_min", "clone",
+    "copy", "cos", "cosh", "div", "erf", "erfc", "exp", "expm1", "floor", "frac", "lerp", "lgamma", "log",
+    "log10", "log1p", "log2", "maximum", "minimum", "mul", "neg", "pow", "reciprocal", "round", "rsqrt",
+    "sigmoid", "sign", "sin", "sinh", "sqrt", "sub", "tan", "tanh", "trunc", "zero",
+)
+
+
+FOREACH = ForeachPointwise()
+TABLE = {getattr(aten, f"_foreach_{n}"): FOREACH for n in _ELEMENTWISE if hasattr(aten, f"_foreach_{n}")}
 SPECIAL = {aten._foreach_norm.Scalar: _foreach_norm}

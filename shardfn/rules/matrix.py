@@ -37,6 +37,20 @@ class Einsum:
 
 
 @attrs.frozen
+class AddmmActivation:
+    """``_addmm_activation`` (CUDA's fused ``addmm`` + relu/gelu): rows and columns shard
+    like ``addmm``'s, but the activation is not linear, so the contraction stays whole (no
+    pending sum may pass into it or come out of it)."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if len(call.arrays) != 3 or any(not isinstance(p, int) for p, _ in call.arrays):
+            return []
+        out_shape = tuple(call.out_metas[0].shape)
+        bias = broadcast_letters(("m", "n"), call.shapes[0], out_shape)
+        return compile_dims(call, Dims((bias, ("m", "k"), ("k", "n")), (("m", "n"),)))
+
+
+@attrs.frozen
 class BatchedLinalg:
     """Linear algebra on the last two dims of the first input: its leading (batch) dims
     keep their sharding in every input and output that starts with the same batch
@@ -140,6 +154,7 @@ TABLE = {
     aten.dot: Einsum("k,k->"),
     aten.vdot: Einsum("k,k->"),
     aten.addmm: Einsum("mk,kn->mn", addend=True),
+    aten._addmm_activation: AddmmActivation(),
     aten.baddbmm: Einsum("bmk,bkn->bmn", addend=True),
     aten.addmv: Einsum("mk,k->m", addend=True),
     aten.addbmm: Einsum("bmk,bkn->mn", addend=True),
