@@ -232,7 +232,8 @@ class RankCall:
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes, (self.rank,))
         self.positional = positional
         self.direct = raw_op(self.device_call.direct)  # the op itself when nothing needs adapting
-        self.mesh = call.mesh if call.mesh.size > 1 and _raises_on_values(func, call) else None
+        raises = _raises_on_values(func, call) or _empty_on_some(cand, call)
+        self.mesh = call.mesh if call.mesh.size > 1 and raises else None
 
     def lean(self, args: tuple, kwargs: dict) -> Any:
         """The lone output for arrays at ``positional`` needing no move (dispatch's fast path)."""
@@ -257,7 +258,8 @@ class RankCall:
 
     def _together(self, run: Callable[[], Any]) -> Any:
         """``run()`` for an op whose kernel raises on some values (an index out of range, an
-        integer division by zero), which this rank's shard may hold and another's not: one
+        integer division by zero; or any error, when some ranks' shards are empty and others'
+        not), which this rank's shard may hold and another's not: one
         all_reduce tells every rank whether any raised, and then all raise (the type the
         lowest such rank raised) rather than leave their peers waiting in a later collective."""
         if _tracing() or _proxy_tracing():
@@ -290,7 +292,7 @@ _INDEXING = frozenset({
 })
 _INTEGER_DIVISION = frozenset({"div", "floor_divide", "remainder", "fmod", "div_", "floor_divide_", "remainder_",
                                "fmod_"})
-_ERRORS = (IndexError, RuntimeError, ValueError, TypeError, ZeroDivisionError)
+_ERRORS = (IndexError, NotImplementedError, RuntimeError, ValueError, TypeError, ZeroDivisionError)
 
 
 def _raises_on_values(func: Any, call: Any) -> bool:
@@ -300,6 +302,18 @@ def _raises_on_values(func: Any, call: Any) -> bool:
     if name not in _INTEGER_DIVISION or (name.startswith("div") and call.kwargs.get("rounding_mode") is None):
         return False  # true division never raises
     return all(not (v.is_floating_point() or v.is_complex()) for _, v in call.arrays if isinstance(v, torch.Tensor))
+
+
+def _empty_on_some(cand: Any, call: Any) -> bool:
+    """Whether an input's shard is empty on some ranks and not on others (an uneven layout):
+    kernels check dtypes and arguments only on non-empty inputs, so only some ranks may raise."""
+    for layout, (_, v) in zip(cand.in_layouts, call.arrays):
+        if layout is None or not isinstance(v, torch.Tensor):
+            continue
+        empty = {math.prod(s) == 0 for s in local_shapes(layout, tuple(v.shape))}
+        if len(empty) > 1:
+            return True
+    return False
 
 
 def _error_kind(err: BaseException) -> int:

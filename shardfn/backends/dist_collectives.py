@@ -91,9 +91,9 @@ def _bytes(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     x = dense(x)
     if x.dtype in _WIRE:
         return x, 1
-    # through the flat view: a contiguous tensor may carry any stride on a size-1 last dim,
-    # which view(dtype) rejects
-    flat = x.reshape(-1).view(torch.uint8)
+    # through a flat view with unit stride: a contiguous tensor may carry any stride on a size-1
+    # dim (a one-element x[::2] keeps stride 2 through reshape), which view(dtype) rejects
+    flat = x.reshape(-1).as_strided((x.numel(),), (1,)).view(torch.uint8)
     return (flat.view(*x.shape[:-1], x.shape[-1] * x.element_size()) if x.dim() else flat), x.element_size()
 
 
@@ -102,7 +102,7 @@ def _from_bytes(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if y.dtype == dtype:
         return y
     y = y.contiguous()
-    flat = y.reshape(-1).view(dtype)  # the flat view: size-1 dims may carry any stride
+    flat = y.reshape(-1).as_strided((y.numel(),), (1,)).view(dtype)  # size-1 dims may carry any stride
     return flat.view(*y.shape[:-1], y.shape[-1] // dtype.itemsize) if y.dim() else flat
 
 

@@ -95,5 +95,32 @@ def errors_of_values_on_one_shard_raise_on_every_rank(mesh: sf.Mesh) -> None:
     assert torch.equal((num // arr(den + 1, P(a))).full_tensor(), torch.arange(1, n + 1) // (den + 1))
     assert torch.equal(x.full_tensor(), src)  # the world goes on: the next collective pairs up
 
+@scenario
+def one_element_strided_complex_shard_through_a_collective(mesh: sf.Mesh) -> None:
+    """A one-element complex shard with a stride (``x[::2]``) went to the wire as bytes through
+    ``view(uint8)``, which rejects its stride: the rank holding it raised, the others waited
+    in the all_gather (seed 401243)."""
+    a = mesh.axis_names[0]
+    full = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)
+    x = sf.ShardedArray.from_local(shards_for(full, P(), mesh), P(), mesh=mesh)
+    y = sf.reshard(x[::2], P(a))  # shape (1,), stride (2,): one rank holds it, the others are empty
+    assert torch.equal(y.full_tensor(), full[::2])
+    assert torch.equal(sf.reshard(y, P()).full_tensor(), full[::2])
+
+
+@scenario
+def kernel_errors_with_empty_shards_on_some_ranks(mesh: sf.Mesh) -> None:
+    """Kernels check dtypes only on non-empty inputs: amax of a complex [1, 1] split over 4
+    devices raised on the rank holding the element, the empty ranks ran on into the next
+    collective (seed 400065). Every rank raises torch's error type now."""
+    a = mesh.axis_names[0]
+    full = torch.ones(1, 1, dtype=torch.complex128)
+    with pytest.raises(Exception) as want:
+        full.amax(0)
+    x = sf.ShardedArray.from_local(shards_for(full, P(None, a), mesh), P(None, a), mesh=mesh, shape=(1, 1))
+    with pytest.raises(want.type):
+        x.amax(0)
+    assert torch.equal(x.full_tensor(), full)  # the world goes on
+
 
 test_local, test_dist = collect(globals())
