@@ -839,3 +839,20 @@ def test_whole_reductions_with_a_non_finite_gradient_take_torchs_subclass_branch
         xs = x.clone().requires_grad_()
         (got,) = torch.autograd.grad(loss(sf.distribute(xs, spec, mesh=mesh)), xs)
         _close(got, want, equal_nan=True)
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
+@pytest.mark.parametrize("shape", [(3, 3), (2, 3, 3), (2, 4, 3)])
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_kernels_making_conj_views_of_their_own(shape, spec):
+    # inside __torch_dispatch__ the Conjugate key is excluded: linalg_pinv's kernel (U.mH()
+    # inside) gave unconjugated products on every layout, under vmap too (found by the fuzzer's
+    # generator 2)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(*shape, dtype=torch.complex128)
+    X = sf.distribute(x, spec, mesh=mesh)
+    for f in (torch.linalg.pinv, lambda v: torch.linalg.pinv(v @ v.mH, hermitian=True)):
+        _close(f(X), f(x))
+        if len(shape) == 3:
+            got = torch.func.vmap(f, in_dims=-1)(X)
+            _close(got, torch.func.vmap(f, in_dims=-1)(x))
