@@ -166,8 +166,9 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
     specialised. Only the stacked path (every layout even) keeps sizes symbolic."""
 
     def hinted(path: Any, v: Any) -> Any:
-        if isinstance(v, ShardedArray):
-            return ShardedArray(v._local, v._layout, _ft.hint_shape(v.shape), v.dtype)
+        if isinstance(v, ShardedArray):  # with the strides it reports (a view's rules see torch's)
+            return _array._wrap_output(v._local, v._layout, _ft.hint_shape(v.shape), v.dtype, None,
+                                       (_ft.hint_shape(v.stride()), _ft.hint_int(v.storage_offset())))
         if isinstance(v, torch.SymInt):
             return _ft.hint_int(v)
         return v
