@@ -42,5 +42,5 @@ FOUND = [
 def test_found_seeds_replay_clean():
     for entry in FOUND:
         seed, version = entry if isinstance(entry, tuple) else (entry, 1)
-        case = fuzz.case_for_seed(seed, 0.02, version)  # the long run's default share of compiled cases
+        case = fuzz.case_for_seed(seed, 0.02, version=version)  # the long run's default share of compiled cases
         assert fuzz.run_case(case) is None, f"seed {seed}: {case.describe()}"
