@@ -197,7 +197,7 @@ def _hf_step(build: Callable[[], Any], mesh: sf.Mesh, device: str, dtype: torch.
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     if "dp" in mesh.axis_names:
         ids = sf.distribute(ids, P("dp"), mesh=mesh)
-    out = torch.func.functional_call(model, params, (ids,), {"use_cache": False})
+    out = torch.func.functional_call(model, params, (ids,))
     loss = out.logits.float().pow(2).mean()
     grads = torch.autograd.grad(loss, list(params.values()))
     return loss, dict(zip(params, grads))

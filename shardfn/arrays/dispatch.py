@@ -23,6 +23,7 @@ from . import inplace as _inplace
 from . import rule_table as _rules
 from . import special_ops
 from ..plans.planner import PLAN_CACHES
+from ..values.mesh import check_mesh_device
 from .array import ShardedArray, _BatchedArray
 from .redistribute import note_derived
 from .fragments import _fragment
@@ -98,6 +99,10 @@ _VIEWS: dict[int, Any] = {}
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
+    if kwargs.get("device") is not None:  # factories (*_like, new_*, random), casts: the mesh owns the device
+        mesh = next((a.mesh for a in args if isinstance(a, ShardedArray)), None)
+        if mesh is not None:
+            check_mesh_device(func.__name__.split(".")[0], kwargs["device"], mesh)
     special = _SPECIAL.get(func)
     if special is not None:
         out = special(func, args, kwargs)

@@ -64,7 +64,7 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     if len(meshes) > 1:
         raise ShardingError(
             f"{_describe_call(func, leaves)}: inputs live on different meshes "
-            f"{sorted(map(repr, meshes))}; reshard them onto one mesh first"
+            f"{sorted(f'{m!r} on {m.device_type!r}' for m in meshes)}; reshard them onto one mesh first"
         )
     mesh = next(iter(meshes))
     if func in _EMPTY_CHECKED and all(v.numel() == 0 for _, v in arrays):
