@@ -190,6 +190,7 @@ def load(path: str | os.PathLike | None, like: Any, *, storage_reader: Any = Non
     if reads:
         with _quiet(no_dist):
             dcp.load(reads, checkpoint_id=_path_id(path), storage_reader=reader, no_dist=no_dist)
+        targets.update(reads)  # DCP puts loaded Python values into the dict it was given
     out = [targets[key] if f is None else f(targets[key]) for key, f in zip(keys, finish)]
     return optree.tree_unflatten(spec, out)
 
