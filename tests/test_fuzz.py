@@ -31,6 +31,9 @@ FOUND = [
     5715749537,  # dot of a conjugated strided view (an alias handed no op)
     5715724596,  # jvp: torch's logsumexp_jvp divides a plain buffer in place by a ShardedArray
     5715729700,  # min() of a nan: torch's backward branch for subclasses (the oracle accepts either branch)
+    5715696275,  # compile(dynamic=True): symbolic outputs wrapped contiguous (x.t().is_contiguous())
+    5715727986, 5715755990,  # compile(dynamic=True): a symbol pinned in AOTAutograd's second pass only
+    5715726797,  # compiled empty interpolate: torch.compile on plain tensors returns too (the oracle)
 ]
 
 

@@ -42,11 +42,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.func import functional_call
 
 import shardfn as sf
 from shardfn import P
+
+from _hf_common import close, logits, make_loss, sharded_loss_and_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -127,55 +127,34 @@ def _setup(name: str, vocab: bool = False) -> tuple:
     return model, params, plain, ids, labels, mesh
 
 
-def _logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
-    return functional_call(model, params, (ids,), {"use_cache": False}).logits
-
-
-def _loss_fn(model: torch.nn.Module):
-    def loss(params: dict, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(_logits(model, params, ids).flatten(0, 1).float(), labels.flatten())
-    return loss
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
-    got = got.full_tensor() if isinstance(got, sf.ShardedArray) else got
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-
-
 def _forward(name: str, vocab: bool = False) -> sf.debug.CommCounter:
     model, params, plain, ids, _, mesh = _setup(name, vocab)
     acts = [(r"lm_head$", None, P("dp", None, "tp"))] if vocab else []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sf.nn.shard_activations(model, acts, mesh=mesh), sf.debug.CommCounter() as cc:
-            out = _logits(model, params, sf.distribute(ids, P("dp"), mesh=mesh))
+            out = logits(model, params, sf.distribute(ids, P("dp"), mesh=mesh))
     if vocab:
         assert out.spec == P("dp", None, "tp")
-    _close(out, _logits(model, plain, ids))
+    close(out, logits(model, plain, ids))
     return cc
 
 
 def _backward(name: str, mode: str) -> sf.debug.CommCounter:
     model, params, plain, ids, labels, mesh = _setup(name)
     sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = _loss_fn(model)
+    loss_fn = make_loss(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sf.debug.CommCounter() as cc:
-            if mode == "autograd":
-                leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
-                loss = loss_fn(leaves, sids, slabels)
-                loss.backward()
-                grads = {n: p.grad for n, p in leaves.items()}
-            else:
-                loss, grads = torch.func.grad_and_value(loss_fn)(params, sids, slabels)[::-1]
+            loss, grads = sharded_loss_and_grads(loss_fn, params, sids, slabels, mode)
     ref = {n: p.detach().requires_grad_() for n, p in plain.items()}
     want = loss_fn(ref, ids, labels)
     want.backward()
-    _close(loss, want)
+    close(loss, want)
     for n, p in ref.items():
         if p.grad is not None:
-            _close(grads[n], p.grad)
+            close(grads[n], p.grad)
     return cc
 
 
@@ -287,19 +266,19 @@ def test_sequence_parallel_counts(name: str) -> None:
     recipe, ag, rs = SEQUENCE_PARALLEL[name]
     model, params, plain, ids, labels, mesh = _setup(name)
     sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = _loss_fn(model)
+    loss_fn = make_loss(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sf.nn.shard_activations(model, recipe, mesh=mesh):
             with sf.debug.CommCounter() as fwd:
-                out = _logits(model, params, sids)
+                out = logits(model, params, sids)
             with sf.debug.CommCounter() as both:
                 grads = torch.func.grad(loss_fn)(params, sids, slabels)
     assert dict(fwd.counts) == {"all_gather": ag * LAYERS + 1, "reduce_scatter": rs * LAYERS}, fwd
     assert both.total == 2 * fwd.total + 1 and both.counts["all_reduce"] == 1, both
-    _close(out, _logits(model, plain, ids))
+    close(out, logits(model, plain, ids))
     for n, g in torch.func.grad(loss_fn)(plain, ids, labels).items():
-        _close(grads[n], g)
+        close(grads[n], g)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "phi", "gptneox", "cohere", "opt", "falcon", "gptj", "starcoder2"])
@@ -313,7 +292,7 @@ def test_vocab_parallel_loss_counts(name: str) -> None:
     communicating. Values and gradients equal unsharded."""
     model, params, plain, ids, labels, mesh = _setup(name, vocab=True)
     sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = _loss_fn(model)
+    loss_fn = make_loss(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sf.nn.shard_activations(model, [(r"lm_head$", None, P("dp", None, "tp"))], mesh=mesh):
@@ -321,9 +300,9 @@ def test_vocab_parallel_loss_counts(name: str) -> None:
                 loss, grads = torch.func.grad_and_value(loss_fn)(params, sids, slabels)[::-1]
     assert dict(cc.counts) == {"all_reduce": MEGATRON[name][1] * LAYERS + 1 + 6}, cc
     want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
-    _close(loss, want)
+    close(loss, want)
     for n, g in want_grads.items():
-        _close(grads[n], g)
+        close(grads[n], g)
 
 
 def test_phi3_split_into_llama_gets_megatron_counts() -> None:
@@ -359,6 +338,6 @@ def test_phi3_split_into_llama_gets_megatron_counts() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sf.debug.CommCounter() as cc:
-            out = _logits(llama, params, sf.distribute(ids, P("dp"), mesh=mesh))
+            out = logits(llama, params, sf.distribute(ids, P("dp"), mesh=mesh))
     assert dict(cc.counts) == {"all_reduce": 2 * LAYERS}, cc
-    _close(out, phi3(ids, use_cache=False).logits)
+    close(out, phi3(ids, use_cache=False).logits)

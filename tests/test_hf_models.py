@@ -13,11 +13,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.func import functional_call
 
 import shardfn as sf
 from shardfn import P
+
+from _hf_common import close, logits, make_loss, sharded_loss_and_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,22 +52,18 @@ def _setup(name: str, vocab: bool, dtype: torch.dtype = torch.float32) -> tuple:
     return model, params, plain, ids, labels, mesh
 
 
-def _logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
-    return functional_call(model, params, (ids,), {"use_cache": False}).logits
-
-
-def _loss_fn(model: torch.nn.Module):
-    def loss(params: dict, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(_logits(model, params, ids).flatten(0, 1).float(), labels.flatten())
-    return loss
-
-
-def _full(x: torch.Tensor) -> torch.Tensor:
-    return x.full_tensor() if isinstance(x, sf.ShardedArray) else x
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    torch.testing.assert_close(_full(got).float(), want.float(), rtol=tol, atol=tol)
+def _checked_loss(name: str, vocab: bool, mode: str) -> sf.debug.CommCounter:
+    """The loss and its gradients against the unsharded model's; returns the collectives."""
+    model, params, plain, ids, labels, mesh = _setup(name, vocab=vocab)
+    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
+    loss_fn = make_loss(model)
+    with sf.debug.CommCounter() as cc:
+        loss, grads = sharded_loss_and_grads(loss_fn, params, sids, slabels, mode)
+    want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
+    close(loss, want, 1e-4)
+    for n, g in want_grads.items():
+        close(grads[n], g, 1e-4)
+    return cc
 
 
 @pytest.mark.parametrize("vocab", [False, True], ids=["tp", "vocab"])
@@ -78,11 +74,11 @@ def test_forward_values_and_collectives(name: str, vocab: bool) -> None:
     model, params, plain, ids, _, mesh = _setup(name, vocab)
     sids = sf.distribute(ids, P("dp"), mesh=mesh)
     with sf.debug.CommCounter() as cc:
-        out = _logits(model, params, sids)
+        out = logits(model, params, sids)
     assert dict(cc.counts) == {"all_reduce": 2 * LAYERS + vocab}, cc
     if vocab:
         assert out.spec == P("dp", None, "tp")
-    _close(out, _logits(model, plain, ids), 1e-4)
+    close(out, logits(model, plain, ids), 1e-4)
 
 
 @pytest.mark.parametrize("mode", ["autograd", "func"])
@@ -91,39 +87,16 @@ def test_loss_gradients_and_collectives(name: str, mode: str) -> None:
     """Forward + backward of the cross-entropy loss: at most 4 all_reduce per layer plus
     one for the (dp-split) loss, the same under autograd and torch.func.grad; values and
     gradients equal the unsharded model's."""
-    model, params, plain, ids, labels, mesh = _setup(name, vocab=False)
-    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = _loss_fn(model)
-    with sf.debug.CommCounter() as cc:
-        if mode == "autograd":
-            leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
-            loss = loss_fn(leaves, sids, slabels)
-            loss.backward()
-            grads = {n: p.grad for n, p in leaves.items()}
-        else:
-            grads = torch.func.grad(loss_fn)(params, sids, slabels)
+    cc = _checked_loss(name, vocab=False, mode=mode)
     assert set(cc.counts) == {"all_reduce"} and cc.total <= 4 * LAYERS + 1, cc
-    want_grads = torch.func.grad(loss_fn)(plain, ids, labels)
-    if mode == "autograd":
-        _close(loss, loss_fn(plain, ids, labels), 1e-4)
-    for n, g in want_grads.items():
-        _close(grads[n], g, 1e-4)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma"])
 def test_vocab_parallel_loss(name: str) -> None:
     """The vocabulary-parallel loss and its gradients (embedding and LM head rows split)
     without gathering the logits; values equal the unsharded model's."""
-    model, params, plain, ids, labels, mesh = _setup(name, vocab=True)
-    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = _loss_fn(model)
-    with sf.debug.CommCounter() as cc:
-        loss, grads = torch.func.grad_and_value(loss_fn)(params, sids, slabels)[::-1]
+    cc = _checked_loss(name, vocab=True, mode="func")
     assert set(cc.counts) == {"all_reduce"}, cc
-    want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
-    _close(loss, want, 1e-4)
-    for n, g in want_grads.items():
-        _close(grads[n], g, 1e-4)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
@@ -132,16 +105,16 @@ def test_bfloat16_counts(name: str) -> None:
     counts are float32's; values within bfloat16 rounding of the unsharded model's."""
     model, params, plain, ids, labels, mesh = _setup(name, vocab=False, dtype=torch.bfloat16)
     sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = _loss_fn(model)
+    loss_fn = make_loss(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sf.debug.CommCounter() as fwd:
-            out = _logits(model, params, sids)
+            out = logits(model, params, sids)
         with sf.debug.CommCounter() as both:
             grads = torch.func.grad(loss_fn)(params, sids, slabels)
     assert dict(fwd.counts) == {"all_reduce": 2 * LAYERS}, fwd
     assert set(both.counts) == {"all_reduce"} and both.total <= 4 * LAYERS + 1, both
-    _close(out, _logits(model, plain, ids), 5e-2)
+    close(out, logits(model, plain, ids), 5e-2)
     want = torch.func.grad(loss_fn)(plain, ids, labels)
     for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
-        _close(grads[n], want[n], 5e-2)
+        close(grads[n], want[n], 5e-2)

@@ -24,7 +24,8 @@ import torch
 import shardfn as sf
 from shardfn import P
 
-from test_hf_families import LAYERS, _backward, _cfg, _close, _forward
+from _hf_common import close
+from test_hf_families import LAYERS, _backward, _cfg, _forward
 import test_hf_families as fam
 
 transformers = pytest.importorskip("transformers")
@@ -58,9 +59,9 @@ def test_grouped_mm_forward_backward(mesh: sf.Mesh, x_spec: P, w_spec: P, out_sp
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     yr = torch._grouped_mm(xr, wr, offs=OFFS)
     (yr * dy).sum().backward()
-    _close(y, yr)
-    _close(xs.grad, xr.grad)
-    _close(ws.grad, wr.grad)
+    close(y, yr)
+    close(xs.grad, xr.grad)
+    close(ws.grad, wr.grad)
 
 
 def test_grouped_mm_rejects_bad_shapes_as_torch(mesh: sf.Mesh) -> None:
@@ -75,7 +76,7 @@ def test_histc_split_input_pending_sum(mesh: sf.Mesh) -> None:
     ids = torch.tensor([0.0, 3, 1, 1, 3, 3, 0, 2])
     h = torch.histc(sf.distribute(ids, P(("dp", "tp")), mesh=mesh), bins=4, min=0, max=3)
     assert h.spec == P(partial=("dp", "tp"))
-    _close(h, torch.histc(ids, bins=4, min=0, max=3))
+    close(h, torch.histc(ids, bins=4, min=0, max=3))
 
 
 def test_nonzero_replicated_is_local_sharded_warns(mesh: sf.Mesh) -> None:
@@ -85,13 +86,13 @@ def test_nonzero_replicated_is_local_sharded_warns(mesh: sf.Mesh) -> None:
         with sf.debug.CommCounter() as cc:
             y = torch.nonzero(sf.distribute(x, P(), mesh=mesh))
     assert y.spec == P() and not cc.counts
-    _close(y, torch.nonzero(x))
+    close(y, torch.nonzero(x))
     # sharded: a global index list, through the replicate fallback (which warns once per
     # decision, so whether it warns here depends on the tests run before); values as torch's
     odd = torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 0.0, 0.0, 4.0, 0.0, 5.0, 0.0, 0.0, 6.0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sf.FallbackWarning)
-        _close(torch.nonzero(sf.distribute(odd, P("tp"), mesh=mesh)), torch.nonzero(odd))
+        close(torch.nonzero(sf.distribute(odd, P("tp"), mesh=mesh)), torch.nonzero(odd))
 
 
 def _grouped_experts(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,49 @@ def test_list_arguments_and_views(mesh):
     assert v.__dict__.get("_aliases_observable") or v.__dict__["_view_of"][0] is x
 
 
+def test_warm_aliases_skip_the_cold_path(mesh, monkeypatch):
+    """detach / alias / clone (autograd's detaches every step) of contiguous, strided and
+    pending arrays: a warm one is a wrap on the fast path, reporting torch's strides, with the
+    view link and the pending sum's reduction as on the cold path."""
+    t = torch.randn(4, 6)
+    x = sf.distribute(t, P("x"), mesh=mesh)
+    xt = x.t()  # strides (1, 6)
+    pending = sf.distribute(t, P(None, "y"), mesh=mesh) @ sf.distribute(torch.randn(6, 2), P("y"), mesh=mesh)
+    ops = (torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default)
+    runs = []
+    for warm in (False, True):
+        if warm:
+            seen = _slow_calls(monkeypatch)
+        runs.append([(op, a, op(a)) for op in ops for a in (x, xt, pending)])
+    assert seen == []
+    for (op, a, cold), (_, _, hot) in zip(*runs):
+        want = op(torch.empty_strided(tuple(a.shape), a.stride()))
+        assert (hot.stride(), hot.storage_offset()) == (want.stride(), want.storage_offset()) == (
+            cold.stride(), cold.storage_offset())
+        assert hot.sharding == cold.sharding == a.sharding
+        torch.testing.assert_close(hot.full_tensor(), a.full_tensor())
+        if op is not torch.ops.aten.clone.default:
+            assert hot.__dict__.get("_aliases_observable") or hot.__dict__["_view_of"][0] is a
+
+
+def test_warm_views_keep_lazy_flags(mesh, monkeypatch):
+    """A warm view of a lazily conjugated or negated array keeps the flag, as torch's views do
+    (the fast path reads the flags off the dispatch keys), and an unflagged one gets none."""
+    t = torch.randn(4, 6, dtype=torch.complex64)
+    x = sf.distribute(t, P("x"), mesh=mesh)
+    for flagged, plain in ((x.conj(), t.conj()), (torch._neg_view(x), torch._neg_view(t)), (x, t)):
+        for _ in range(2):
+            for got, want in ((flagged.t(), plain.t()), (flagged.view(2, 12), plain.view(2, 12))):
+                assert (got.is_conj(), got.is_neg()) == (want.is_conj(), want.is_neg())
+                torch.testing.assert_close(got.full_tensor(), want.resolve_conj().resolve_neg())
+    seen = _slow_calls(monkeypatch)
+    x.conj().t()
+    assert aten_t not in seen
+
+
+aten_t = torch.ops.aten.t.default
+
+
 def test_a_rebound_array_is_keyed_by_its_new_layout(mesh):
     t = torch.randn(4, 4)
     x = sf.distribute(t, P("x"), mesh=mesh)

@@ -14,6 +14,8 @@ import shardfn as sf
 from shardfn import P, lax
 from shardfn.values import torch_compat as _compat
 
+from _custom_fns import scaled_foo
+
 
 def _mesh(shape, names):
     return sf.Mesh(shape, names, backend="local")
@@ -274,38 +276,9 @@ def test_switch_rep_rule():
 # -- custom derivatives in a body ---------------------------------------------------------------
 
 
-class _FooVjp(torch.autograd.Function):
-    """JAX's custom_vjp foo: 2x forward, 3 * cotangent backward (no vmap rule: classic style)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return 2.0 * x
-
-    @staticmethod
-    def backward(ctx, g):
-        return 3.0 * g
-
-
-class _FooJvp(torch.autograd.Function):
-    """JAX's custom_jvp foo: 2x forward, 3 * tangent (and so 3 * cotangent)."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return 2.0 * x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def jvp(ctx, t):
-        return 3.0 * t
-
-    @staticmethod
-    def backward(ctx, g):
-        return 3.0 * g
+# JAX's custom_vjp foo (classic style, no vmap rule) and custom_jvp foo: 2x forward, 3 * tangent.
+_FooVjp = scaled_foo(3.0, vmappable=False)
+_FooJvp = scaled_foo(3.0)
 
 
 @pytest.mark.parametrize("fn", [_FooVjp, _FooJvp], ids=["custom_vjp", "custom_jvp"])

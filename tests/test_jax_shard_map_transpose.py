@@ -15,6 +15,8 @@ from torch.utils.checkpoint import checkpoint
 import shardfn as sf
 from shardfn import P, lax
 
+from _custom_fns import scaled_foo
+
 
 def _mesh(shape, names):
     return sf.Mesh(shape, names, backend="local")
@@ -118,32 +120,9 @@ def test_dce_values_and_grads():
 # -- custom derivatives in bodies (JAX's test_rewrite_process_custom_*) ----------------------------
 
 
-def _foo(tangent_scale, bwd=None):
-    class Foo(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(x):
-            return 2.0 * x
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            pass
-
-        @staticmethod
-        def jvp(ctx, t):
-            return tangent_scale * t
-
-        @staticmethod
-        def backward(ctx, g):
-            return bwd(g) if bwd else tangent_scale * g
-
-    return Foo
-
-
 def test_rewrite_process_custom_jvp_call():
     mesh = _mesh((4,), ("x",))
-    foo = _foo(2.0)
+    foo = scaled_foo(2.0)
     g = _g(sf.shard_map(lambda x: foo.apply(x) * x, mesh=mesh, in_specs=(P("x"),), out_specs=P("x")))
     x = torch.arange(4.0)
     torch.testing.assert_close(g(x), 2 * x * x)
@@ -156,7 +135,7 @@ def test_rewrite_process_custom_jvp_call():
 def test_rewrite_process_custom_vjp_call(loop):
     """loop=1 is JAX's test_rewrite_custom_vjp_call_jaxpr (the call inside a scan of length 1)."""
     mesh = _mesh((4,), ("x",))
-    foo = _foo(2.0)
+    foo = scaled_foo(2.0)
 
     def body(x):
         y = x
@@ -174,7 +153,7 @@ def test_rewrite_process_custom_vjp_call(loop):
 
 def test_rewrite_process_custom_vjp_call_match_more_replicated():
     mesh = _mesh((4,), ("x",))
-    foo = _foo(2.0, bwd=torch.ones_like)
+    foo = scaled_foo(2.0, bwd=torch.ones_like)
     g = _g(sf.shard_map(lambda x: foo.apply(x) * x, mesh=mesh, in_specs=(P("x"),), out_specs=P("x")))
     x = torch.arange(4.0)
     x_bar, y = torch.func.grad_and_value(lambda v: g(v).sum())(x)

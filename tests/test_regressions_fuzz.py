@@ -839,3 +839,41 @@ def test_whole_reductions_with_a_non_finite_gradient_take_torchs_subclass_branch
         xs = x.clone().requires_grad_()
         (got,) = torch.autograd.grad(loss(sf.distribute(xs, spec, mesh=mesh)), xs)
         _close(got, want, equal_nan=True)
+
+
+def test_compiled_dynamic_views_report_torchs_strides():
+    # symbolic outputs were wrapped contiguous: x.t().is_contiguous() was True under
+    # compile(dynamic=True) and x.t().view(-1) passed where torch raises (fuzzer seed 5715696275)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(6, 5)
+
+    def meta(v):
+        # (not the storage offset: __tensor_unflatten__ has none to pass, static shapes too)
+        t, s = v.t(), v[:, 1:]
+        return torch.tensor([*t.stride(), t.is_contiguous(), *s.stride(), s.is_contiguous(), v.mT.is_contiguous()])
+
+    torch._dynamo.reset()
+    f = torch.compile(meta, backend="aot_eager", dynamic=True)
+    for spec in (P("x", None), P(None, None)):
+        X = sf.distribute(x, spec, mesh=mesh)
+        assert f(X).tolist() == meta(x).tolist()
+    g = torch.compile(lambda v: v.t().view(-1), backend="aot_eager", dynamic=True)
+    with pytest.raises(RuntimeError, match="view"):
+        g(sf.distribute(x, P("x", None), mesh=mesh))
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_compiled_dynamic_slice_by_a_traced_int_of_a_specialised_size(k):
+    # index_select's replicated output has a specialised size (2), so the tracer's contiguity
+    # guard on the sliced shard (2 - k >= 2) pinned k only in AOTAutograd's second pass, after
+    # the first had recorded the output size 2 - k: "IndexError: tuple index out of range" at
+    # run time (fuzzer seeds 5715755990, 5715727986)
+    mesh = sf.Mesh((3,), ("x",))
+    x, idx = torch.arange(3, dtype=torch.int32), torch.tensor([2, 1])
+
+    def make(k):  # k a closed-over int: Dynamo traces it as a symbol under dynamic=True
+        return lambda v: torch.conj(v + 1).index_select(0, idx)[..., k:]
+
+    torch._dynamo.reset()
+    f = torch.compile(make(k), backend="aot_eager", dynamic=True)
+    _close(f(sf.distribute(x, P(None), mesh=mesh)), make(k)(x))

@@ -109,6 +109,34 @@ def test_stacked_matmul_folds_like_torch(lead, m, k, n, b_varies, transpose):
         assert len(mode.calls) <= 5  # reshape and matmul's own view, mm, _unsafe_view
 
 
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.tuples(st.sampled_from([1, 2, 3]), st.sampled_from(["both", "a", "b"])), min_size=1,
+                     max_size=3), m=st.integers(1, 4), k=st.integers(1, 3), n=st.integers(1, 3))
+def test_stacked_matmul_of_operands_broadcast_either_way_matches_torch(lead, m, k, n):
+    """Leading dims on which either operand is broadcast (the other varies), as a dp x tp mesh
+    gives them: the folded product equals ``torch.matmul``."""
+    g = torch.Generator().manual_seed(sum(s for s, _ in lead) * 100 + m * 10 + k)
+    a = torch.randn(*[s if who != "b" else 1 for s, who in lead], m, k, generator=g)
+    b = torch.randn(*[s if who != "a" else 1 for s, who in lead], k, n, generator=g)
+    stacked_matmul._PLANS.clear()
+    torch.testing.assert_close(stacked_matmul.matmul(a, b), torch.matmul(a, b))  # GEMMs of other shapes round apart
+
+
+def test_stacked_matmul_permutes_no_size_one_dims():
+    """dp x tp's products: an activation split over 'dp' (the same over 'tp') times a weight split
+    over 'tp' (the same over 'dp'), and a tp-split activation (laid out tp-major, as attention's
+    output is) times a tp-split weight. Moving a
+    size-1 dim is no permute: one GEMM, with a permute only where a fold really reorders."""
+    for a, b, permutes in ((torch.randn(2, 1, 8, 4), torch.randn(1, 4, 4, 3), 2),
+                           (torch.randn(4, 2, 8, 4).transpose(0, 1), torch.randn(1, 4, 4, 3), 2)):
+        stacked_matmul._PLANS.clear()
+        with _TorchCalls() as mode:
+            got = stacked_matmul.matmul(a, b)
+        torch.testing.assert_close(got, torch.matmul(a, b))
+        assert mode.calls.count(aten.permute.default) == permutes, mode.calls
+        assert sum(f in (aten.mm.default, aten.bmm.default) for f in mode.calls) == 1
+
+
 def test_fast_key_of_int_lists():
     """Sizes and dims lists are keyed as tuples of their ints: a list and a tuple of the
     same ints share an entry; a bool or a float in the list is keyed apart."""
@@ -123,13 +151,14 @@ def test_fast_key_of_int_lists():
 
 
 def test_a_bases_view_set_forgets_dead_views():
-    """A private base's live views: a weak set (``inplace._Views``) that drops a view when it
+    """A private base's live views: weak references by id (``inplace._Views``) that drops a view when it
     dies and keeps no reference cycle with its base."""
     views = _inplace._Views()
     views.drop = functools.partial(_inplace._drop, weakref.ref(views))
     a, b = torch.zeros(1), torch.zeros(2)
-    views.add(weakref.ref(a, views.drop))
-    views.add(weakref.ref(b, views.drop))
+    for t in (a, b):
+        r = weakref.ref(t, views.drop)
+        views[id(r)] = r
     assert len(views) == 2
     del a
     gc.collect()

@@ -92,10 +92,7 @@ def run_op(op: Any, mesh: Any) -> tuple[str, str]:
     if dtype is None:
         return "skip", "no CPU dtype"
     tested = False
-    for sample in oc.samples(op, dtype):
-        args, kwargs = oc.as_args(sample)
-        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs))):
-            continue
+    for sample, args, kwargs in oc.tensor_samples(op, dtype):
         try:
             want = oc.call(op, args, kwargs)
             plain = _plain_grads(op, sample, args, kwargs) if op.supports_autograd else None

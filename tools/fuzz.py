@@ -11,6 +11,7 @@ compare gradients by autograd and by ``torch.func.grad``; ``--compile`` adds
 
     python tools/fuzz.py --minutes 10            # prints cases run and failures
     python tools/fuzz.py --replay 12345          # one case again, with its trace
+    python tools/fuzz.py --minutes 10 --modes compile,compile_dynamic   # compiled cases only
 
 Each failure prints its seed (``--replay SEED`` reruns it) and the program. The same
 generator drives ``tests/test_fuzz.py`` through hypothesis (a ``Chooser`` over
@@ -807,10 +808,16 @@ class Case:
         return "\n".join([head] + [f"  {i}. {s.desc}" for i, s in enumerate(self.steps)])
 
 
+MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "compile", "compile_dynamic")
+
+
 def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0,
-              mesh_shapes: Sequence[tuple] = MESH_SHAPES, backend: str = "local") -> Case:
+              mesh_shapes: Sequence[tuple] = MESH_SHAPES, backend: str = "local",
+              modes: Sequence[str] | None = None) -> Case:
     """A random program; ``mesh_shapes`` and ``backend`` pick its mesh (``tools/fuzz_dist.py``
-    draws the same program on a 4-rank dist mesh and on its local twin)."""
+    draws the same program on a 4-rank dist mesh and on its local twin); ``modes`` (default:
+    all, compiled ones at ``compile_rate``) restricts how it runs to those of them the program
+    allows ("value" where none does)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else ch.integer(0, 2**31))
     mshape = ch.choice(mesh_shapes)
     mesh = sf.Mesh(mshape, NAMES[: len(mshape)], backend=backend)
@@ -846,11 +853,15 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
         if st.undo is not None:
             break
     grads = x.dtype in (torch.float64, torch.complex128) and not (getattr(spec, "partial", None))
-    modes = ["value"] * 5 + (["grad", "grad", "func_grad", "jvp", "vjp"] if grads else [])
-    modes += ["vmap"] if not getattr(spec, "partial", None) else []
-    mode = ch.choice(modes)
+    choices = ["value"] * 5 + (["grad", "grad", "func_grad", "jvp", "vjp"] if grads else [])
+    choices += ["vmap"] if not getattr(spec, "partial", None) else []
+    modes_here = set(choices)
+    mode = ch.choice(choices)
     if compile_rate and ch.chance(compile_rate):
         mode = ch.choice(["compile", "compile_dynamic"])
+    if modes is not None and mode not in modes:
+        allowed = [m for m in modes if m in modes_here or m.startswith("compile")]
+        mode = ch.choice(allowed) if allowed else "value"
     return Case(seed, mshape, x, spec, steps, mode, loosest=loosest)
 
 
@@ -1003,13 +1014,21 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 rg = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, plain)))(x)
         except Exception:  # noqa: BLE001
             run = "value"
+        got2, stage = None, ""
         try:
             if run == "value":
                 got = _chain(case.steps, X, shard)
             elif run.startswith("compile"):
+                # "compile": torch's default (static, then automatic dynamic sizes on a recompile)
                 torch._dynamo.reset()
-                f = torch.compile(lambda v: _chain(case.steps, v, shard), backend="aot_eager", dynamic=run == "compile_dynamic")
+                f = torch.compile(lambda v: _chain(case.steps, v, shard), backend="aot_eager",
+                                  dynamic=True if run == "compile_dynamic" else None)
                 got = f(X)
+                # the same value in another layout: the guards on the layout recompile the program
+                X2 = _relaid(case, x, mesh)
+                stage = "after a sharding change (recompiled) "
+                got2 = f(X2) if X2 is not None else None
+                stage = ""
             elif run == "grad":
                 xs = x.clone().requires_grad_()
                 got = _chain(case.steps, sf.distribute(xs, case.spec, mesh=mesh), shard)
@@ -1037,7 +1056,11 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         except Exception as e:  # noqa: BLE001
             if ref_err is not None:
                 return None  # both raise
-            return f"shardfn raised where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
+            return f"shardfn raised {stage}where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
+        if ref_err is not None and run.startswith("compile"):
+            # torch.compile on plain tensors skips some eager kernels' checks too (its decompositions:
+            # an empty F.interpolate(mode="linear") returns): the oracle is then the compiled program
+            ref, ref_err = _compiled_plain(case.steps, x, run == "compile_dynamic")
         if ref_err is not None:
             return f"torch raised {type(ref_err).__name__}: {str(ref_err)[:200]}; shardfn returned {got!r}"[:600]
         undo = case.steps[-1].undo if case.steps else None
@@ -1046,9 +1069,39 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             ref = undo(ref)
         try:
             _compare(got, ref, "value", prec)
+            if got2 is not None:
+                _compare(undo(got2.full_tensor() if isinstance(got2, sf.ShardedArray) else got2)
+                         if undo is not None and isinstance(got2, torch.Tensor) else got2,
+                         ref, f"value in layout {_relaid_spec(case, x, mesh)} (recompiled)", prec)
         except Mismatch as e:
             return str(e)
     return None
+
+
+def _relaid_spec(case: Case, x: torch.Tensor, mesh: sf.Mesh) -> P:
+    """Another layout for the case's input, drawn from its seed (a pending sum only where the
+    input is on the grid, as the first one's)."""
+    ch = Chooser(random.Random((case.seed or 0) * 7919 + 17))
+    return draw_spec(ch, mesh, x.dim(), partial=bool(getattr(case.spec, "partial", None)))
+
+
+def _relaid(case: Case, x: torch.Tensor, mesh: sf.Mesh) -> Any:
+    """The input laid out as ``_relaid_spec`` says, or None where that is its layout already."""
+    spec = _relaid_spec(case, x, mesh)
+    if spec == case.spec and getattr(spec, "partial", None) == getattr(case.spec, "partial", None):
+        return None
+    return lay_out(x, spec, mesh, torch.Generator().manual_seed(11))
+
+
+def _compiled_plain(steps: list[Step], x: torch.Tensor, dynamic: bool) -> tuple[Any, Exception | None]:
+    """The program compiled as the ShardedArray one was, on the plain tensor: (value, None),
+    or (None, what it raised)."""
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda v: _chain(steps, v, lambda a: a.plain), backend="aot_eager", dynamic=dynamic)
+        return f(x), None
+    except Exception as e:  # noqa: BLE001
+        return None, e
 
 
 def _where(e: BaseException) -> str:
@@ -1058,8 +1111,8 @@ def _where(e: BaseException) -> str:
     return f"  at {f.filename.split('/')[-1]}:{f.lineno} {f.name}"
 
 
-def case_for_seed(seed: int, compile_rate: float = 0.0) -> Case:
-    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate)
+def case_for_seed(seed: int, compile_rate: float = 0.0, modes: Sequence[str] | None = None) -> Case:
+    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1068,6 +1121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: from the clock)")
     ap.add_argument("--replay", type=int, default=None, help="rerun one seed and print its trace")
     ap.add_argument("--compile", type=float, default=0.02, help="share of cases under torch.compile (0 to skip)")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated run modes to keep (of {','.join(MODES)}; default: all); "
+                         "a replay needs the run's --modes")
     ap.add_argument("--max-print", type=int, default=40)
     ap.add_argument("--dist", action="store_true", help="4 gloo processes against the simulated mesh (tools/fuzz_dist.py)")
     ap.add_argument("--threads", type=int, default=0, help="programs in N threads at once (tools/fuzz_threads.py)")
@@ -1078,8 +1134,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
         mode = __import__("fuzz_dist" if a.dist else "fuzz_threads")
         return mode.main(a)
+    modes = None if a.modes is None else tuple(m.strip() for m in a.modes.split(",") if m.strip())
+    bad = [m for m in modes or () if m not in MODES]
+    if bad:
+        ap.error(f"--modes: unknown mode(s) {bad}; known: {', '.join(MODES)}")
+    again = f" --modes {','.join(modes)}" if modes else ""
     if a.replay is not None:
-        case = case_for_seed(a.replay, a.compile)
+        case = case_for_seed(a.replay, a.compile, modes)
         print(case.describe())
         res = run_case(case)
         print(res or "ok")
@@ -1089,7 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, fails, kinds = 0, 0, {}
     while time.time() < end:
         try:
-            case = case_for_seed(seed, a.compile)
+            case = case_for_seed(seed, a.compile, modes)
             res = run_case(case)
         except Exception as e:  # noqa: BLE001 - the harness itself must not stop the run
             res = f"harness error {type(e).__name__}: {e}"
@@ -1100,7 +1161,7 @@ def main(argv: list[str] | None = None) -> int:
             key = res.split(":")[0][:60] + " | " + (" > ".join(st.name for st in case.steps) if case else "")
             kinds[key] = kinds.get(key, 0) + 1
             if fails <= a.max_print:
-                print(f"FAIL seed {seed}  (python tools/fuzz.py --replay {seed})")
+                print(f"FAIL seed {seed}  (python tools/fuzz.py --replay {seed}{again})")
                 print(case.describe() if case else "")
                 print("  " + res.replace("\n", "\n  "), flush=True)
         seed += 1

@@ -24,7 +24,7 @@ from . import rule_table as _rules
 from . import special_ops
 from ..plans.planner import PLAN_CACHES
 from ..values.mesh import check_mesh_device
-from .array import ShardedArray, _BatchedArray
+from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, _BatchedArray
 from .redistribute import note_derived
 from .fragments import _fragment
 from .reduced import note_recomputed, reduced_forms
@@ -48,11 +48,13 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if entry is not None:
             out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
-                keep_math_bits(func, args, out)
+                x = args[0]  # (type checks and the dispatch keys: no Python-level calls on the warm path)
+                if type(x) not in _ARRAY_TYPES or _dispatch_keys(x).raw_repr() & _FLAG_BITS:
+                    keep_math_bits(func, args, out)
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
                     _note_derived(func, args, kwargs, out)
-            elif isinstance(out, ShardedArray) and out._layout.partial:
+            elif type(out) in _ARRAY_TYPES and out._layout.partial:
                 note_recomputed(func, args, kwargs, out, aten.view.default)
             return out
     out = _dispatch(func, args, kwargs, fkey)
@@ -107,6 +109,12 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
     if special is not None:
         out = special(func, args, kwargs)
         if out is not NotImplemented:  # a handler may leave a call to the rule table
+            if fkey is not None and _cache.get(fkey) is None:
+                entry = special_ops.alias_entry(func, args, kwargs)
+                if entry is not None:  # the next such call takes dispatch's fast path
+                    if _inplace.is_view(func):
+                        _VIEWS[id(func)] = func
+                    _remember(fkey, entry)
             return out
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
@@ -163,8 +171,9 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
     specialised. Only the stacked path (every layout even) keeps sizes symbolic."""
 
     def hinted(path: Any, v: Any) -> Any:
-        if isinstance(v, ShardedArray):
-            return ShardedArray(v._local, v._layout, _ft.hint_shape(v.shape), v.dtype)
+        if isinstance(v, ShardedArray):  # with the strides it reports (a view's rules see torch's)
+            return _array._wrap_output(v._local, v._layout, _ft.hint_shape(v.shape), v.dtype, None,
+                                       (_ft.hint_shape(v.stride()), _ft.hint_int(v.storage_offset())))
         if isinstance(v, torch.SymInt):
             return _ft.hint_int(v)
         return v

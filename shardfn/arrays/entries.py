@@ -17,6 +17,7 @@ from ..plans.planner import cost_model, plan_layouts
 from ..values.errors import FallbackWarning, ShardingError, like_torch
 from ..values.layout import Layout
 from ..values.schema import op_name as _op_name
+from ..values.torch_compat import settle_guards
 from . import functorch as _ft
 from . import rule_table as _rules
 from .array import ShardedArray, _wrap_output, check_partial_dtype
@@ -288,16 +289,25 @@ class _Entry:
         ])
 
     def _wrap_symbolic(self, args: tuple, kwargs: dict, locals_: list) -> list:
-        """Outputs of a symbolic call: global sizes read off the stacked local outputs."""
+        """Outputs of a symbolic call: global sizes read off the stacked local outputs; strides
+        and storage offset those torch gives the op on tensors of the symbolic global shapes
+        (a meta run: ``x.t().is_contiguous()`` is False under ``dynamic=True`` as in eager)."""
+        try:
+            metas, _ = _flat_outputs(_meta_run(self.func, args, kwargs))
+        except Exception:  # noqa: BLE001 - no meta run on these sizes: contiguous, static sizes specialised
+            metas = [None] * len(locals_)
         results = []
-        for local, layout, dtype in zip(locals_, self.cand.out_layouts, self.out_dtypes):
+        for local, layout, dtype, meta in zip(locals_, self.cand.out_layouts, self.out_dtypes, metas):
             if layout is None:
                 results.append(local)
                 continue
+            settle_guards(local)
             shape = _global_of_stacked(local, layout)
             if not _ft.is_symbolic(shape):
-                shape = _check_static_output(self.func, args, kwargs, len(results), shape)
-            results.append(ShardedArray(local, layout, shape, dtype))
+                shape = _check_static_output(meta, shape)
+            # as they are (comparing symbolic strides with the contiguous ones would guard on them)
+            stride = None if meta is None else (tuple(meta.stride()), meta.storage_offset())
+            results.append(_wrap_output(local, layout, shape, dtype, None, stride))
         return results
 
 
@@ -310,14 +320,14 @@ def _at(args: tuple, kwargs: dict, path: Any) -> Any:
     return kwargs[path]
 
 
-def _check_static_output(func: Any, args: tuple, kwargs: dict, i: int, shape: tuple) -> tuple:
+def _check_static_output(meta: torch.Tensor | None, shape: tuple) -> tuple:
     """A call with symbolic inputs gave an output of concrete sizes: fine when the op's
-    output really has those sizes; a rule that baked hint sizes in would silently bake
-    them into the graph, so the call is redone with its sizes specialised (guarded)."""
-    outs, _ = _flat_outputs(_meta_run(func, args, kwargs))
-    want = tuple(outs[i].shape)
-    if _ft.is_symbolic(want):
-        raise _BakedSizes(f"{_op_name(func)}: {want}")
+    output (``meta``, its run on the symbolic global shapes) really has those sizes; a rule
+    that baked hint sizes in would silently bake them into the graph, so the call is redone
+    with its sizes specialised (guarded)."""
+    want = None if meta is None else tuple(meta.shape)
+    if want is None or _ft.is_symbolic(want):
+        raise _BakedSizes(f"{want}")
     return shape
 
 

@@ -109,25 +109,27 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     for i, o in enumerate(outs):
         if isinstance(o, ShardedArray) and o is not base:
             o._view_of = (base, func, rest, kwargs, i if outs is out else None)
-            views.add(weakref.ref(o, views.drop))
+            r = weakref.ref(o, views.drop)
+            views[id(r)] = r
 
 
-class _Views(set):
-    """A base's live views as weak references, each dropped from the set when its view dies
-    (what ``weakref.WeakSet`` does, made and filled by C-level calls: a view op on a private
-    base runs no Python-level set code). ``len`` counts the live views."""
+class _Views(dict):
+    """A base's live views as weak references (keyed by the reference's id: hashing a weak
+    reference hashes its tensor, a Python-level call), each dropped when its view dies (what
+    ``weakref.WeakSet`` does, made and filled by C-level calls: a view op on a private base
+    runs no Python-level code here). ``len`` counts the live views."""
 
-    __slots__ = ("drop",)
+    __slots__ = ("drop", "__weakref__")
 
 
 def _drop(views_ref: Any, view_ref: Any) -> None:
     views = views_ref()
     if views is not None:
-        views.discard(view_ref)
+        views.pop(id(view_ref), None)
 
 
 def _live_views(base: Any) -> list:
-    return [v for v in (r() for r in list(base.__dict__.get("_views") or ())) if v is not None]
+    return [v for v in (r() for r in list((base.__dict__.get("_views") or {}).values())) if v is not None]
 
 
 def _replay(link: tuple, base: Any) -> Any:
@@ -152,7 +154,8 @@ def _observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bool
     interpreter's state (it grows by two after a torch.compile failed on a dynamic dim,
     whose frames change how CPython specialises calls), not on who holds ``x``."""
     refs = count - _occurrences(x, args, kwargs) - len(x.__dict__.get("_views") or ())
-    if getattr(_tf_call, "args", None) == id(x):  # in the argument tuple of _BatchedArray.__torch_function__
+    tf = getattr(_tf_call, "args", None)
+    if tf is not None and tf == id(x):  # in the argument tuple of _BatchedArray.__torch_function__
         refs -= 1
     if _calibrating:
         _BASE[point] = min(_BASE.get(point, refs), refs)
@@ -161,12 +164,16 @@ def _observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bool
 
 
 def _occurrences(x: Any, args: tuple, kwargs: dict) -> int:
+    """How often ``x`` is an argument (itself or in a list) of this call (plain loops: every
+    view op on a private base asks)."""
     n = 0
-    for a in (*args, *kwargs.values()):
+    for a in (*args, *kwargs.values()) if kwargs else args:
         if a is x:
             n += 1
         elif isinstance(a, (list, tuple)):
-            n += sum(1 for b in a if b is x)
+            for b in a:
+                if b is x:
+                    n += 1
     return n
 
 

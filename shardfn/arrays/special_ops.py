@@ -10,7 +10,7 @@ import torch
 
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError, ShardingRuntimeError
-from .array import ShardedArray, _wrap_output
+from .array import ShardedArray, _BatchedArray, _wrap_output
 from .redistribute import raw_full, raw_reshard
 
 aten = torch.ops.aten
@@ -33,6 +33,33 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     if frag is not None and x._layout.partial:
         frag = None
     return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
+
+
+class AliasEntry:
+    """``_alias`` of one array as a dispatch cache entry: its fast key fixes the layout, shape,
+    dtype, strides and storage offset, so a warm ``detach`` or ``clone`` is one wrap."""
+
+    __slots__ = ("shape", "stride", "pending_view")
+
+    def __init__(self, func: Any, x: ShardedArray, kwargs: dict) -> None:
+        self.shape = tuple(x.shape)
+        contiguous = x.is_contiguous() and not x.storage_offset()
+        self.stride = None if contiguous else _meta_strides(func, x, (x,), kwargs)
+        self.pending_view = bool(x._layout.partial)  # a pending view is reduced through its base
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        x = args[0]
+        if self.stride is not None:
+            return _wrap_output(x._local, x._layout, self.shape, x.dtype, None, self.stride)
+        return _wrap_output(x._local, x._layout, self.shape, x.dtype, None if self.pending_view else x._kf)
+
+
+def alias_entry(func: Any, args: tuple, kwargs: dict) -> AliasEntry | None:
+    """A cache entry for this call if it is an ``_alias`` of one array."""
+    x = args[0] if len(args) == 1 else None
+    if HANDLERS.get(func) is not _alias or type(x) not in (ShardedArray, _BatchedArray):
+        return None
+    return AliasEntry(func, x, kwargs)
 
 
 def _meta_strides(func: Any, x: Any, args: tuple, kwargs: dict) -> tuple:

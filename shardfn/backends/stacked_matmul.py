@@ -28,7 +28,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     plan = _cached_plan(a, b)
     if plan is None:
         return torch.matmul(a, b)
-    a_order, a_shape, b_order, b_shape, out_shape, out_order, direct = plan  # orders: None where identity
+    a_order, a_shape, b_order, b_shape, out_shape, out_order, direct = plan  # orders: None where no permute is needed
     if direct:  # ``a``'s rows only: torch.matmul folds them itself (the same mm, in C++)
         return torch.matmul(a, b.reshape(b_shape[1:]))
     if a_order is not None:
@@ -95,13 +95,24 @@ def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
     # position of each output dim (leading dims in order, then m, n) within out_shape
     where = {d: j for j, d in enumerate([*common, *rows, "m", *cols, "n"])}
     out_order = [where[i] for i in range(lead)] + [where["m"], where["n"]]
-    same = list(range(r))
     # ``b`` the same on every leading dim: they all fold into a's rows, which torch.matmul of ``a`` and ``b``'s matrix
     # folds as a view too (its condition: each leading stride spans the dims after it)
     direct = (all(sb[i] == 1 for i in range(lead)) and all(a.stride(i) == a.stride(i + 1) * sa[i + 1] for i in range(r - 2))
               and a.numel() > 0)
-    return (None if a_order == same else a_order, (c, ma * m, k), None if b_order == same else b_order,
-            (c, k, nb * n), out_shape, None if out_order == same else out_order, direct)
+    # a permute that moves only size-1 dims keeps the elements' order: the reshape after it
+    # (or, for the output, one view to the permuted shape) does the same without it
+    a_order, b_order = _moving(a_order, sa), _moving(b_order, sb)
+    order, out_order = out_order, _moving(out_order, out_shape)
+    if out_order is None:
+        out_shape = tuple(out_shape[i] for i in order)
+    return (a_order, (c, ma * m, k), b_order, (c, k, nb * n), out_shape, out_order, direct)
+
+
+def _moving(order: list, shape: Sequence[int]) -> list | None:
+    """``order``, or None where permuting by it moves only dims of size 1 (a no-op for the
+    row-major order of the elements, which is all a reshape or view after it reads)."""
+    kept = [i for i in order if shape[i] != 1]
+    return None if kept == sorted(kept) else order
 
 
 def _prod_sizes(shape: Sequence[int], dims: Sequence[int]) -> int:

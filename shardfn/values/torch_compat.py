@@ -82,6 +82,21 @@ def symint_hint(n: Any) -> int:
     return int(read(n))
 
 
+def settle_guards(t: Any) -> None:
+    """Add now the guards torch.compile's tracer adds when it records the metadata of ``t``, a
+    shard tensor of symbolic sizes (its contiguity in each memory format). AOTAutograd fixes
+    a graph's outputs from a first pass that records none, then traces again and records
+    them; a guard there that pins a symbol to one value (``2 - s0 >= 2`` once ``0 <= s0 <= 2``
+    is known) left the first pass's symbolic output size with no graph output behind it
+    (``IndexError: tuple index out of range`` at run time). Plain tensors meet those guards
+    while Dynamo traces; a wrapper's shards are first recorded by AOTAutograd."""
+    if not any(isinstance(n, torch.SymInt) for n in (*t.shape, *t.stride(), t.storage_offset())):
+        return
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    _extract_tensor_metadata(t)
+
+
 # -- torch.utils.checkpoint under vmap ---------------------------------------------------
 # The local backend runs a shard_map body for every device at once under torch.func.vmap.
 # 2.11's non-reentrant checkpoint saves its inputs through an autograd.Function with no vmap

@@ -83,6 +83,15 @@ def as_args(sample: Any) -> tuple:
     return (sample.input, *sample.args), dict(sample.kwargs)
 
 
+def tensor_samples(op: Any, dtype: torch.dtype):
+    """``(sample, args, kwargs)`` of the samples that pass at least one tensor (the others
+    have nothing to shard)."""
+    for sample in samples(op, dtype):
+        args, kwargs = as_args(sample)
+        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs))):
+            yield sample, args, kwargs
+
+
 def call(op: Any, args: tuple, kwargs: dict) -> Any:
     return op.op(*args, **kwargs)
 

@@ -33,13 +33,17 @@ OPS = oc.op_db()
 RESULTS: dict[str, str] = {}
 
 XFAIL: dict[str, str] = {
-    'nn.functional.linear_cross_entropy.chunked_none': "torch's Python code runs mm(out=buf) into a buffer it holds by name: the in-place policy cannot tell that buffer from a user's array, so it raises ImmutableError",
+    'nn.functional.linear_cross_entropy.chunked_none': (
+        "torch's Python code runs mm(out=buf) into a buffer it holds by name: the in-place policy "
+        "cannot tell that buffer from a user's array, so it raises ImmutableError"),
     'sparse.sampled_addmm': 'sparse layouts are not supported',
     'sparse.mm.reduce': 'sparse layouts are not supported',
     'to_sparse': 'sparse layouts are not supported',
     'tensor_split': 'tensor indices_or_sections are read with item() while shapes are propagated on meta tensors',
     'as_strided.partial_views': 'as_strided addresses storage offsets, which shards do not share',
-    'nn.functional.gaussian_nll_loss': "torch's Python code clamps its own named temporary in place (var.clamp_): the in-place policy cannot tell it from a user's array, so it raises ImmutableError",
+    'nn.functional.gaussian_nll_loss': (
+        "torch's Python code clamps its own named temporary in place (var.clamp_): the in-place "
+        "policy cannot tell it from a user's array, so it raises ImmutableError"),
 }
 
 # Ops whose samples write into an array the caller holds: raising ImmutableError (array
@@ -128,10 +132,7 @@ def run_op(op: Any) -> tuple[str, str]:
     tested = False
     with _FallbackCounter() as fb, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for sample in oc.samples(op, dtype):
-            args, kwargs = oc.as_args(sample)
-            if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs))):
-                continue
+        for sample, args, kwargs in oc.tensor_samples(op, dtype):
             try:
                 want = oc.call(op, args, kwargs)
             except Exception:

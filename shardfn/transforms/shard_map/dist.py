@@ -317,6 +317,12 @@ def _reopened(body: DistBody, closures: Any) -> Iterator[None]:
 # -- closed-over values ----------------------------------------------------------------------------------------
 
 
+def _save_mesh_axes(ctx: Any, inputs: tuple, output: Any) -> None:
+    """setup_context of the functions applied as ``(x, mesh[, axes])``."""
+    ctx.mesh = inputs[1]
+    ctx.axes = inputs[2] if len(inputs) > 2 else None
+
+
 class _Replicated(torch.autograd.Function):
     """A value the body uses without receiving it as a mapped argument (a closure, an
     unmapped argument, a module's parameter): the same on every rank, so, as JAX's
@@ -327,10 +333,7 @@ class _Replicated(torch.autograd.Function):
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple | None = None) -> torch.Tensor:
         return x.view_as(x)
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.mesh = inputs[1]
-        ctx.axes = inputs[2] if len(inputs) > 2 else None
+    setup_context = staticmethod(_save_mesh_axes)
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:
@@ -354,10 +357,7 @@ class _SumParts(torch.autograd.Function):
     def forward(x: torch.Tensor, mesh: Mesh, axes: tuple | None = None) -> torch.Tensor:
         return _all_reduce(x, mesh, mesh.axis_names if axes is None else axes, "sum")
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.mesh = inputs[1]
-        ctx.axes = inputs[2] if len(inputs) > 2 else None
+    setup_context = staticmethod(_save_mesh_axes)
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> Any:

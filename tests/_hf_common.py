@@ -1,0 +1,43 @@
+"""What the Hugging Face model tests share: logits and loss through ``functional_call``
+with a given parameter dict, and a value comparison that gathers sharded results."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+import shardfn as sf
+
+
+def logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
+    return functional_call(model, params, (ids,), {"use_cache": False}).logits
+
+
+def make_loss(model: torch.nn.Module):
+    """Next-token cross entropy of ``model`` as a function of its parameters (for torch.func.grad)."""
+
+    def loss(params: dict, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits(model, params, ids).flatten(0, 1).float(), labels.flatten())
+
+    return loss
+
+
+def sharded_loss_and_grads(loss_fn, params: dict, ids: torch.Tensor, labels: torch.Tensor, mode: str) -> tuple:
+    """``(loss, grads)`` by ``loss.backward()`` on detached leaves (``mode="autograd"``) or by
+    ``torch.func.grad_and_value``."""
+    if mode == "autograd":
+        leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
+        loss = loss_fn(leaves, ids, labels)
+        loss.backward()
+        return loss, {n: p.grad for n, p in leaves.items()}
+    grads, loss = torch.func.grad_and_value(loss_fn)(params, ids, labels)
+    return loss, grads
+
+
+def full(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, sf.ShardedArray) else x
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+    torch.testing.assert_close(full(got).float(), full(want).float(), rtol=tol, atol=tol)
