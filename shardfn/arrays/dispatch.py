@@ -101,7 +101,9 @@ _VIEWS: dict[int, Any] = {}
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
-    if kwargs.get("device") is not None:  # factories (*_like, new_*, random), casts: the mesh owns the device
+    # factories (*_like, new_*, random): the mesh owns the device (casts: ``_to_copy``'s rule; ``aten.to``
+    # itself reaches here only from torch.func's internals, which decompose it)
+    if kwargs.get("device") is not None and func.overloadpacket is not aten.to:
         mesh = next((a.mesh for a in args if isinstance(a, ShardedArray)), None)
         if mesh is not None:
             check_mesh_device(func.__name__.split(".")[0], kwargs["device"], mesh)
