@@ -234,6 +234,8 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
             parts.append(k)
         elif t is int or a is None:
             parts.append(a)
+        elif t is float:
+            parts.append(float)
         else:
             k = _fast_part(a, t)
             if k is _MISS:
