@@ -47,8 +47,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if entry is not None:
             out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
-                x = args[0]  # (type checks and the dispatch keys: no Python-level calls on the warm path)
-                if type(x) not in _ARRAY_TYPES or _dispatch_keys(x).raw_repr() & _FLAG_BITS:
+                # (type checks and the dispatch keys: no Python-level calls; no local name either, as
+                # note_views counts the references to args[0])
+                if type(args[0]) not in _ARRAY_TYPES or _dispatch_keys(args[0]).raw_repr() & _FLAG_BITS:
                     keep_math_bits(func, args, out)
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
