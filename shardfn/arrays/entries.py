@@ -12,6 +12,7 @@ import attrs
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+from ..backends.device_call import with_flag_keys
 from ..backends.registry import backend_for
 from ..plans.planner import cost_model, plan_layouts
 from ..values.errors import FallbackWarning, ShardingError, like_torch
@@ -418,7 +419,8 @@ class _Fallback:
         # strides; as_strided reads the storage; a replicated value is an expanded view)
         lay_out = _in_storage if self.func in _READS_STORAGE else _as_reported
         a, k = _replace(args, kwargs, lambda p, v: lay_out(v) if isinstance(v, ShardedArray) else v)
-        out = self.func(*a, **k)
+        complex_call = any(isinstance(v, torch.Tensor) and v.is_complex() for v in (*a, *k.values()))
+        out = (with_flag_keys(self.func) if complex_call else self.func)(*a, **k)
         backend = backend_for(self.mesh)
         outs, rebuild = _flat_outputs(out)
         res = []

@@ -12,7 +12,7 @@ import torch
 from ..values.errors import ShardingError
 from ..values.layout import is_even, local_shapes
 from ..values.mesh import Mesh
-from .device_call import DeviceCall, raw_op, substitute
+from .device_call import DeviceCall, call_is_complex, raw_op, substitute
 from .local_values import batch_consistent, canonical_sizes, device_view, from_parts, full, settle
 
 
@@ -156,7 +156,7 @@ class PerDeviceCall:
     def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
         self.mesh = call.mesh
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes,
-                                      range(call.mesh.size))
+                                      range(call.mesh.size), call_is_complex(call))
         self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
         # per device: its local output shapes where every output is an array with no elements
         # there while the global outputs have some (an empty shard of a valid call: nothing to
