@@ -48,8 +48,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if entry is not None:
             out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
-                x = args[0]  # (type checks and the dispatch keys: no Python-level calls on the warm path)
-                if type(x) not in _ARRAY_TYPES or _dispatch_keys(x).raw_repr() & _FLAG_BITS:
+                # (type checks and the dispatch keys: no Python-level calls; no local name either, as
+                # note_views counts the references to args[0])
+                if type(args[0]) not in _ARRAY_TYPES or _dispatch_keys(args[0]).raw_repr() & _FLAG_BITS:
                     keep_math_bits(func, args, out)
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
@@ -241,6 +242,8 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
             parts.append(k)
         elif t is int or a is None:
             parts.append(a)
+        elif t is float:
+            parts.append(float)
         else:
             k = _fast_part(a, t)
             if k is _MISS:
