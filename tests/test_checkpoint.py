@@ -319,7 +319,8 @@ def test_module_load_state_dict(mesh22) -> None:
     """load_state_dict of arrays into plain parameters raises (it would copy into a plain
     tensor); assign=True keeps the arrays, sharding included."""
     lin = torch.nn.Linear(4, 2)
-    sd = {"weight": sf.distribute(torch.randn(2, 4), P("x"), mesh=mesh22), "bias": sf.distribute(torch.zeros(2), P(), mesh=mesh22)}
+    sd = {"weight": sf.distribute(torch.randn(2, 4), P("x"), mesh=mesh22),
+          "bias": sf.distribute(torch.zeros(2), P(), mesh=mesh22)}
     with pytest.raises(RuntimeError, match="copy_"):
         lin.load_state_dict(sd)
     lin.load_state_dict(sd, assign=True)

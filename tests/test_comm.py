@@ -380,7 +380,7 @@ def test_pytree_reshard_mixed_tree_values_and_grads_match_torch() -> None:
             close(g, x.detach())
         ws = [torch.randn(x.shape, dtype=x.dtype) for x in xs]
         sum((g.full_tensor() * w).sum() for g, w in zip(got, ws)).backward()
-        for x, lf, w in zip(xs, leaves, ws):  # each output equals its leaf: the gradient is w
+        for lf, w in zip(leaves, ws):  # each output equals its leaf: the gradient is w
             close(lf.grad, w)
 
 

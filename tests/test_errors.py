@@ -230,7 +230,8 @@ def test_factories_reject_negative_sizes(mesh22):
 
 def test_from_local_replicated_parts_must_agree(mesh22):
     parts = [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([2.0]), torch.tensor([2.0])]
-    with pytest.raises(ShardingError, match=r"from_local: P\(None\) replicates over mesh axes \['x', 'y'\].*devices 0 vs 1, 0 vs 2, 0 vs 3"):
+    with pytest.raises(ShardingError, match=r"from_local: P\(None\) replicates over mesh axes \['x', 'y'\]"
+                       r".*devices 0 vs 1, 0 vs 2, 0 vs 3"):
         ShardedArray.from_local(parts, P(), mesh=mesh22)
 
 

@@ -23,8 +23,8 @@ def mesh() -> sf.Mesh:
     return sf.Mesh((2, 2), ("x", "y"), backend="local")
 
 
-def _arr(mesh: sf.Mesh, t: torch.Tensor, spec: P = P("x")) -> sf.ShardedArray:
-    return sf.distribute(t, spec, mesh=mesh)
+def _arr(mesh: sf.Mesh, t: torch.Tensor, spec: P | None = None) -> sf.ShardedArray:
+    return sf.distribute(t, P("x") if spec is None else spec, mesh=mesh)
 
 
 # -- user routes raise, the array unchanged ------------------------------------------------------

@@ -223,6 +223,7 @@ def run_rank(case: fuzz.Case, mode: str) -> tuple[dict, list | None]:
     except sf_dist.CollectiveError:
         raise
     except Exception as e:  # noqa: BLE001
+        print(f"seed {case.seed}: this rank raised\n{traceback.format_exc()}", flush=True)  # the rank's log
         return {"err": type(e).__name__, "msg": _brief(e)}, None
 
 
@@ -320,6 +321,8 @@ def _worker(rank: int, port: int, first: int, limit: int | None, deadline: float
                     "steps": [s.name for s in case.steps] if case else []}
             results.write(json.dumps(line) + "\n")
             results.flush()
+        if len({r["err"] is None for r in reports}) > 1:
+            os._exit(4)  # some ranks raised, others ran on: their collectives may not pair up any more; a fresh world
         seed, n = seed + 1, n + 1
     dist.barrier()
     dist.destroy_process_group()
@@ -340,7 +343,7 @@ def _tail(path: str, n: int = 1500) -> str:
 
 
 def supervise(first: int, *, minutes: float | None = None, cases: int | None = None, show: Callable = print,
-              max_print: int = 40) -> tuple[int, int, dict]:
+              max_print: int = 40, log_chars: int = 600) -> tuple[int, int, dict]:
     """Run worlds from seed ``first`` for ``minutes`` or ``cases`` cases, restarting a world after
     a hang or crash (the case in progress fails). Returns (cases run, failures, failure kinds)."""
     end = time.time() + minutes * 60 if minutes is not None else float("inf")
@@ -372,6 +375,7 @@ def supervise(first: int, *, minutes: float | None = None, cases: int | None = N
         broken = None
         while True:
             time.sleep(0.2)
+            dead = all(not p.is_alive() for p in procs)  # then read what they wrote last
             if os.path.exists(path):
                 with open(path) as f:
                     f.seek(pos)
@@ -382,11 +386,13 @@ def supervise(first: int, *, minutes: float | None = None, cases: int | None = N
                     r = json.loads(ln)
                     record(r["seed"], r["fail"], r["desc"], r["steps"])
                     seed, last = r["seed"] + 1, time.time()
-            if all(not p.is_alive() for p in procs):
+            if dead:
+                if all(p.exitcode == 4 for p in procs):  # the case is recorded: a fresh world from the next seed
+                    break
                 if any(p.exitcode for p in procs):
                     broken = "crashed"
                 break
-            if any(p.exitcode for p in procs if not p.is_alive()):
+            if any(p.exitcode not in (0, 4) for p in procs if not p.is_alive()):
                 broken = "crashed"
                 break
             if time.time() - last > CASE_TIMEOUT:
@@ -402,7 +408,7 @@ def supervise(first: int, *, minutes: float | None = None, cases: int | None = N
                 p.kill()
             p.join()
         codes = {r: p.exitcode for r, p in enumerate(procs)}
-        logs = "\n".join(f"rank {r} log: ...{_tail(os.path.join(out, f'rank{r}.log'), 600)}" for r in range(WORLD)
+        logs = "\n".join(f"rank {r} log: ...{_tail(os.path.join(out, f'rank{r}.log'), log_chars)}" for r in range(WORLD)
                          if _tail(os.path.join(out, f"rank{r}.log")))
         desc = ""
         try:
@@ -418,7 +424,7 @@ def main(a: Any) -> int:
     """``tools/fuzz.py --dist`` (its parsed arguments ``a``)."""
     if a.replay is not None:
         print(draw(a.replay, "local").describe())
-        runs, fails, _ = supervise(a.replay, cases=1, max_print=1)
+        runs, fails, _ = supervise(a.replay, cases=1, max_print=1, log_chars=6000)
         print("ok" if not fails else "")
         return 1 if fails else 0
     seed = a.seed if a.seed is not None else int(time.time()) % 10_000_000 * 1000

@@ -51,12 +51,28 @@ def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype, stride
     return k
 
 
+_CONTIGUOUS: dict[tuple, tuple] = {}  # shape -> its contiguous strides
+
+
 def _contiguous_strides(shape: tuple) -> tuple:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
+    """The contiguous strides of ``shape`` (remembered per shape: every new array's fragment asks)."""
+    try:
+        strides = _CONTIGUOUS.get(shape)
+    except TypeError:  # symbolic sizes do not hash
+        strides = None
+    if strides is None:
+        out, acc = [], 1
+        for n in reversed(shape):
+            out.append(acc)
+            acc *= max(n, 1)
+        strides = tuple(reversed(out))
+        try:
+            if len(_CONTIGUOUS) >= _FRAGMENTS_MAX:
+                _CONTIGUOUS.clear()
+            _CONTIGUOUS[shape] = strides
+        except TypeError:
+            pass
+    return strides
 
 
 def _odd_stride(shape: tuple, stride: tuple, offset: int = 0) -> tuple | None:

@@ -56,11 +56,15 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
     norm) reads a pending sum once. The earlier output is kept while its inputs live (at
     most the ``_SAME_MAX`` latest). ``view``: the op re-viewing the earlier output
     (``aten.view.default``), so the link has ``note_derived``'s form."""
-    if _random_op(func) or not _communicates(out._layout):
+    fid = id(func)  # ops keyed by id (``OpOverload`` hashes in Python); ``_RANDOM`` keeps each alive
+    random = _RANDOM.get(fid)
+    if random is None:
+        random = _RANDOM[fid] = (func, _random_op(func))
+    if random[1] or not _communicates(out._layout):
         return
     arrays: list = []
     try:
-        key = (func, _key_of(args, arrays), _key_of(kwargs, arrays))
+        key = (fid, _key_of(args, arrays), _key_of(kwargs, arrays) if kwargs else ())
         hit = _SAME.get(key)
     except (_Plain, TypeError):  # a plain tensor takes part, or an argument does not hash
         return
@@ -79,7 +83,9 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
     _SAME[key] = (out, [(weakref.ref(v, drop), v._local) for v in arrays])
 
 
-@functools.lru_cache(maxsize=None)
+_RANDOM: dict[int, tuple] = {}  # id(op) -> (op, whether it is random)
+
+
 def _random_op(func: Any) -> bool:
     """Whether two calls of ``func`` on the same inputs may differ (a random op)."""
     return torch.Tag.nondeterministic_seeded in func.tags
@@ -108,7 +114,7 @@ def _key_of(x: Any, arrays: list) -> Any:
         out = []
         for v in x:
             if isinstance(v, torch.Tensor):
-                if not hasattr(v, "_layout"):
+                if "_layout" not in v.__dict__:  # (an array's layout is an instance attribute)
                     raise _Plain
                 arrays.append(v)
                 out.append(("array", id(v)))

@@ -232,20 +232,84 @@ class RankCall:
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes, (self.rank,))
         self.positional = positional
         self.direct = raw_op(self.device_call.direct)  # the op itself when nothing needs adapting
+        self.mesh = call.mesh if call.mesh.size > 1 and _raises_on_values(func, call) else None
 
     def lean(self, args: tuple, kwargs: dict) -> Any:
         """The lone output for arrays at ``positional`` needing no move (dispatch's fast path)."""
         a = with_locals(args, self.positional)
+        if self.mesh is not None:
+            return self._together(lambda: self._run(tuple(a), kwargs)[0])
         if self.direct is not None:
             return self.direct(*a, **kwargs)
         return self.device_call(tuple(a), kwargs, self.rank)[0]
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
         a, k = substitute(args, kwargs, values, self.positional)
+        if self.mesh is not None:
+            return self._together(lambda: self._run(a, k))
+        return self._run(a, k)
+
+    def _run(self, a: tuple, k: dict) -> list:
         if self.direct is not None:
             out = self.direct(*a, **k)
             return list(out) if isinstance(out, (tuple, list)) else [out]
         return self.device_call(a, k, self.rank)
+
+    def _together(self, run: Callable[[], Any]) -> Any:
+        """``run()`` for an op whose kernel raises on some values (an index out of range, an
+        integer division by zero), which this rank's shard may hold and another's not: one
+        all_reduce tells every rank whether any raised, and then all raise (the type the
+        lowest such rank raised) rather than leave their peers waiting in a later collective."""
+        if _tracing() or _proxy_tracing():
+            return run()
+        try:
+            out, err = run(), None
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            out, err = None, e
+        n = len(_ERRORS) + 1
+        mine = self.rank * n + _error_kind(err) if err is not None else self.mesh.size * n
+        group = _state(self.mesh).groups[self.mesh.axis_names]
+        first = int(run_collective("all_reduce", group, funcol.all_reduce, torch.tensor([mine], dtype=torch.int64),
+                                   "min").item())
+        if first == self.mesh.size * n:
+            return out
+        rank, kind = divmod(first, n)
+        if err is not None and (rank == self.rank or _error_kind(err) == kind):
+            raise err
+        cls = _ERRORS[kind] if kind < len(_ERRORS) else RuntimeError
+        raise cls(f"{self.device_call.func}: rank {rank} raised {cls.__name__} on its shard (an index out of range or a "
+                  f"division by zero there, as torch's kernel would raise on the whole value); every rank raises")
+
+
+# ops whose kernels raise on the values they are given, not only on shapes
+_INDEXING = frozenset({
+    "index_select", "gather", "scatter", "scatter_add", "scatter_reduce", "index", "index_put", "_index_put_impl_",
+    "index_add", "index_copy", "index_fill", "index_reduce", "embedding", "take", "take_along_dim", "put",
+    "nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss_nd", "one_hot", "_embedding_bag",
+    "embedding_bag", "masked_scatter", "repeat_interleave", "multinomial", "bincount",
+})
+_INTEGER_DIVISION = frozenset({"div", "floor_divide", "remainder", "fmod", "div_", "floor_divide_", "remainder_",
+                               "fmod_"})
+_ERRORS = (IndexError, RuntimeError, ValueError, TypeError, ZeroDivisionError)
+
+
+def _raises_on_values(func: Any, call: Any) -> bool:
+    name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+    if name in _INDEXING:
+        return True
+    if name not in _INTEGER_DIVISION or (name.startswith("div") and call.kwargs.get("rounding_mode") is None):
+        return False  # true division never raises
+    return all(not (v.is_floating_point() or v.is_complex()) for _, v in call.arrays if isinstance(v, torch.Tensor))
+
+
+def _error_kind(err: BaseException) -> int:
+    return next((i for i, cls in enumerate(_ERRORS) if isinstance(err, cls)), len(_ERRORS))
+
+
+def _proxy_tracing() -> bool:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
 
 # -- the Backend protocol ----------------------------------------------------------------------
 

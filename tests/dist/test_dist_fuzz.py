@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from dist_harness import collect, is_dist, scenario, shards_for
 
@@ -57,6 +58,42 @@ def shard_map_collectives_of_dtypes_off_the_wire(mesh: sf.Mesh) -> None:
             s = sf.shard_map(lambda b: sf.lax.psum(b.sum(0, keepdim=True), a), mesh=mesh, in_specs=(P(a),),
                              out_specs=P())(x)
             assert torch.equal(s.full_tensor(), full.sum(0, keepdim=True)), is_dist(mesh)
+
+
+
+@scenario
+def errors_of_values_on_one_shard_raise_on_every_rank(mesh: sf.Mesh) -> None:
+    """A kernel that raises on values (an index out of range, an integer division by zero)
+    raised only on the ranks whose shard held the bad value; the others ran on into the next
+    collective and waited there until the timeout (seeds 200006, 200142, 200446, 200578), or
+    raised another error type from an empty shard (seed 200363). Now every rank raises the
+    type torch raises, and the world goes on."""
+    a = mesh.axis_names[0]
+    n = mesh.axis_size(a)
+    src = torch.arange(2.0 * n).reshape(2, n)
+
+    def arr(full: torch.Tensor, spec: P) -> sf.ShardedArray:
+        return sf.ShardedArray.from_local(shards_for(full, spec, mesh), spec, mesh=mesh, shape=tuple(full.shape))
+
+    x = arr(src, P(None, a))
+    bad = torch.zeros(2, n, dtype=torch.int64)
+    bad[0, n - 1] = 5  # only the last rank's shard holds it
+    with pytest.raises(RuntimeError, match=r"out of bounds|rank \d raised RuntimeError"):
+        torch.gather(x, 0, arr(bad, P(None, a)))
+    idx = torch.zeros(n + 1, dtype=torch.int64)
+    idx[-1] = 7  # uneven: the last rank holds two entries, the bad one among them
+    with pytest.raises(IndexError):
+        torch.index_select(arr(src.t().contiguous(), P()), 0, arr(idx, P(a)))
+    w = arr(torch.arange(6.0).reshape(3, 2), P(None, a))  # embedding dim 2: empty shards where n > 2
+    with pytest.raises(IndexError):
+        torch.nn.functional.embedding(arr(torch.tensor([0, 3] * n), P(a)), w)
+    num = arr(torch.arange(1, n + 1), P(a))
+    den = torch.ones(n, dtype=torch.int64)
+    den[-1] = 0
+    with pytest.raises(RuntimeError, match=r"ZeroDivisionError|rank \d raised RuntimeError"):
+        torch.floor_divide(num, arr(den, P(a)))
+    assert torch.equal((num // arr(den + 1, P(a))).full_tensor(), torch.arange(1, n + 1) // (den + 1))
+    assert torch.equal(x.full_tensor(), src)  # the world goes on: the next collective pairs up
 
 
 test_local, test_dist = collect(globals())
