@@ -250,3 +250,20 @@ def test_foreach_resolves_pending_sums_first() -> None:
     (y,) = torch._foreach_exp([pending])
     assert y.spec == P()
     torch.testing.assert_close(y.full_tensor(), (a @ b).exp())
+
+
+# -- the census ----------------------------------------------------------------------------------
+
+
+def test_census_of_the_cuda_kernels_finds_no_fallback_on_a_meta_mesh() -> None:
+    """tools/fallback_census.py's direct kernel calls, SDPA variants and sf.optim kernels on a
+    dp x tp meta mesh: no op falls back, no run raises."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import fallback_census
+
+    rows = fallback_census.run_census("meta", [torch.float32], ["cuda"], ["sdpa", "kernels", "optim"], ["dptp"])
+    assert [r[0] for r in rows] == ["sdpa/dptp", "kernels/dptp", "optim/dptp"]
+    assert all(r[3] == [] for r in rows), fallback_census.report(rows)

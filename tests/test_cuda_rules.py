@@ -264,3 +264,30 @@ def test_fused_rms_norm_backward_kernel_on_meta_mesh_moves_nothing() -> None:
         gx, gw = aten._fused_rms_norm_backward(out, xs, [D], rstd, ws, [True, True])
     assert cc.records == [] and gx.spec == P("dp", "tp") and gw.spec == P(partial=("dp", "tp"))
     assert gx.device.type == "meta" and gw.shape == (D,)
+
+
+@pytest.mark.parametrize("kernel, heads, kv_heads, pieces, spec, moved", [
+    ("flash", 3, 3, 2, P(None, "x"), False),  # uneven heads: 2 + 1 per device, nothing moves
+    ("efficient", 3, 3, 2, P(None, "x"), False),
+    ("cudnn", 3, 3, 2, P(None, "x"), False),
+    ("flash", 4, 1, 4, P(None, "x"), True),  # one kv head over four devices: heads gathered
+    ("flash", 8, 2, 4, P(None, "x"), True),  # kv heads fewer than pieces: heads gathered
+    ("efficient", 4, 4, 2, P(None, None, "x"), True),  # sequence split: gathered
+    ("cudnn", 4, 4, 2, P(None, None, None, "x"), True),  # head_dim split: gathered
+])
+def test_uneven_heads_and_few_kv_heads_values_equal_unsharded(kernel: str, heads: int, kv_heads: int, pieces: int,
+                                                               spec: P, moved: bool, cpu_kernels: None) -> None:
+    mesh = sf.Mesh((pieces,), ("x",), backend="local")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, S, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, S, D, generator=g, requires_grad=True) for _ in range(2))
+    want, _ = attend(kernel, q, k, v, causal=True)
+    want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
+    qs, ks, vs = (sf.distribute(t.detach(), spec, mesh=mesh).requires_grad_() for t in (q, k, v))
+    with sf.debug.CommCounter() as cc:
+        got, _ = attend(kernel, qs, ks, vs, causal=True)
+        grads = torch.autograd.grad((got * got).sum(), (qs, ks, vs))
+    assert bool(cc.records) == moved and got.spec == (P() if moved else spec)
+    torch.testing.assert_close(got.full_tensor(), want)
+    for a, w in zip(grads, want_grads):
+        torch.testing.assert_close(a.full_tensor(), w)

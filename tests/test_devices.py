@@ -69,3 +69,152 @@ def test_distribute_keeps_gradients_flowing_to_a_tensor_on_its_device() -> None:
     t = torch.randn(4, 4, requires_grad=True)
     (g,) = torch.autograd.grad((sf.distribute(t, P("x"), mesh=mesh) * 3).sum().full_tensor(), (t,))
     torch.testing.assert_close(g, torch.full((4, 4), 3.0))
+
+
+# -- factories, shard_map, optimizer states, checkpoints: on the mesh's device --------------------
+
+
+def test_like_and_new_factories_land_on_the_mesh_device(meta_mesh: sf.Mesh) -> None:
+    x = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=meta_mesh)
+    for y in (torch.zeros_like(x), torch.ones_like(x), torch.empty_like(x), torch.full_like(x, 2.0),
+              torch.rand_like(x), torch.randn_like(x), torch.randint_like(x, 10), torch.zeros_like(x, device="meta"),
+              torch.zeros_like(x, dtype=torch.float64)):
+        assert isinstance(y, sf.ShardedArray) and _devices(y) == {"meta"} and y.spec == P("dp", "tp")
+    for y in (x.new_zeros((3, 3)), x.new_ones((3,)), x.new_empty((2, 2)), x.new_full((2,), 1.0)):
+        assert _devices(y) == {"meta"} and y.spec == P()
+    for y in (sf.ones((4, 6), sharding=P("dp"), mesh=meta_mesh), sf.full((4, 6), 3.0, sharding=P("tp"), mesh=meta_mesh),
+              sf.empty((4, 6), sharding=P("dp"), mesh=meta_mesh),
+              sf.random.uniform(sf.random.key(1), (4, 6), sharding=P("dp", "tp"), mesh=meta_mesh)):
+        assert _devices(y) == {"meta"}
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: torch.zeros_like(x, device="cpu"),
+    lambda x: torch.randn_like(x, device="cpu"),
+    lambda x: x.new_zeros((2, 2), device="cpu"),
+    lambda x: x.cpu(),
+    lambda x: x.to("cpu", torch.float64),
+    lambda x: x.to(torch.zeros(1, dtype=torch.float16)),  # dtype and device of another tensor
+    lambda x: x.type("torch.DoubleTensor"),  # a CPU tensor type
+    lambda x: torch.ops.aten._to_copy(x, dtype=torch.float16, device=torch.device("cpu")),
+], ids=["zeros_like", "randn_like", "new_zeros", "cpu", "to_cpu_dtype", "to_tensor", "type_str", "_to_copy"])
+def test_another_device_type_is_a_sharding_error_naming_both(meta_mesh: sf.Mesh, call) -> None:  # noqa: ANN001
+    x = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=meta_mesh)
+    with pytest.raises(sf.ShardingError, match=r"device='cpu'.*mesh's device type 'meta'"):
+        call(x)
+
+
+def test_casts_keep_layout_and_device_and_match_torch() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    t = torch.randn(4, 6)
+    x = sf.distribute(t, P("dp", "tp"), mesh=mesh)
+    casts = [lambda a: a.double(), lambda a: a.half(), lambda a: a.bfloat16(), lambda a: a.float(),
+             lambda a: a.type(torch.float64), lambda a: a.to(torch.int32), lambda a: a.to("cpu", torch.float16),
+             lambda a: a.to(torch.float64, non_blocking=True), lambda a: a.to(torch.zeros(1, dtype=torch.bfloat16))]
+    for cast in casts:
+        y = cast(x)
+        assert y.spec == P("dp", "tp") and _devices(y) == {"cpu"}
+        torch.testing.assert_close(y.full_tensor(), cast(t))
+    assert x.to(torch.float32) is x and x.to("cpu") is x  # nothing to change: torch returns self
+    y = x.to(torch.float32, copy=True)
+    assert y is not x and y.spec == x.spec
+    torch.testing.assert_close(y.full_tensor(), t)
+    assert x.type() == t.type() and x.is_cpu and not x.is_cuda
+
+
+def test_cast_to_the_meta_mesh_device_with_dtype_in_one_call(meta_mesh: sf.Mesh) -> None:
+    x = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=meta_mesh)
+    for y in (x.to("meta", torch.float16), x.to(device="meta", dtype=torch.bfloat16, copy=True),
+              x.to(torch.empty(0, dtype=torch.float64, device="meta")), x.type(torch.float64)):
+        assert _devices(y) == {"meta"} and y.spec == P("dp", "tp") and y.dtype != torch.float32
+
+
+def test_memory_format_follows_torch() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    t = torch.randn(2, 4, 3, 3)
+    x = sf.distribute(t, P("dp", "tp"), mesh=mesh)
+    for y, want in ((x.to(memory_format=torch.channels_last), t.to(memory_format=torch.channels_last)),
+                    (x.contiguous(memory_format=torch.channels_last), t.contiguous(memory_format=torch.channels_last))):
+        assert y.stride() == want.stride() and y.is_contiguous(memory_format=torch.channels_last)
+        assert all(s.is_contiguous(memory_format=torch.channels_last) for s in y.local_shards())
+        torch.testing.assert_close(y.full_tensor(), want)
+
+
+def test_shard_map_outputs_move_onto_the_mesh_device(meta_mesh: sf.Mesh) -> None:
+    """A body's new (CPU) tensors land on the mesh's device, even shards (vmapped body) and uneven ones."""
+    mesh = sf.Mesh((2,), ("x",), backend="local", device_type="meta")
+    f = sf.shard_map(lambda a: torch.zeros(a.shape[0], 2), mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    for n in (4, 5):
+        y = f(sf.distribute(torch.randn(n, 3), P("x"), mesh=mesh))
+        assert _devices(y) == {"meta"} and y.device.type == "meta" and y.shape == (n, 2)
+    g = sf.shard_map(lambda a: torch.ones(2, 3), mesh=meta_mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp"))
+    assert _devices(g(sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=meta_mesh))) == {"meta"}
+
+
+@pytest.mark.parametrize("kwargs", [dict(foreach=True), dict(fused=True), dict(foreach=False)],
+                         ids=["foreach", "fused", "for_loop"])
+@pytest.mark.parametrize("opt", ["AdamW", "Adam", "SGD"])
+def test_optimizer_states_on_the_mesh_device(meta_mesh: sf.Mesh, opt: str, kwargs: dict) -> None:
+    params = {"w": sf.distribute(torch.randn(8, 6), P("dp", "tp"), mesh=meta_mesh),
+              "b": sf.distribute(torch.randn(5), P("tp"), mesh=meta_mesh)}  # uneven
+    extra = {"momentum": 0.9} if opt == "SGD" else {}
+    o = getattr(sf.optim, opt)(1e-2, **kwargs, **extra)
+    state = o.init(params)
+    grads = {k: v * 0.5 for k, v in params.items()}
+    for _ in range(2):
+        params, state = o.step(params, grads, state)
+    for k, p in params.items():
+        assert _devices(p) == {"meta"} and p.spec == (P("dp", "tp") if k == "w" else P("tp"))
+        for v in state[k].values():
+            if isinstance(v, sf.ShardedArray):
+                assert _devices(v) == {"meta"} and v.spec == p.spec
+
+
+def test_checkpoint_loads_onto_the_mesh_device(tmp_path, meta_mesh: sf.Mesh) -> None:  # noqa: ANN001
+    cpu_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    t, b = torch.randn(4, 6), torch.randn(3)
+    sf.checkpoint.save(str(tmp_path), {"w": sf.distribute(t, P("dp", "tp"), mesh=cpu_mesh), "b": b})
+    out = sf.checkpoint.load(str(tmp_path), {"w": sf.NamedSharding(meta_mesh, P("tp")), "b": torch.zeros(3)})
+    assert _devices(out["w"]) == {"meta"} and out["w"].spec == P("tp") and out["w"].shape == (4, 6)
+    torch.testing.assert_close(out["b"], b)
+    back = sf.checkpoint.load(str(tmp_path), {"w": sf.NamedSharding(cpu_mesh, P(None, "dp")), "b": b})
+    torch.testing.assert_close(back["w"].full_tensor(), t)
+
+
+# -- mixed devices ---------------------------------------------------------------------------------
+
+
+def test_arrays_of_meshes_of_different_device_types_do_not_mix(meta_mesh: sf.Mesh) -> None:
+    cpu_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    a = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=meta_mesh)
+    b = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=cpu_mesh)
+    with pytest.raises(sf.ShardingError, match=r"different meshes.*'cpu'.*'meta'"):
+        a + b
+
+
+def test_plain_tensors_with_a_meta_mesh_array_follow_torch(meta_mesh: sf.Mesh) -> None:
+    """As with CUDA tensors: a 0-d CPU tensor takes part, CPU indices index, a CPU tensor with
+    dims is on the wrong device."""
+    x = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=meta_mesh)
+    y = x * torch.tensor(2.0)
+    assert _devices(y) == {"meta"} and y.spec == P("dp", "tp")
+    z = x[torch.tensor([0, 2])]
+    assert _devices(z) == {"meta"} and z.shape == (2, 6)
+    with pytest.raises(RuntimeError, match="device"):
+        x + torch.randn(4, 6)
+
+
+def test_a_meta_tensor_cannot_be_distributed_onto_a_data_mesh() -> None:
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    with pytest.raises(sf.ShardingError, match=r"meta tensor.*no data.*'cpu'"):
+        sf.distribute(torch.empty(4, 4, device="meta"), P("x"), mesh=mesh)
+
+
+def test_collectives_on_a_meta_mesh_are_counted(meta_mesh: sf.Mesh) -> None:
+    """Meta values are a meta mesh's data: its moves are counted as on an accelerator."""
+    x = sf.distribute(torch.randn(4, 8), P(None, "tp"), mesh=meta_mesh)
+    w = sf.distribute(torch.randn(8, 4), P("tp"), mesh=meta_mesh)
+    with sf.debug.CommCounter() as cc:
+        sf.reshard(x, P())
+        sf.reshard(x @ w, P())
+    assert dict(cc.counts) == {"all_gather": 1, "all_reduce": 1}

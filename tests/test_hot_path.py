@@ -152,6 +152,18 @@ def test_warm_views_keep_lazy_flags(mesh, monkeypatch):
 aten_t = torch.ops.aten.t.default
 
 
+def test_views_judge_their_base_alike_cold_and_warm(mesh):
+    """The in-place policy counts references to a view's base: the warm path holds none more
+    than the cold one, so a named base is observable and an unnamed temporary private on both."""
+    judged = []
+    for n in (6, 7):  # each shape's first view takes the cold path, its second the warm one
+        base = sf.distribute(torch.randn(4, n), P("x"), mesh=mesh)
+        for _ in range(2):
+            judged.append((bool(base.view(2, -1).__dict__.get("_aliases_observable")),
+                           bool((base * 2).view(2, -1).__dict__.get("_aliases_observable"))))
+    assert judged == [(True, False)] * 4
+
+
 def test_a_rebound_array_is_keyed_by_its_new_layout(mesh):
     t = torch.randn(4, 4)
     x = sf.distribute(t, P("x"), mesh=mesh)

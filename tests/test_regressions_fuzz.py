@@ -877,3 +877,20 @@ def test_compiled_dynamic_slice_by_a_traced_int_of_a_specialised_size(k):
     torch._dynamo.reset()
     f = torch.compile(make(k), backend="aot_eager", dynamic=True)
     _close(f(sf.distribute(x, P(None), mesh=mesh)), make(k)(x))
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
+@pytest.mark.parametrize("shape", [(3, 3), (2, 3, 3), (2, 4, 3)])
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_kernels_making_conj_views_of_their_own(shape, spec):
+    # inside __torch_dispatch__ the Conjugate key is excluded: linalg_pinv's kernel (U.mH()
+    # inside) gave unconjugated products on every layout, under vmap too (found by the fuzzer's
+    # generator 2)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(*shape, dtype=torch.complex128)
+    X = sf.distribute(x, spec, mesh=mesh)
+    for f in (torch.linalg.pinv, lambda v: torch.linalg.pinv(v @ v.mH, hermitian=True)):
+        _close(f(X), f(x))
+        if len(shape) == 3:
+            got = torch.func.vmap(f, in_dims=-1)(X)
+            _close(got, torch.func.vmap(f, in_dims=-1)(x))

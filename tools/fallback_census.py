@@ -1,11 +1,20 @@
 """Fallback census: which aten ops reach shardfn's replicate-everything fallback in model code.
 
-Runs tensor-parallel model code forward + backward on a simulated mesh and lists every op that
-warned ``FallbackWarning`` (no sharding rule), with whether DTensor has a strategy for it:
+Runs model code forward + backward on a simulated mesh, tensor-parallel (``tp``), data-parallel
+(``dp``) and both (``dptp``), and lists every op that warned ``FallbackWarning`` (no sharding
+rule), with whether DTensor has a strategy for it:
 
 - HF Llama, Qwen2, Mistral and Gemma from tiny configs (when ``transformers`` is installed),
-  Megatron-sharded over ``tp`` (q/k/v/gate/up by output row, o/down by input column);
-- the project's transformer block (``benchmarks/bench_sim.py``), dp x tp.
+  Megatron-sharded over ``tp`` (q/k/v/gate/up by output row, o/down by input column), batch
+  over ``dp``; with ``--families all`` also every family ``tests/test_hf_families.py`` builds
+  (its tensor-parallel rules; when the tests are importable);
+- the project's transformer block (``benchmarks/bench_sim.py``);
+- ``sdpa``: ``F.scaled_dot_product_attention`` itself with grouped-query heads (``enable_gqa``),
+  bool / float / causal masks, dropout and a custom scale, heads over ``tp``, batch over ``dp``;
+- ``kernels``: the CUDA kernels called directly (every SDPA backend's forward and backward,
+  ``_flash_attention_*``, ``_efficient_attention_*``, the fused-overrideable SDPA, the fused
+  RMS norm, ``native_layer_norm``, ``_addmm_activation``, the ``_foreach`` ops);
+- ``optim``: ``sf.optim`` AdamW / Adam / SGD with ``foreach=True`` and ``fused=True``.
 
 On ``--device meta`` (any CPU machine) torch's meta kernels stand in for the CUDA ones; as
 ``F.scaled_dot_product_attention`` picks the math path off CUDA, ``--sdpa`` routes it to the
@@ -15,8 +24,9 @@ for float32, flash for half types, as torch picks on an H100; ``all`` = each in 
 on CUDA and meta alike.
 
     python tools/fallback_census.py [--device meta] [--dtypes float32,bfloat16] [--sdpa cuda]
+                                    [--configs tp,dp,dptp] [--families core|all] [--models llama,sdpa]
 
-Target on CUDA / meta: no op for the four HF families.
+Target on CUDA / meta: no op for any model.
 """
 
 from __future__ import annotations
@@ -139,14 +149,54 @@ def hf_families() -> dict[str, Callable[[], Any]]:
     return out
 
 
-def _hf_step(build: Callable[[], Any], mesh: sf.Mesh, device: str, dtype: torch.dtype) -> tuple[Any, dict]:
-    """One TP forward + backward of an HF model; (loss, grads by name)."""
+CONFIGS = {"tp": ((2,), ("tp",)), "dp": ((2,), ("dp",)), "dptp": ((2, 2), ("dp", "tp"))}
+
+
+def more_families() -> dict[str, tuple[Callable[[], Any], list]]:
+    """The families ``tests/test_hf_families.py`` builds: name -> (build, TP rules) ({} when
+    the tests or transformers are not importable; families torch.func cannot run left out)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import test_hf_families as fam
+        import transformers as tf
+    except Exception:  # noqa: BLE001 - pytest or transformers missing: the core families only
+        return {}
+    out = {}
+    for name in sorted(set(fam.MEGATRON) | {"mixtral", "qwen2moe"}):
+        if name in fam.NO_FUNC:
+            continue
+        make, attn, rules = fam._cfg(name)
+        moe = name in ("mixtral", "qwen2moe")
+
+        def build(make: Any = make, attn: str = attn, moe: bool = moe) -> Any:
+            extra = {"experts_implementation": fam.EXPERTS} if moe and fam.EXPERTS else {}
+            return tf.AutoModelForCausalLM.from_config(make(), attn_implementation=attn, **extra)
+
+        out[name] = (build, [(pat, spec) for pat, spec in rules])
+    return out
+
+
+def _spec(name: str, rules: list | None, mesh: sf.Mesh) -> P:
+    if "tp" not in mesh.axis_names:
+        return P()
+    for pattern, spec in rules if rules is not None else TP_RULES:
+        if re.search(pattern, name):
+            return spec
+    return P()
+
+
+def _hf_step(build: Callable[[], Any], mesh: sf.Mesh, device: str, dtype: torch.dtype,
+             rules: list | None = None) -> tuple[Any, dict]:
+    """One forward + backward of an HF model, weights by ``rules`` over ``tp`` (when the mesh
+    has it), token ids split over ``dp`` (when it has that); (loss, grads by name)."""
     torch.manual_seed(0)
     model = build().to(dtype=dtype)
     model = model.to(device) if device != "meta" else model.to("meta")
-    params = {n: sf.distribute(p.detach(), _tp_spec(n), mesh=mesh).requires_grad_()
+    params = {n: sf.distribute(p.detach(), _spec(n, rules, mesh), mesh=mesh).requires_grad_()
               for n, p in model.named_parameters()}
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    if "dp" in mesh.axis_names:
+        ids = sf.distribute(ids, P("dp"), mesh=mesh)
     out = torch.func.functional_call(model, params, (ids,))
     loss = out.logits.float().pow(2).mean()
     grads = torch.autograd.grad(loss, list(params.values()))
@@ -157,20 +207,150 @@ def _block_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
     import bench_sim
 
     cfg = bench_sim.QUICK
-    params = {k: sf.distribute(v.to(device, dtype), bench_sim.MEGATRON.get(k, P()), mesh=mesh)
+    specs = bench_sim.MEGATRON if "tp" in mesh.axis_names else {}
+    batch = P("dp") if "dp" in mesh.axis_names else P()
+    params = {k: sf.distribute(v.to(device, dtype), specs.get(k, P()), mesh=mesh)
               for k, v in bench_sim.init_params(cfg).items()}
-    x, y = (sf.distribute(t.to(device, dtype), P("dp"), mesh=mesh) for t in bench_sim.make_batch(cfg, 0))
+    x, y = (sf.distribute(t.to(device, dtype), batch, mesh=mesh) for t in bench_sim.make_batch(cfg, 0))
     bench_sim.train_step(params, x, y, cfg["heads"])
 
 
-def models() -> dict[str, Callable[[str, torch.dtype], Any]]:
-    """name -> run(device, dtype): one TP training step on a simulated mesh of that device."""
-    out: dict[str, Callable[[str, torch.dtype], Any]] = {}
+def _qkv_spec(mesh: sf.Mesh) -> P:
+    """(batch, heads, seq, head_dim): batch over dp, heads over tp, where the mesh has them."""
+    return P("dp" if "dp" in mesh.axis_names else None, "tp" if "tp" in mesh.axis_names else None)
+
+
+def _sdpa_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
+    """F.scaled_dot_product_attention in its variants, forward and backward."""
+    B, H, S, D = 4, 4, 8, 16
+    spec = _qkv_spec(mesh)
+    mask_spec = P(spec[0])
+    bool_mask = torch.rand(B, 1, S, S, generator=torch.Generator().manual_seed(0)) > 0.3
+    bool_mask[..., 0] = True
+    float_mask = torch.zeros(B, 1, S, S).masked_fill(~bool_mask, float("-inf"))
+    variants = [
+        dict(), dict(is_causal=True), dict(scale=0.3), dict(dropout_p=0.1), dict(kv_heads=2, enable_gqa=True),
+        dict(kv_heads=2, enable_gqa=True, is_causal=True), dict(attn_mask=bool_mask), dict(attn_mask=float_mask),
+        dict(attn_mask=bool_mask[:1, :, :, :].clone()), dict(attn_mask=float_mask, dropout_p=0.1, scale=0.5),
+    ]
+    for v in variants:
+        v = dict(v)
+        hkv = v.pop("kv_heads", H)
+        q = sf.distribute(torch.randn(B, H, S, D, dtype=dtype).to(device), spec, mesh=mesh).requires_grad_()
+        k, val = (sf.distribute(torch.randn(B, hkv, S, D, dtype=dtype).to(device), spec, mesh=mesh).requires_grad_()
+                  for _ in range(2))
+        if "attn_mask" in v:
+            m = v["attn_mask"].to(device)
+            m = m.to(dtype) if m.is_floating_point() else m
+            v["attn_mask"] = sf.distribute(m, mask_spec if m.shape[0] == B else P(), mesh=mesh)
+        out = F.scaled_dot_product_attention(q, k, val, **v)
+        torch.autograd.grad(out.float().pow(2).sum(), (q, k, val))
+
+
+def _kernels_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
+    """The CUDA kernels called directly, forward and backward through autograd. On a real
+    device a kernel that rejects the call unsharded (flash and cuDNN take only half types,
+    alignment rules) is skipped: the census is about rules, not about kernel support."""
+    B, H, S, D = 4, 4, 8, 16
+    spec = _qkv_spec(mesh)
+    bshd = P(spec[0], None, spec[1])
+    tp = "tp" if "tp" in mesh.axis_names else None
+
+    def arr(shape: tuple, sp: P, grad: bool = True) -> Any:
+        x = sf.distribute(torch.randn(*shape, dtype=dtype).to(device), sp, mesh=mesh)
+        return x.requires_grad_() if grad else x
+
+    def back(out: Any, *ins: Any) -> None:
+        torch.autograd.grad(out.float().pow(2).sum(), [t for t in ins if t.requires_grad])
+
+    def run(fn: Callable[..., Any], *ins: Any) -> None:
+        if device != "meta":
+            plain = [t.full_tensor().detach().requires_grad_(t.requires_grad) for t in ins]
+            try:
+                fn(*plain)
+            except Exception:  # noqa: BLE001 - the kernel's own limits: not the census's business
+                return
+        fn(*ins)
+
+    q, k, v = (arr((B, H, S, D), spec) for _ in range(3))
+    bias = arr((B, H, S, S), spec)
+    kg, vg = (arr((B, H // 2, S, D), spec) for _ in range(2))
+    for causal in (False, True):
+        run(lambda q, k, v, c=causal: back(aten._scaled_dot_product_flash_attention(q, k, v, 0.0, c, False, scale=0.3)[0],
+                                 q, k, v), q, k, v)
+        run(lambda q, k, v, b, c=causal: back(aten._scaled_dot_product_efficient_attention(q, k, v, b, True, 0.0, c)[0],
+                                    q, k, v, b), q, k, v, bias)
+        run(lambda q, k, v, c=causal: back(aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, c, False)[0],
+                                 q, k, v), q, k, v)
+    run(lambda q, k, v, b: back(aten._scaled_dot_product_attention_math(q, k, v, b, 0.0, False, None)[0], q, k, v, b),
+        q, k, v, bias)
+    run(lambda q, k, v: back(aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0], q, k, v), q, kg, vg)
+
+    def overrideable(q: Any, k: Any, v: Any, b: Any) -> None:
+        o = aten._scaled_dot_product_fused_attention_overrideable(q, k, v, b, 0.0, False, False)
+        aten._scaled_dot_product_fused_attention_overrideable_backward(
+            o[0], q, k, v, b, [True, True, True, True], o[0], o[1], o[2], o[3], o[4], o[5], 0.0, False, o[6], o[7])
+
+    run(overrideable, q, k, v, bias)
+    qb, kb, vb = (arr((B, S, H, D), bshd) for _ in range(3))
+    run(lambda q, k, v: back(aten._flash_attention_forward(q, k, v, None, None, S, S, 0.0, True, False)[0], q, k, v),
+        qb, kb, vb)
+    run(lambda q, k, v: back(aten._efficient_attention_forward(q, k, v, None, None, None, S, S, 0.0, 1, True)[0],
+                             q, k, v), qb, kb, vb)
+    x = arr((B, S, 64), P(spec[0]))
+    w, b = arr((64,), P()), arr((64,), P())
+
+    def rms(x: Any, w: Any) -> None:
+        out, rstd = aten._fused_rms_norm(x, [64], w, 1e-6)
+        back(out, x, w)
+        aten._fused_rms_norm_backward(out, x, [64], rstd, w, [True, True])
+
+    def layer_norm(x: Any, w: Any, b: Any) -> None:
+        ln = aten.native_layer_norm(x, [64], w, b, 1e-5)
+        back(ln[0], x, w, b)
+        aten.native_layer_norm_backward(ln[0], x, [64], ln[1], ln[2], w, b, [True, True, True])
+
+    run(rms, x, w)
+    run(layer_norm, x, w, b)
+    for gelu in (False, True):
+        run(lambda b, x, m, g=gelu: aten._addmm_activation(b, x, m, use_gelu=g),
+            arr((32,), P(tp), False), arr((B * S, 64), P(spec[0]), False), arr((64, 32), P(None, tp), False))
+
+    def foreach(a: Any, c: Any) -> None:
+        ts = [a, c]
+        torch._foreach_addcdiv(torch._foreach_lerp(torch._foreach_add(ts, ts, alpha=0.1), ts, 0.5), ts,
+                               torch._foreach_add(torch._foreach_sqrt(torch._foreach_abs(ts)), 1e-8), 0.01)
+        torch._foreach_norm(torch._foreach_mul(ts, 0.5))
+
+    run(foreach, arr((8, 16), P(spec[0], tp), False), arr((16,), P(tp), False))
+
+
+def _optim_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
+    """sf.optim with torch's foreach and fused kernels, two steps."""
+    tp = "tp" if "tp" in mesh.axis_names else None
+    dp = "dp" if "dp" in mesh.axis_names else None
+    params = {"w": sf.distribute(torch.randn(8, 16, dtype=dtype).to(device), P(dp, tp), mesh=mesh),
+              "b": sf.distribute(torch.randn(16, dtype=dtype).to(device), P(tp), mesh=mesh)}
+    grads = {k: v * 0.1 for k, v in params.items()}
+    for opt in (sf.optim.AdamW(1e-3, foreach=True), sf.optim.Adam(1e-3, fused=True),
+                sf.optim.SGD(1e-2, momentum=0.9, foreach=True)):
+        state = opt.init(params)
+        p, state = opt.step(params, grads, state)
+        opt.step(p, grads, state)
+
+
+def models(families: str = "core") -> dict[str, Callable[[str, torch.dtype, sf.Mesh], Any]]:
+    """name -> run(device, dtype, mesh): one training step on a simulated mesh of that device."""
+    out: dict[str, Callable[[str, torch.dtype, sf.Mesh], Any]] = {}
     for name, build in hf_families().items():
-        out[name] = lambda device, dtype, build=build: _hf_step(
-            build, sf.Mesh((2,), ("tp",), backend="local", device_type=device), device, dtype)
-    out["block"] = lambda device, dtype: _block_step(
-        sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type=device), device, dtype)
+        out[name] = lambda device, dtype, mesh, build=build: _hf_step(build, mesh, device, dtype)
+    if families == "all":
+        for name, (build, rules) in more_families().items():
+            out[name] = lambda device, dtype, mesh, build=build, rules=rules: _hf_step(build, mesh, device, dtype, rules)
+    out["block"] = lambda device, dtype, mesh: _block_step(mesh, device, dtype)
+    out["sdpa"] = lambda device, dtype, mesh: _sdpa_step(mesh, device, dtype)
+    out["kernels"] = lambda device, dtype, mesh: _kernels_step(mesh, device, dtype)
+    out["optim"] = lambda device, dtype, mesh: _optim_step(mesh, device, dtype)
     return out
 
 
@@ -213,33 +393,43 @@ def dtensor_strategy(op_name: str) -> str:
         return f"? ({type(e).__name__})"
 
 
-def run_census(device: str, dtypes: list[torch.dtype], kernels: list[str],
-               only: list[str] | None = None) -> list[tuple[str, str, str, list[str] | str]]:
-    """(model, dtype, sdpa kernel, fallen-back ops or an error message) per run."""
+def run_census(device: str, dtypes: list[torch.dtype], kernels: list[str], only: list[str] | None = None,
+               configs: list[str] | None = None, families: str = "core") -> list[tuple[str, str, str, list[str] | str]]:
+    """(model/config, dtype, sdpa kernel, fallen-back ops or an error message) per run
+    (``configs``: default ``["dptp"]``, the block on dp x tp and the rest on ``tp``, as before)."""
     rows = []
-    for name, run in models().items():
+    for name, run in models(families).items():
         if only and name not in only:
             continue
-        for dtype in dtypes:
-            for kernel in kernels:
-                mode = SdpaRoute(kernel) if kernel != "auto" else contextlib.nullcontext()
-                try:
-                    with recording_fallbacks() as ops, mode:
-                        run(device, dtype)
-                    rows.append((name, str(dtype).replace("torch.", ""), kernel, sorted(ops)))
-                except Exception as e:  # noqa: BLE001 - one model's failure must not hide the rest
-                    rows.append((name, str(dtype).replace("torch.", ""), kernel, f"error: {type(e).__name__}: {e}"[:300]))
+        for config in configs or [None]:
+            if config is None:
+                config = "dptp" if name == "block" else "tp"
+                label = name
+            else:
+                label = f"{name}/{config}"
+            shape, axes = CONFIGS[config]
+            for dtype in dtypes:
+                for kernel in kernels:
+                    mode = SdpaRoute(kernel) if kernel != "auto" else contextlib.nullcontext()
+                    mesh = sf.Mesh(shape, axes, backend="local", device_type=device)
+                    try:
+                        with recording_fallbacks() as ops, mode:
+                            run(device, dtype, mesh)
+                        rows.append((label, str(dtype).replace("torch.", ""), kernel, sorted(ops)))
+                    except Exception as e:  # noqa: BLE001 - one model's failure must not hide the rest
+                        rows.append((label, str(dtype).replace("torch.", ""), kernel,
+                                     f"error: {type(e).__name__}: {e}"[:300]))
     return rows
 
 
 def report(rows: list[tuple[str, str, str, list[str] | str]]) -> str:
-    lines = [f"{'model':10s}{'dtype':10s}{'sdpa':11s}ops that fell back (DTensor has a strategy?)"]
+    lines = [f"{'model':16s}{'dtype':10s}{'sdpa':11s}ops that fell back (DTensor has a strategy?)"]
     for name, dtype, kernel, ops in rows:
         if isinstance(ops, str):
             desc = ops
         else:
             desc = ", ".join(f"{op} ({dtensor_strategy(op)})" for op in ops) or "none"
-        lines.append(f"{name:10s}{dtype:10s}{kernel:11s}{desc}")
+        lines.append(f"{name:16s}{dtype:10s}{kernel:11s}{desc}")
     fell = sorted({op for *_, ops in rows if not isinstance(ops, str) for op in ops})
     errors = sum(isinstance(ops, str) for *_, ops in rows)
     lines.append(f"distinct ops that fell back: {len(fell)}{': ' + ', '.join(fell) if fell else ''}; "
@@ -253,10 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sdpa", default="cuda", help="auto, cuda, all, or one of " + ", ".join(SDPA_KERNELS))
     ap.add_argument("--models", default="", help="comma-separated subset (default: all)")
+    ap.add_argument("--configs", default="", help="comma-separated of tp, dp, dptp (default: the block on dptp, "
+                                                  "the rest on tp)")
+    ap.add_argument("--families", default="core", help="core (Llama, Qwen2, Mistral, Gemma) or all (also "
+                                                       "tests/test_hf_families.py's)")
     ns = ap.parse_args(argv)
     dtypes = [getattr(torch, d) for d in ns.dtypes.split(",") if d]
     kernels = list(SDPA_KERNELS) if ns.sdpa == "all" else [ns.sdpa]
-    rows = run_census(ns.device, dtypes, kernels, [m for m in ns.models.split(",") if m] or None)
+    configs = [c for c in ns.configs.split(",") if c] or None
+    rows = run_census(ns.device, dtypes, kernels, [m for m in ns.models.split(",") if m] or None, configs, ns.families)
     print(report(rows), flush=True)
     return 0
 

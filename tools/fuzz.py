@@ -39,6 +39,12 @@ from shardfn import P
 MESH_SHAPES = [(1,), (2,), (3,), (4,), (8,), (2, 2), (2, 4), (4, 2), (2, 3), (2, 2, 2), (1, 2, 3)]
 NAMES = ("x", "y", "z")
 SIZES = [0, 1, 2, 3, 4, 5, 7, 8]
+# The generator's version: a seed replays the same program only under the version that drew it
+# (``--gen``); version 2 adds meshes with size-1 axes, dims of 6 and 9, the "extra" and "random"
+# op families and the vmap_grad / vmap_last modes.
+GEN = 2
+MESH_SHAPES_2 = MESH_SHAPES + [(1, 8), (8, 1), (2, 1, 4), (4, 1, 2), (3, 2)]
+SIZES_2 = SIZES + [6, 9]
 FLOATS = [torch.float64, torch.float32, torch.complex128]
 DTYPES = FLOATS * 3 + [torch.complex64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.bool]
 
@@ -195,11 +201,14 @@ def _num(d: torch.dtype) -> bool:
 
 OpMaker = Callable[[Ctx, torch.Tensor], "Step | None"]
 OPS: dict[str, tuple[str, OpMaker]] = {}
+SINCE: dict[str, int] = {}  # the generator version an op family joined in (1 when absent)
 
 
-def op(family: str) -> Callable[[OpMaker], OpMaker]:
+def op(family: str, since: int = 1) -> Callable[[OpMaker], OpMaker]:
     def reg(f: OpMaker) -> OpMaker:
         OPS[f.__name__] = (family, f)
+        if since > 1:
+            SINCE[family] = since
         return f
 
     return reg
@@ -789,6 +798,139 @@ def loss(c: Ctx, x: torch.Tensor) -> Step | None:
     return Step(name, lambda v, A: f(v, A(y), reduction=red), f"{name}(y={y.desc}, reduction={red})")
 
 
+@op("extra", since=2)
+def extra(c: Ctx, x: torch.Tensor) -> Step | None:
+    """Generator 2: linalg, nan-reductions, corrections, tensor bounds and weights, type
+    promotion with 0-d tensors and Python scalars, bool/bitwise ops, sorted lookups."""
+    n = x.dim()
+    d = _dim(c, x)
+    dd = d if d is not None else 0
+    k = c.ch.integer(0, 3)
+    real, cplx, num = x.dtype.is_floating_point, x.dtype.is_complex, _num(x.dtype)
+    wide = x.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128)
+    intg = not real and not cplx and num
+    name = c.ch.choice(
+        ["take_along_dim", "nanmean", "nanmedian", "median_all", "var_corr", "std_all", "clamp_both", "clamp_max_t",
+         "lerp_t", "addcdiv", "where_scalars", "where_x_scalar", "add_0d", "mul_0d_int", "add_0d_complex", "py_scalar",
+         "int_true_div", "bool_arith", "logical_xor", "bitwise_or", "count_nonzero_dim", "aminmax_dim",
+         "logsumexp_multi", "softmax_dtype", "sum_int", "searchsorted_rows", "searchsorted_right", "bucketize_right",
+         "index_reduce", "inv", "det", "slogdet", "solve", "cholesky", "qr_r", "eigvalsh", "svdvals", "matrix_power",
+         "matrix_exp", "pinv", "diag_embed", "tile", "repeat_interleave", "split_sizes", "one_hot", "expm1_log1p",
+         "round_dec", "trunc_frac", "floor_divide_t", "cummin", "einsum_trace", "nan_inject", "inf_inject"]
+    )
+    y = c.aux(make_tensor(tuple(x.shape), x.dtype, c.gen), partial=c.ch.chance(0.2))
+    sq = min(x.shape[-2:]) if n >= 2 else 0
+
+    def square(v: Any) -> Any:  # the leading square block of the last two dims, made well conditioned
+        b = v[..., :sq, :sq]
+        return b @ b.mT.conj() + torch.eye(sq, dtype=v.dtype) * sq
+
+    fns: dict[str, tuple[bool, Callable]] = {
+        "nanmean": (n > 0 and real, lambda v, A: v.nanmean(dd, keepdim=k % 2 == 0)),
+        "nanmedian": (n > 0 and real, lambda v, A: v.nanmedian(dd)[0]),
+        "median_all": (real or intg, lambda v, A: v.median()),
+        "var_corr": (n > 0 and (real or cplx), lambda v, A: v.var(dd, correction=k)),
+        "std_all": (real or cplx, lambda v, A: v.std(correction=k % 3)),
+        "clamp_both": (real or intg, lambda v, A: torch.clamp(v, A(y) - 1, A(y) + 1)),
+        "clamp_max_t": (real or intg, lambda v, A: v.clamp(max=A(y))),
+        "lerp_t": (real or cplx, lambda v, A: torch.lerp(v, A(y), A(y).abs().clamp(max=1) if not cplx else A(y))),
+        "addcdiv": (real or cplx, lambda v, A: torch.addcdiv(v, A(y), A(y).abs() + 0.5, value=0.5)),
+        "where_scalars": (num and not cplx, lambda v, A: torch.where(v > 0, 1.5, -2)),
+        "where_x_scalar": (num and not cplx, lambda v, A: torch.where(A(y) > 0, 2.5, v)),
+        "add_0d": (num, lambda v, A: v + A(z0)),
+        "mul_0d_int": (num, lambda v, A: v * A(i0)),
+        "add_0d_complex": (num, lambda v, A: v + A(c0)),
+        "py_scalar": (True, lambda v, A: [v + True, v * 2.5, v - 3, v / 3, v**2, 2**v if not v.dtype == torch.bool else v][k]),
+        "int_true_div": (intg, lambda v, A: torch.true_divide(v, A(y))),
+        "bool_arith": (True, lambda v, A: ((v != 0) & (A(y) != 0)).sum(dd) if n else (v != 0) | (A(y) != 0)),
+        "logical_xor": (True, lambda v, A: torch.logical_xor(v, A(y))),
+        "bitwise_or": (intg or x.dtype == torch.bool, lambda v, A: v | A(y) if k % 2 else v ^ A(y)),
+        "count_nonzero_dim": (n > 0, lambda v, A: torch.count_nonzero(v, dd)),
+        "aminmax_dim": (n > 0 and not cplx and num, lambda v, A: torch.aminmax(v, dim=dd, keepdim=k % 2 == 0)[k % 2]),
+        "logsumexp_multi": (n >= 2 and real, lambda v, A: torch.logsumexp(v, (0, -1), keepdim=k % 2 == 0)),
+        "softmax_dtype": (n > 0 and real, lambda v, A: F.softmax(v, dd, dtype=torch.float64)),
+        "sum_int": (intg or x.dtype == torch.bool, lambda v, A: v.sum(dd) if n else v.sum()),
+        "searchsorted_rows": (n > 0 and real, lambda v, A: torch.searchsorted(v.sort(-1)[0], A(y), right=k % 2 == 1)),
+        "searchsorted_right": (real, lambda v, A: torch.searchsorted(torch.tensor([-1.0, 0.0, 0.5], dtype=v.dtype), v,
+                                                                     right=True)),
+        "bucketize_right": (real or intg, lambda v, A: torch.bucketize(v, torch.tensor([-2, 0, 3], dtype=v.dtype), right=True)),
+        "inv": (n >= 2 and wide and sq > 0, lambda v, A: torch.linalg.inv(square(v))),
+        "det": (n >= 2 and wide, lambda v, A: torch.linalg.det(square(v))),
+        "slogdet": (n >= 2 and wide, lambda v, A: torch.linalg.slogdet(square(v))[1]),
+        "solve": (n >= 2 and wide, lambda v, A: torch.linalg.solve(square(v), A(y)[..., :sq, :])),
+        "cholesky": (n >= 2 and wide, lambda v, A: torch.linalg.cholesky(square(v))),
+        "qr_r": (n >= 2 and wide, lambda v, A: torch.linalg.qr(v)[1].abs()),
+        "eigvalsh": (n >= 2 and wide, lambda v, A: torch.linalg.eigvalsh(square(v))),
+        "svdvals": (n >= 2 and wide, lambda v, A: torch.linalg.svdvals(v)),
+        "matrix_power": (n >= 2 and wide, lambda v, A: torch.linalg.matrix_power(v[..., :sq, :sq], k)),
+        "matrix_exp": (n >= 2 and wide, lambda v, A: torch.linalg.matrix_exp(v[..., :sq, :sq] * 0.25)),
+        "pinv": (n >= 2 and wide and min(x.shape[-2:]) > 0, lambda v, A: torch.linalg.pinv(square(v), hermitian=k % 2 == 0)),
+        "diag_embed": (n in (1, 2), lambda v, A: torch.diag_embed(v, offset=k - 1)),
+        "tile": (True, lambda v, A: v.tile((2,) + (1,) * max(n - 1, 0)) if n else v.tile(2)),
+        "repeat_interleave": (n > 0, lambda v, A: v.repeat_interleave(2, dd)),
+        "split_sizes": (n > 0 and x.shape[dd] >= 1, lambda v, A: torch.split(v, [1, v.shape[dd] - 1], dd)[k % 2]),
+        "one_hot": (x.dtype == torch.int64, lambda v, A: F.one_hot(v.clamp(0, 5), 6)),
+        "expm1_log1p": (real, lambda v, A: torch.log1p(torch.expm1(v).abs())),
+        "round_dec": (real, lambda v, A: torch.round(v, decimals=k - 1)),
+        "trunc_frac": (real, lambda v, A: torch.trunc(v * 3) + torch.frac(v * 3)),
+        "floor_divide_t": (intg or real, lambda v, A: torch.floor_divide(v, A(y))),
+        "cummin": (n > 0 and not cplx and num, lambda v, A: v.cummin(dd)[k % 2]),
+        "einsum_trace": (n == 2 and num, lambda v, A: torch.einsum("ii->", v[:sq, :sq])),
+        "nan_inject": (real, lambda v, A: torch.where(A(y) > 1, float("nan"), v)),
+        "inf_inject": (real, lambda v, A: torch.where(A(y) > 1, float("-inf"), v)),
+        "take_along_dim": (n > 0, None),
+        "index_reduce": (n > 0 and real, None),
+    }
+    z0 = c.aux(make_tensor((), torch.float64 if k % 2 else torch.float32, c.gen))
+    i0 = c.aux(torch.tensor(3))
+    c0 = c.aux(torch.tensor(0.5 + 1j, dtype=torch.complex64))
+    ok, f = fns[name]
+    if not ok:
+        return None
+    if f is not None:
+        return Step(name, f, f"{name}(d={d}, k={k}, y={y.desc}, z0={z0.desc})")
+    size = x.shape[dd]
+    if name == "take_along_dim":
+        gi = c.aux(torch.randint(-size if size and k == 3 else 0, max(size, 1), tuple(x.shape), generator=c.gen))
+        return Step(name, lambda v, A: torch.take_along_dim(v, A(gi), dd), f"take_along_dim(d={dd}, {gi.desc})")
+    m = c.ch.integer(0, 3)
+    ii = c.aux(torch.randint(0, max(size, 1), (m,), generator=c.gen))
+    src = c.aux(make_tensor([*x.shape[:dd], m, *x.shape[dd + 1:]], x.dtype, c.gen))
+    red = c.ch.choice(["prod", "mean", "amax", "amin"])
+    return Step(name, lambda v, A: v.index_reduce(dd, A(ii), A(src), red, include_self=k % 2 == 0),
+                f"index_reduce(d={dd}, idx={ii.plain.tolist()} {ii.desc}, src={src.desc}, {red}, include_self={k % 2 == 0})")
+
+
+@op("random", since=2)
+def random_ops(c: Ctx, x: torch.Tensor) -> Step | None:
+    """Generator 2: ``sf.random`` draws laid out at random are bit-identical to the unsharded
+    draw (the API's invariance), added to the value so the chain goes on."""
+    if not (x.dtype.is_floating_point or x.dtype.is_complex) or x.dtype in (torch.float16, torch.bfloat16):
+        return None
+    key = sf.random.fold_in(sf.random.key(c.ch.integer(0, 99)), c.ch.integer(0, 3))
+    spec = draw_spec(c.ch, c.mesh, x.dim(), partial=False)
+    kind = c.ch.choice(["normal", "uniform", "randint", "bernoulli", "split"])
+    dt = x.dtype if x.dtype.is_floating_point else (torch.float64 if x.dtype == torch.complex128 else torch.float32)
+
+    def draw(shape: tuple, sharding: Any) -> torch.Tensor:
+        kw = {} if sharding is None else {"mesh": c.mesh}
+        if kind == "normal":
+            return sf.random.normal(key, shape, sharding, dtype=dt, **kw)
+        if kind == "uniform":
+            return sf.random.uniform(key, shape, sharding, dtype=dt, minval=-1.0, maxval=2.0, **kw)
+        if kind == "randint":
+            return sf.random.randint(key, shape, -3, 4, sharding, **kw).to(dt)
+        if kind == "bernoulli":
+            return sf.random.bernoulli(key, 0.3, shape, sharding, **kw).to(dt)
+        return sf.random.normal(sf.random.split(key, 3)[1], shape, sharding, dtype=dt, **kw)
+
+    def fn(v: Any, A: Any) -> Any:
+        sharded = isinstance(v, sf.ShardedArray)
+        return v + draw(tuple(v.shape), spec if sharded else None)
+
+    return Step("random_" + kind, fn, f"x + sf.random.{kind}(key, x.shape, {spec})")
+
+
 # -- cases ----------------------------------------------------------------------------------------
 
 
@@ -799,7 +941,7 @@ class Case:
     x: torch.Tensor
     spec: P
     steps: list[Step]
-    mode: str  # "value", "grad", "func_grad", "jvp", "vjp", "vmap", "compile", "compile_dynamic"
+    mode: str  # "value", "grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad", "compile", "compile_dynamic"
     lines: list[str] = field(default_factory=list)
     loosest: torch.dtype | None = None  # the least precise dtype along the program (tolerances)
 
@@ -808,21 +950,22 @@ class Case:
         return "\n".join([head] + [f"  {i}. {s.desc}" for i, s in enumerate(self.steps)])
 
 
-MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "compile", "compile_dynamic")
+MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad", "compile", "compile_dynamic")
 
 
 def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0,
-              mesh_shapes: Sequence[tuple] = MESH_SHAPES, backend: str = "local",
-              modes: Sequence[str] | None = None) -> Case:
+              mesh_shapes: Sequence[tuple] | None = None, backend: str = "local",
+              modes: Sequence[str] | None = None, version: int = GEN) -> Case:
     """A random program; ``mesh_shapes`` and ``backend`` pick its mesh (``tools/fuzz_dist.py``
     draws the same program on a 4-rank dist mesh and on its local twin); ``modes`` (default:
     all, compiled ones at ``compile_rate``) restricts how it runs to those of them the program
-    allows ("value" where none does)."""
+    allows ("value" where none does); ``version`` is the generator's (``GEN``: older seeds
+    replay under the version that found them)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else ch.integer(0, 2**31))
-    mshape = ch.choice(mesh_shapes)
+    mshape = ch.choice(mesh_shapes or (MESH_SHAPES_2 if version >= 2 else MESH_SHAPES))
     mesh = sf.Mesh(mshape, NAMES[: len(mshape)], backend=backend)
     ndim = ch.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])
-    shape = tuple(ch.choice(SIZES) for _ in range(ndim))
+    shape = tuple(ch.choice(SIZES_2 if version >= 2 else SIZES) for _ in range(ndim))
     dtype = ch.choice(DTYPES)
     x = make_tensor(shape, dtype, gen)
     # pending sums of random parts: in 16-bit floats the parts' rounding alone exceeds any tolerance
@@ -834,7 +977,7 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     meta = x
     loosest = x.dtype  # the least precise dtype the program computes in: its rounding bounds the agreement
     for _ in range(ch.integer(1, 4)):
-        family = ch.choice(sorted({f for f, _ in OPS.values()}))
+        family = ch.choice(sorted({f for f, _ in OPS.values() if SINCE.get(f, 1) <= version}))
         makers = [m for f, m in OPS.values() if f == family]
         st = ch.choice(makers)(ctx, meta)
         if st is None:
@@ -855,6 +998,8 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     grads = x.dtype in (torch.float64, torch.complex128) and not (getattr(spec, "partial", None))
     choices = ["value"] * 5 + (["grad", "grad", "func_grad", "jvp", "vjp"] if grads else [])
     choices += ["vmap"] if not getattr(spec, "partial", None) else []
+    if version >= 2 and backend == "local" and not getattr(spec, "partial", None):
+        choices += ["vmap_last"] + (["vmap_grad"] if grads else [])
     modes_here = set(choices)
     mode = ch.choice(choices)
     if compile_rate and ch.chance(compile_rate):
@@ -989,15 +1134,18 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             ref_err is not None
             or not isinstance(ref, torch.Tensor)
             or not ref.dtype.is_floating_point
-            and run in ("grad", "func_grad")
+            and run in ("grad", "func_grad", "vmap_grad")
             or not (ref.dtype.is_floating_point or ref.dtype.is_complex)
             and run in ("jvp", "vjp")
         ):
-            run = "value" if run in ("grad", "func_grad", "jvp", "vjp", "vmap") else run
+            run = "value" if run in ("grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad") else run
         rg = None
         tan = make_tensor(tuple(x.shape), x.dtype, gen) if run in ("jvp", "vjp") else None
         ct = make_tensor(tuple(ref.shape), ref.dtype, gen) if run == "vjp" else None
-        xb = torch.stack([x, x * 2 if x.dtype != torch.bool else ~x]) if run == "vmap" else None
+        xb = None
+        if run.startswith("vmap"):  # a batch of two: vmap_last batches the last dim (a dim behind the sharded ones)
+            xb = torch.stack([x, x * 2 if x.dtype != torch.bool else ~x], -1 if run == "vmap_last" else 0)
+        loss_of = lambda lift: lambda v: _scalar_loss(_chain(case.steps, v, lift))  # noqa: E731
         try:  # torch's transform first: where torch cannot transform the program, compare values only
             if run == "jvp":
                 rg = torch.func.jvp(lambda v: _chain(case.steps, v, plain), (x,), (tan,))
@@ -1006,6 +1154,10 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 rg = (rout, rfn(ct)[0])
             elif run == "vmap":
                 rg = torch.func.vmap(lambda v: _chain(case.steps, v, plain))(xb)
+            elif run == "vmap_last":
+                rg = torch.func.vmap(lambda v: _chain(case.steps, v, plain), in_dims=-1)(xb)
+            elif run == "vmap_grad":
+                rg = torch.func.vmap(torch.func.grad(loss_of(plain)))(xb)
             elif run == "grad":
                 xl = x.clone().requires_grad_()
                 (rg,) = torch.autograd.grad(_scalar_loss(_chain(case.steps, xl, plain)), xl, allow_unused=True)
@@ -1046,6 +1198,14 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
                 got = torch.func.vmap(lambda v: _chain(case.steps, v, shard))(XB)
                 _compare(got, rg, "vmap", prec)
+                got = _chain(case.steps, X, shard)
+            elif run == "vmap_last":
+                XB = sf.distribute(xb, P(*tuple(case.spec), *([None] * (x.dim() - len(case.spec))), None), mesh=mesh)
+                _compare(torch.func.vmap(lambda v: _chain(case.steps, v, shard), in_dims=-1)(XB), rg, "vmap(in_dims=-1)", prec)
+                got = _chain(case.steps, X, shard)
+            elif run == "vmap_grad":
+                XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
+                _compare(torch.func.vmap(torch.func.grad(loss_of(shard)))(XB), rg, "vmap(grad)", prec)
                 got = _chain(case.steps, X, shard)
             else:
                 g = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, shard)))(X)
@@ -1151,8 +1311,9 @@ def _where(e: BaseException) -> str:
     return f"  at {f.filename.split('/')[-1]}:{f.lineno} {f.name}"
 
 
-def case_for_seed(seed: int, compile_rate: float = 0.0, modes: Sequence[str] | None = None) -> Case:
-    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes)
+def case_for_seed(seed: int, compile_rate: float = 0.0, modes: Sequence[str] | None = None,
+                  version: int = GEN) -> Case:
+    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes, version=version)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1160,6 +1321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None, help="first seed (default: from the clock)")
     ap.add_argument("--replay", type=int, default=None, help="rerun one seed and print its trace")
+    ap.add_argument("--gen", type=int, default=GEN, help=f"the generator version (default {GEN}; older seeds: theirs)")
     ap.add_argument("--compile", type=float, default=0.02, help="share of cases under torch.compile (0 to skip)")
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated run modes to keep (of {','.join(MODES)}; default: all); "
@@ -1178,9 +1340,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes or () if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown mode(s) {bad}; known: {', '.join(MODES)}")
-    again = f" --modes {','.join(modes)}" if modes else ""
+    again = (f" --modes {','.join(modes)}" if modes else "") + ("" if a.gen == GEN else f" --gen {a.gen}")
     if a.replay is not None:
-        case = case_for_seed(a.replay, a.compile, modes)
+        case = case_for_seed(a.replay, a.compile, modes, a.gen)
         print(case.describe())
         res = run_case(case)
         print(res or "ok")
@@ -1190,7 +1352,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, fails, kinds = 0, 0, {}
     while time.time() < end:
         try:
-            case = case_for_seed(seed, a.compile, modes)
+            case = case_for_seed(seed, a.compile, modes, a.gen)
             res = run_case(case)
         except Exception as e:  # noqa: BLE001 - the harness itself must not stop the run
             res = f"harness error {type(e).__name__}: {e}"

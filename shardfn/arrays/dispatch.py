@@ -23,6 +23,7 @@ from . import inplace as _inplace
 from . import rule_table as _rules
 from . import special_ops
 from ..plans.planner import PLAN_CACHES
+from ..values.mesh import check_mesh_device
 from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, _BatchedArray
 from .redistribute import note_derived
 from .fragments import _fragment
@@ -47,8 +48,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if entry is not None:
             out = entry.warm(args, kwargs)
             if fkey[0] in _VIEWS:
-                x = args[0]  # (type checks and the dispatch keys: no Python-level calls on the warm path)
-                if type(x) not in _ARRAY_TYPES or _dispatch_keys(x).raw_repr() & _FLAG_BITS:
+                # (type checks and the dispatch keys: no Python-level calls; no local name either, as
+                # note_views counts the references to args[0])
+                if type(args[0]) not in _ARRAY_TYPES or _dispatch_keys(args[0]).raw_repr() & _FLAG_BITS:
                     keep_math_bits(func, args, out)
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
@@ -100,6 +102,12 @@ _VIEWS: dict[int, Any] = {}
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
+    # factories (*_like, new_*, random): the mesh owns the device (casts: ``_to_copy``'s rule; ``aten.to``
+    # itself reaches here only from torch.func's internals, which decompose it)
+    if kwargs.get("device") is not None and func.overloadpacket is not aten.to:
+        mesh = next((a.mesh for a in args if isinstance(a, ShardedArray)), None)
+        if mesh is not None:
+            check_mesh_device(func.__name__.split(".")[0], kwargs["device"], mesh)
     special = _SPECIAL.get(func)
     if special is not None:
         out = special(func, args, kwargs)
@@ -234,6 +242,8 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
             parts.append(k)
         elif t is int or a is None:
             parts.append(a)
+        elif t is float:
+            parts.append(float)
         else:
             k = _fast_part(a, t)
             if k is _MISS:

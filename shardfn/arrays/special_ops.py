@@ -21,6 +21,9 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     ``x``'s fast-key fragment holds for it too (not a pending one's: its fragment names the
     reductions kept on ``x``), so its next op needs no fragment lookup."""
     x = args[0]
+    fmt = kwargs.get("memory_format")
+    if fmt is not None and fmt is not torch.preserve_format and not x.is_contiguous(memory_format=fmt):
+        return aten._to_copy.default(x, memory_format=fmt)  # clone into another memory format: a copy
     shape = tuple(x.shape)
     if not x.is_contiguous() or x.storage_offset():
         # torch's strides for the output: a view (detach, alias) keeps x's, clone keeps them where

@@ -135,6 +135,8 @@ class _Call:
 
     def __init__(self, info: Info, fn: Callable, fixes: Sequence[tuple[str, Any]], sized: Sequence,
                  align: Sequence[tuple[Any, int]] = ()) -> None:
+        if dc.is_complex_call([*info.dtypes.values(), *info.out_dtypes]):
+            fn = dc.with_flag_keys(fn)
         self.fn = fn
         self.rebind = dc.rebinder(info.func, info.cand)
         target = info.cand.local_op or info.func

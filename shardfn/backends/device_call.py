@@ -63,6 +63,36 @@ def rebinder(func: Any, cand: Any) -> Callable[[tuple, dict], tuple[tuple, dict]
     return rebind
 
 
+_FLAG_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative)
+
+
+def with_flag_keys(fn: Callable) -> Callable:
+    """``fn`` run with torch's Conjugate and Negative dispatch keys live. Inside
+    ``__torch_dispatch__`` they are excluded, so a kernel that makes a lazy conj/neg view of
+    its own (``linalg_pinv``'s ``U.mH()``, a composite's ``x.conj() * s``) would read the view
+    as unconjugated values. Shards hold true values, so this changes nothing else."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        for k in _FLAG_KEYS:
+            exclude = exclude.remove(k)
+        with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def is_complex_call(dtypes: Sequence[Any]) -> bool:
+    """Whether a call with these input/output dtypes (None for non-tensors) computes in
+    complex numbers, where kernels make conj views (``with_flag_keys``)."""
+    return any(d is not None and d.is_complex for d in dtypes)
+
+
+def call_is_complex(call: Any) -> bool:
+    """``is_complex_call`` of an ``OpCall``'s sharded inputs and outputs."""
+    return is_complex_call([v.dtype for _, v in call.arrays] + [getattr(m, "dtype", None) for m in call.out_metas])
+
+
 def size_splits(layout: Layout) -> tuple[int, ...]:
     """Per dim of ``layout``: into how many pieces it is split."""
     mesh = layout.mesh
@@ -139,9 +169,11 @@ class DeviceCall:
     per device, when the strategy is compiled."""
 
     def __init__(self, func: Any, cand: Any, in_shapes: Sequence[tuple], out_shapes: Sequence[Any],
-                 devices: Sequence[int]) -> None:
+                 devices: Sequence[int], complex_call: bool = False) -> None:
         self.func = func
         self.fn = cand.local_fn or local_op(func, cand)
+        if complex_call:
+            self.fn = with_flag_keys(self.fn)
         self.rebind = rebinder(func, cand) if cand.local_fn is None else None
         self.dense = cand.dense
         self.sizes = {dev: [] for dev in devices}

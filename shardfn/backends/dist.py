@@ -38,7 +38,7 @@ from ..plans.planner import Step
 from ..values.errors import ShardingError
 from ..values.layout import Layout, describe, local_shapes
 from ..values.mesh import Mesh
-from .device_call import DeviceCall, raw_op, substitute, with_locals
+from .device_call import DeviceCall, call_is_complex, raw_op, substitute, with_locals
 from .dist_collectives import CollectiveError as CollectiveError  # documented here (docs/dist.md)
 from .dist_collectives import _all_gather_single, dense, pin_in_real_trace, run_collective
 from .dist_groups import Group as Group
@@ -229,7 +229,8 @@ class RankCall:
 
     def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
         self.rank = rank_of(call.mesh)
-        self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes, (self.rank,))
+        self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes, (self.rank,),
+                                      call_is_complex(call))
         self.positional = positional
         self.direct = raw_op(self.device_call.direct)  # the op itself when nothing needs adapting
         self.mesh = call.mesh if call.mesh.size > 1 and _raises_on_values(func, call) else None

@@ -185,8 +185,12 @@ def load(path: str | os.PathLike | None, like: Any, *, storage_reader: Any = Non
             targets[key] = leaf
             finish.append(None)
     no_dist = not _multi_process(meshes)
-    with _quiet(no_dist):
-        dcp.load(targets, checkpoint_id=_path_id(path), storage_reader=reader, no_dist=no_dist)
+    # arrays on a meta mesh (the CPU stand-in for an accelerator) hold no data: nothing to read
+    reads = {k: v for k, v in targets.items() if not (type(v) in ARRAY_TYPES and v.mesh.device_type == "meta")}
+    if reads:
+        with _quiet(no_dist):
+            dcp.load(reads, checkpoint_id=_path_id(path), storage_reader=reader, no_dist=no_dist)
+        targets.update(reads)  # DCP puts loaded Python values into the dict it was given
     out = [targets[key] if f is None else f(targets[key]) for key, f in zip(keys, finish)]
     return optree.tree_unflatten(spec, out)
 

@@ -142,6 +142,15 @@ class TorchOptimizer:
         zero = f", shard_state_over={self.shard_state_over!r}" if self.shard_state_over else ""
         return f"sf.optim[{self.optimizer_cls.__name__}]({opts}{zero})"
 
+    def _torch_optimizer(self, parts: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The torch optimizer over ``parts``. On a meta mesh (the CPU stand-in for an
+        accelerator, where no value is computed) ``fused=True`` steps with the foreach
+        kernels: torch's fused optimizers refuse meta tensors (its device check), and the
+        layouts, shapes and dtypes of the results are the same."""
+        if not (self._fused and parts and parts[0].device.type == "meta"):
+            return self.optimizer_cls(parts, **self.kwargs)
+        return self.optimizer_cls(parts, **{**self.kwargs, "fused": None, "foreach": True})
+
     # -- layouts -------------------------------------------------------------------------------
     def _update_layout(self, p: torch.Tensor) -> Layout | None:
         if not isinstance(p, ShardedArray):
@@ -161,7 +170,7 @@ class TorchOptimizer:
             layout = self._update_layout(p)
             pu = reshard(p.detach(), layout) if layout is not None else p.detach()
             parts = [s.clone(memory_format=torch.contiguous_format) for s in storage(pu, layout)]
-            opt = self.optimizer_cls(parts, **self.kwargs)
+            opt = self._torch_optimizer(parts)
             fresh = _fresh_state(opt, parts)
             states.append(self._wrap_state(fresh, layout, p, parts))
         return optree.tree_unflatten(spec, states)
@@ -240,7 +249,7 @@ class TorchOptimizer:
                         entry[k] = _copy(v)
                 opt_state.append(entry)
         if parts:
-            opt = self.optimizer_cls(parts, **self.kwargs)
+            opt = self._torch_optimizer(parts)
             if lr is not None:
                 opt.param_groups[0]["lr"] = lr
             for t, entry in zip(parts, opt_state):

@@ -38,10 +38,11 @@ import operator
 from typing import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from ..values.errors import ShardingError
-from ..values.layout import Box, Layout, all_boxes, box_intersection, box_numel, describe, max_local_numel
+from ..values.layout import Box, Layout, all_boxes, describe, max_local_numel
 from ..values.mesh import Mesh
 
 @attrs.frozen
@@ -408,22 +409,22 @@ def _exchange(src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -
     that differ only on the mesh axes whose role changes."""
     mesh = src.mesh
     axes = _exchange_axes(src, dst, shape)
-    pieces, sent = list(_pieces(src, dst, shape, range(mesh.size))), [0] * mesh.size
-    whole = True
-    for s, t, inter, sbox, dbox in pieces:
-        if s != t:
-            sent[s] += box_numel(inter) * itemsize
-            whole = whole and inter == sbox == dbox
-    moved = [p[0] for p in pieces if p[0] != p[1]]
-    kind = "permute" if whole and len(set(moved)) == len(moved) else "all_to_all"
+    table = _PieceTable(src, dst, shape, range(mesh.size))
+    moved = table.s != table.t
+    sent = np.zeros(mesh.size, dtype=np.int64)
+    np.add.at(sent, table.s[moved], table.numel[moved] * itemsize)
+    sb, db = _box_array(src, shape), _box_array(dst, shape)
+    whole = bool((table.box[moved] == sb[table.s[moved]]).all() and (table.box[moved] == db[table.t[moved]]).all())
+    senders = table.s[moved]
+    kind = "permute" if whole and len(np.unique(senders)) == len(senders) else "all_to_all"
     group = math.prod(mesh.axis_size(a) for a in axes)
-    return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, max(sent), group, pieces=tuple(pieces))
+    return Step(kind, axes if len(axes) > 1 else axes[0], src, dst, int(sent.max(initial=0)), group, pieces=table)
 
 
 def routes_to(src: Layout, dst: Layout, shape: tuple[int, ...], targets: Sequence[int]) -> tuple[Route, ...]:
     """The routes of :func:`_exchange`'s step into the devices ``targets`` only (a backend
     that stores each distinct shard once builds the shards of one device per replica group)."""
-    return tuple(Route(s, t, _rel(box, so), _rel(box, to)) for s, t, box, so, to in _pieces(src, dst, shape, targets))
+    return tuple(Route(s, t, _rel(box, so), _rel(box, to)) for s, t, box, so, to in _PieceTable(src, dst, shape, targets))
 
 
 def _exchange_axes(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -431,22 +432,55 @@ def _exchange_axes(src: Layout, dst: Layout, shape: tuple[int, ...]) -> tuple[st
     return tuple(a for a in src.mesh.axis_names if a in changed)
 
 
-def _pieces(src: Layout, dst: Layout, shape: tuple[int, ...], targets: Sequence[int]):
-    """``(src device, dst device, box, src box, dst box)`` for every non-empty piece a device
-    of ``targets`` needs, taken from the devices that differ from it only on the exchanged axes."""
-    mesh = src.mesh
-    src_axes = [mesh.axis_index(a) for a in _exchange_axes(src, dst, shape) if a in src.axis_dim]
-    sb, db = all_boxes(src, shape), all_boxes(dst, shape)
-    for t in targets:
-        coords = list(mesh.coords(t))
-        for combo in itertools.product(*(range(mesh.shape[i]) for i in src_axes)):
-            for i, c in zip(src_axes, combo):
-                coords[i] = c
-            s = mesh.device_at(coords)
-            inter = box_intersection(db[t], sb[s])
-            if inter is None or box_numel(inter) == 0:
-                continue
-            yield s, t, inter, sb[s], db[t]
+@functools.lru_cache(maxsize=1024)
+def _box_array(layout: Layout, shape: tuple[int, ...]) -> np.ndarray:
+    """``all_boxes`` as an int64 array (devices, dims, 2)."""
+    return np.asarray(all_boxes(layout, shape), dtype=np.int64).reshape(layout.mesh.size, len(shape), 2)
+
+
+@functools.lru_cache(maxsize=64)
+def _coords_array(mesh) -> np.ndarray:
+    return np.asarray([mesh.coords(d) for d in range(mesh.size)], dtype=np.int64).reshape(mesh.size, len(mesh.shape))
+
+
+class _PieceTable:
+    """Every non-empty piece a device of ``targets`` needs, taken from the devices that
+    differ from it only on the exchanged axes, as arrays (sources ``s``, targets ``t``,
+    boxes, element counts), target-major, sources ascending. Iterating yields
+    ``(src device, dst device, box, src box, dst box)`` tuples, built once on first use
+    (the planner costs an exchange from the arrays alone; only the chosen one is routed)."""
+
+    def __init__(self, src: Layout, dst: Layout, shape: tuple[int, ...], targets: Sequence[int]) -> None:
+        mesh = src.mesh
+        self._src, self._dst, self._shape = src, dst, shape
+        vary = [mesh.axis_index(a) for a in _exchange_axes(src, dst, shape) if a in src.axis_dim]
+        tgt = np.asarray(list(targets), dtype=np.int64)
+        combos = np.asarray(list(itertools.product(*(range(mesh.shape[i]) for i in vary))), dtype=np.int64)
+        coords = np.repeat(_coords_array(mesh)[tgt][:, None, :], len(combos), axis=1)  # (targets, combos, axes)
+        if vary:
+            coords[:, :, vary] = combos[None, :, :]
+        strides = np.asarray([math.prod(mesh.shape[i + 1:]) for i in range(len(mesh.shape))], dtype=np.int64)
+        srcs = coords @ strides  # (targets, combos)
+        sb, db = _box_array(src, shape), _box_array(dst, shape)
+        lo = np.maximum(sb[srcs][..., 0], db[tgt][:, None, :, 0])
+        hi = np.minimum(sb[srcs][..., 1], db[tgt][:, None, :, 1])
+        numel = np.clip(hi - lo, 0, None).prod(axis=-1)
+        keep = numel > 0
+        self.s = srcs[keep]
+        self.t = np.broadcast_to(tgt[:, None], srcs.shape)[keep]
+        self.box = np.stack([lo[keep], hi[keep]], axis=-1)  # (pieces, dims, 2)
+        self.numel = numel[keep]
+        self._tuples: tuple | None = None
+
+    def __iter__(self):
+        if self._tuples is None:
+            sb, db = all_boxes(self._src, self._shape), all_boxes(self._dst, self._shape)
+            boxes = [tuple(map(tuple, b)) for b in self.box.tolist()]
+            self._tuples = tuple((s, t, b, sb[s], db[t]) for s, t, b in zip(self.s.tolist(), self.t.tolist(), boxes))
+        return iter(self._tuples)
+
+    def __len__(self) -> int:
+        return len(self.s)
 
 
 def _rel(inner: Box, outer: Box) -> tuple[slice, ...]:

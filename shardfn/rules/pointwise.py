@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 import torch
 
-from ..values.errors import ShardingError
 from ..values.layout import Layout
+from ..values.mesh import check_mesh_device
 from .base import Candidate, OpCall, sum_passes
 
 aten = torch.ops.aten
@@ -171,14 +171,7 @@ class ToCopy:
     another device type is a ShardingError naming the ways to get there."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
-        dev = call.kwargs.get("device")
-        if dev is not None and torch.device(dev).type != call.mesh.device_type:
-            kind = torch.device(dev).type
-            raise ShardingError(
-                f"_to_copy(device={str(dev)!r}): the ShardedArray lives on its mesh's device type "
-                f"{call.mesh.device_type!r} (the mesh owns the device); for a plain tensor there use "
-                f"x.full_tensor().to({kind!r}), or distribute onto a Mesh(..., device_type={kind!r})"
-            )
+        check_mesh_device("_to_copy", call.kwargs.get("device"), call.mesh)
         return POINTWISE.candidates(call)
 
 

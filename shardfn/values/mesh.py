@@ -306,9 +306,31 @@ def mesh_device(mesh: Mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+def check_mesh_device(what: str, device: Any, mesh: Mesh) -> None:
+    """A ``device=`` argument of an op on ShardedArrays must name the mesh's device type (the
+    mesh owns the device): a ShardingError naming both and the ways to get elsewhere."""
+    if device is None:
+        return
+    kind = torch.device(device).type
+    if kind != mesh.device_type:
+        raise ShardingError(
+            f"{what}(device={str(device)!r}): the ShardedArray lives on its mesh's device type "
+            f"{mesh.device_type!r} (the mesh owns the device); for a plain tensor there use "
+            f"x.full_tensor().to({kind!r}), or distribute onto a Mesh(..., device_type={kind!r})"
+        )
+
+
 def to_mesh_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """``t`` itself if it is on the mesh's device type, else a copy there (differentiable)."""
-    return t if t.device.type == mesh.device_type else t.to(mesh_device(mesh))
+    """``t`` itself if it is on the mesh's device type, else a copy there (differentiable). A
+    meta tensor holds no data to copy: a ShardingError naming the mesh's device type."""
+    if t.device.type == mesh.device_type:
+        return t
+    if t.is_meta:
+        raise ShardingError(
+            f"a meta tensor of shape {tuple(t.shape)} holds no data, so it cannot move onto the mesh's device type "
+            f"{mesh.device_type!r}; give a tensor with values, or use a Mesh(..., device_type='meta')"
+        )
+    return t.to(mesh_device(mesh))
 
 
 # -- views: the same devices, other axes --------------------------------------------------------

@@ -16,7 +16,7 @@ from ...arrays.functorch import base_array, layout_of, static_int
 from ...backends.registry import backend_for
 from ...values.errors import ShardingError
 from ...values.layout import Layout, is_even
-from ...values.mesh import Mesh
+from ...values.mesh import Mesh, to_mesh_device
 from ...values.spec import NamedSharding, P, Replicate, _is_placements, layout_to_spec
 from .. import boundary as B
 from ...values.context import ThreadStack
@@ -174,6 +174,7 @@ def assemble_parts(path: str, outs: list, spec: Any, mesh: Mesh, check_vma: bool
     if not isinstance(outs[0], torch.Tensor):
         check_scalar_output(path, outs[0], spec)
         return outs[0]
+    outs = [to_mesh_device(o, mesh) for o in outs]  # the mesh owns the device: a body's new tensors move there
     layout = _out_layout(path, spec, outs[0].dim(), mesh)
     if check_vma and vma_of is not None:
         check_output_vma(path, spec, layout, set().union(*(vma_of(o) for o in outs)))

@@ -28,7 +28,7 @@ from ...arrays.functorch import base_array
 from ...arrays.redistribute import gather, reshard
 from ...values.errors import ShardingError
 from ...values.layout import Layout
-from ...values.mesh import Mesh
+from ...values.mesh import Mesh, to_mesh_device
 from .. import boundary as B
 from ..lax import _entered
 from ..specs import _match
@@ -287,6 +287,7 @@ def _assemble_stacked(path: str, c: Any, spec: Any, mesh: Mesh, check_vma: bool)
         return c
     if isinstance(c, ShardedArray) or base_array(c) is not None:
         c = gather(c)  # computed from a ShardedArray the body closed over: its whole (per-device) value
+    c = to_mesh_device(c, mesh)  # the mesh owns the device: a body's new tensors move there
     m = mesh.ndim
     layout = _out_layout(path, spec, c.dim() - m, mesh)
     varying = {a for k, a in enumerate(mesh.axis_names) if c.shape[k] > 1}
