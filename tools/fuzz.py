@@ -1216,6 +1216,8 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         except Exception as e:  # noqa: BLE001
             if ref_err is not None:
                 return None  # both raise
+            if run.startswith("compile") and _compiled_plain(case.steps, x, run == "compile_dynamic")[1] is not None:
+                return None  # torch.compile fails on the plain program too
             return f"shardfn raised {stage}where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
         if ref_err is not None and run.startswith("compile"):
             # torch.compile on plain tensors skips some eager kernels' checks too (its decompositions:
@@ -1227,6 +1229,10 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         if undo is not None and isinstance(ref, torch.Tensor) and isinstance(got, torch.Tensor):
             got = undo(got.full_tensor() if isinstance(got, sf.ShardedArray) else got)
             ref = undo(ref)
+        if run.startswith("compile"):
+            bad = _compiled_grad(case, x, mesh, ref, prec, dynamic=True if run == "compile_dynamic" else None)
+            if bad:
+                return bad
         try:
             _compare(got, ref, "value", prec)
             if got2 is not None:
@@ -1235,6 +1241,40 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                          ref, f"value in layout {_relaid_spec(case, x, mesh)} (recompiled)", prec)
         except Mismatch as e:
             return str(e)
+    return None
+
+
+def _compiled_grad(case: Case, x: torch.Tensor, mesh: sf.Mesh, ref: Any, prec: torch.dtype, dynamic: Any) -> str | None:
+    """A real program's gradient through the compiled program (AOTAutograd's backward, its
+    tangents' layouts) against torch's eager gradient; None when they agree or torch has none."""
+    if (x.dtype not in (torch.float64, torch.complex128) or getattr(case.spec, "partial", None)
+            or not isinstance(ref, torch.Tensor) or not ref.dtype.is_floating_point):
+        return None
+    try:
+        xl = x.clone().requires_grad_()
+        (rg,) = torch.autograd.grad(_scalar_loss(_chain(case.steps, xl, lambda a: a.plain)), xl, allow_unused=True)
+    except Exception:  # noqa: BLE001 - torch cannot differentiate it: values only
+        return None
+    rg = rg if rg is not None else torch.zeros_like(x)
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda v: _scalar_loss(_chain(case.steps, v, lambda a: a.sharded)), backend="aot_eager",
+                          dynamic=dynamic)
+        xs = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(f(sf.distribute(xs, case.spec, mesh=mesh)), xs, allow_unused=True)
+        _compare(g if g is not None else torch.zeros_like(x), rg, "compiled grad", prec)
+    except Mismatch as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001
+        torch._dynamo.reset()
+        try:  # torch.compile's own backward fails on some (an empty group_norm's decomposition divides by 0)
+            xp = x.clone().requires_grad_()
+            fp = torch.compile(lambda v: _scalar_loss(_chain(case.steps, v, lambda a: a.plain)), backend="aot_eager",
+                               dynamic=dynamic)
+            torch.autograd.grad(fp(xp), xp, allow_unused=True)
+        except Exception:  # noqa: BLE001
+            return None  # both raise
+        return f"shardfn raised in a compiled backward where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
     return None
 
 
