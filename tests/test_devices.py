@@ -110,7 +110,8 @@ def test_casts_keep_layout_and_device_and_match_torch() -> None:
     x = sf.distribute(t, P("dp", "tp"), mesh=mesh)
     casts = [lambda a: a.double(), lambda a: a.half(), lambda a: a.bfloat16(), lambda a: a.float(),
              lambda a: a.type(torch.float64), lambda a: a.to(torch.int32), lambda a: a.to("cpu", torch.float16),
-             lambda a: a.to(torch.float64, non_blocking=True), lambda a: a.to(torch.zeros(1, dtype=torch.bfloat16))]
+             lambda a: a.to(torch.float64, non_blocking=True), lambda a: a.to(torch.zeros(1, dtype=torch.bfloat16)),
+             lambda a: a.to("cpu:0", torch.float64)]
     for cast in casts:
         y = cast(x)
         assert y.spec == P("dp", "tp") and _devices(y) == {"cpu"}

@@ -168,11 +168,17 @@ LIKE = Like()
 class ToCopy:
     """``_to_copy`` (``.to``, ``.type``, casts): dtype, layout and memory format change
     shard by shard; the device type is the mesh's (the mesh owns the device), so a move to
-    another device type is a ShardingError naming the ways to get there."""
+    another device type is a ShardingError naming the ways to get there, and a device index
+    leaves each shard on its device."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         check_mesh_device("_to_copy", call.kwargs.get("device"), call.mesh)
-        return POINTWISE.candidates(call)
+        cands = POINTWISE.candidates(call)
+        if call.kwargs.get("device") is None:
+            return cands
+        # the device index is the mesh's business too: each shard stays on its device ("cuda:1"
+        # does not move one simulated device's shard away from the others)
+        return [attrs.evolve(c, local_args=(("device", None),)) for c in cands]
 
 
 # Elementwise ops that torch does not tag as pointwise.
