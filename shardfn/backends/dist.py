@@ -237,7 +237,9 @@ class RankCall:
         # outputs are not (as the local backend: nothing to compute, and a kernel may reject
         # the empty piece), with their dtypes
         self.empty = _empty_here(cand, call, out_shapes, self.rank)
-        raises = _raises_on_values(func, call) or _empty_on_some(cand, call) or self.empty is not None
+        # the same decision on every rank: whether any rank's outputs are all empty
+        some_empty = any(_empty_here(cand, call, out_shapes, r) is not None for r in range(call.mesh.size))
+        raises = _raises_on_values(func, call) or _empty_on_some(cand, call) or some_empty
         self.mesh = call.mesh if call.mesh.size > 1 and raises else None
 
     def lean(self, args: tuple, kwargs: dict) -> Any:

@@ -134,5 +134,19 @@ def kernels_are_not_given_an_empty_shard_of_a_valid_call(mesh: sf.Mesh) -> None:
     for f in (torch.nn.functional.avg_pool1d, torch.nn.functional.max_pool1d):
         assert torch.equal(f(x, 2).full_tensor(), f(full, 2)), f
 
+@scenario
+def outputs_empty_on_some_ranks_decide_the_same_everywhere(mesh: sf.Mesh) -> None:
+    """max over an empty dim of a [0, 2, 6] array whose last dim splits 2, 2, 2, 0: torch
+    raises; the rank with an empty output ran the error agreement and the others did not, so
+    it waited alone (seed 700481). Whether a call agrees is now the same decision on every rank."""
+    full = torch.zeros(0, 2, 6)
+    spec = P(None, None, tuple(mesh.axis_names))
+    x = sf.ShardedArray.from_local(shards_for(full, spec, mesh), spec, mesh=mesh, shape=(0, 2, 6))
+    with pytest.raises(Exception) as want:
+        full.max(0)
+    with pytest.raises(want.type):
+        x.max(0)
+    assert torch.equal(x.full_tensor(), full)  # the world goes on
+
 
 test_local, test_dist = collect(globals())
