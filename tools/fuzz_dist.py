@@ -200,6 +200,8 @@ def _digest(outs: list[tuple[str, Any]]) -> str:
         h.update(what.encode())
         if isinstance(v, torch.Tensor):
             t = v.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+            if t._is_zerotensor():  # torch.func's zero gradients hold no memory
+                t = torch.zeros(t.shape, dtype=t.dtype)
             h.update(f"{t.dtype}{tuple(v.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         else:

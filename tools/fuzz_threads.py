@@ -38,6 +38,8 @@ def _digest(v: Any) -> str:
     if not isinstance(v, torch.Tensor):
         return repr(v)
     t = v.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if t._is_zerotensor():  # torch.func's zero gradients hold no memory
+        t = torch.zeros(t.shape, dtype=t.dtype)
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.is_floating_point():  # one NaN: its sign bit is no result (a cold and a warm path may differ in it)

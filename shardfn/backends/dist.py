@@ -233,14 +233,18 @@ class RankCall:
                                       call_is_complex(call))
         self.positional = positional
         self.direct = raw_op(self.device_call.direct)  # the op itself when nothing needs adapting
-        raises = _raises_on_values(func, call) or _empty_on_some(cand, call)
+        # this rank's local output shapes where every output is empty here while the global
+        # outputs are not (as the local backend: nothing to compute, and a kernel may reject
+        # the empty piece), with their dtypes
+        self.empty = _empty_here(cand, call, out_shapes, self.rank)
+        raises = _raises_on_values(func, call) or _empty_on_some(cand, call) or self.empty is not None
         self.mesh = call.mesh if call.mesh.size > 1 and raises else None
 
     def lean(self, args: tuple, kwargs: dict) -> Any:
         """The lone output for arrays at ``positional`` needing no move (dispatch's fast path)."""
         a = with_locals(args, self.positional)
         if self.mesh is not None:
-            return self._together(lambda: self._run(tuple(a), kwargs)[0])
+            return self._together(lambda: self._run(tuple(a), kwargs)[0], lone=True)
         if self.direct is not None:
             return self.direct(*a, **kwargs)
         return self.device_call(tuple(a), kwargs, self.rank)[0]
@@ -257,7 +261,7 @@ class RankCall:
             return list(out) if isinstance(out, (tuple, list)) else [out]
         return self.device_call(a, k, self.rank)
 
-    def _together(self, run: Callable[[], Any]) -> Any:
+    def _together(self, run: Callable[[], Any], lone: bool = False) -> Any:
         """``run()`` for an op whose kernel raises on some values (an index out of range, an
         integer division by zero; or any error, when some ranks' shards are empty and others'
         not), which this rank's shard may hold and another's not: one
@@ -269,6 +273,10 @@ class RankCall:
             out, err = run(), None
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             out, err = None, e
+            if self.empty is not None and isinstance(e, (RuntimeError, IndexError, ValueError)) \
+                    and not isinstance(e, ShardingError):
+                out, err = [torch.empty(sh, dtype=dt, device=self.mesh.device_type) for sh, dt in self.empty], None
+                out = out[0] if lone else out
         n = len(_ERRORS) + 1
         mine = self.rank * n + _error_kind(err) if err is not None else self.mesh.size * n
         group = _state(self.mesh).groups[self.mesh.axis_names]
@@ -303,6 +311,16 @@ def _raises_on_values(func: Any, call: Any) -> bool:
     if name not in _INTEGER_DIVISION or (name.startswith("div") and call.kwargs.get("rounding_mode") is None):
         return False  # true division never raises
     return all(not (v.is_floating_point() or v.is_complex()) for _, v in call.arrays if isinstance(v, torch.Tensor))
+
+
+def _empty_here(cand: Any, call: Any, out_shapes: Sequence[Any], rank: int) -> list | None:
+    metas = getattr(call, "out_metas", None) or ()
+    if not (cand.out_layouts and all(layout is not None for layout in cand.out_layouts)
+            and len(metas) == len(cand.out_layouts) and all(isinstance(m, torch.Tensor) for m in metas)
+            and all(0 not in tuple(shape) for shape in out_shapes)):
+        return None
+    shapes = [local_shapes(layout, tuple(shape))[rank] for layout, shape in zip(cand.out_layouts, out_shapes)]
+    return [(sh, m.dtype) for sh, m in zip(shapes, metas)] if all(0 in sh for sh in shapes) else None
 
 
 def _empty_on_some(cand: Any, call: Any) -> bool:

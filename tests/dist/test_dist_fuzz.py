@@ -122,5 +122,17 @@ def kernel_errors_with_empty_shards_on_some_ranks(mesh: sf.Mesh) -> None:
         x.amax(0)
     assert torch.equal(x.full_tensor(), full)  # the world goes on
 
+@scenario
+def kernels_are_not_given_an_empty_shard_of_a_valid_call(mesh: sf.Mesh) -> None:
+    """Pooling an unbatched (C, L) input with C=3 split over 4 devices: the empty shard's
+    kernel call raised, and since the agreement on errors every rank raised where torch does
+    not (seeds 501650, 502660). As on the local backend, a rank whose outputs are all empty
+    where the global ones are not returns empty outputs instead."""
+    full = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)
+    spec = P(tuple(mesh.axis_names))
+    x = sf.ShardedArray.from_local(shards_for(full, spec, mesh), spec, mesh=mesh, shape=(3, 4))
+    for f in (torch.nn.functional.avg_pool1d, torch.nn.functional.max_pool1d):
+        assert torch.equal(f(x, 2).full_tensor(), f(full, 2)), f
+
 
 test_local, test_dist = collect(globals())
