@@ -301,3 +301,25 @@ def test_bad_sampler_arguments(mesh24):
         sf.random.uniform(sf.random.key(0), (4,), P("x"), mesh=mesh24, minval=1.0, maxval=1.0)
     with pytest.raises(TypeError, match="dtype"):
         sf.random.randint(sf.random.key(0), (4,), 0, 3, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_samplers_inside_torch_compile_draw_the_eager_values(dynamic):
+    """Inside ``torch.compile`` a sampler breaks the graph and draws eagerly: the compiled
+    function returns exactly the eager values (Dynamo raised tracing into the keys)."""
+    mesh = sf.Mesh((2, 2), ("a", "b"), backend="local")
+    x = sf.distribute(torch.randn(4, 6), P("a"), mesh=mesh)
+    k = sf.random.key(3)
+    rows, cols = P("a", "b"), P("b")
+
+    def f(x):
+        k1, k2 = sf.random.split(sf.random.fold_in(k, 1))
+        noise = sf.random.normal(k1, x.shape, rows, mesh=mesh) * sf.random.uniform(k2, x.shape, cols, mesh=mesh)
+        keep = sf.random.bernoulli(k2, 0.5, x.shape, rows, mesh=mesh)
+        return torch.where(keep, x + noise, sf.random.randint(k1, x.shape, 0, 5, cols, mesh=mesh).float())
+
+    want = f(x).full_tensor()
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="aot_eager", dynamic=dynamic)(x)
+    assert isinstance(got, sf.ShardedArray)
+    assert torch.equal(got.full_tensor(), want)

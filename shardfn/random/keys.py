@@ -42,6 +42,13 @@ class Key:
 KeyLike = Key | Sequence[int]
 
 
+def _eager(fn):
+    """Inside ``torch.compile`` a call breaks the graph and runs eagerly (as torch's own
+    ``nonzero`` does): Dynamo cannot trace the keys (attrs values) or the Philox rounds on
+    Python ints. The draw is the eager one; ``fullgraph=True`` raises at the call."""
+    return torch._dynamo.disable(fn, reason=f"sf.random.{fn.__name__} runs eagerly")
+
+
 def _check_key(k: object) -> Key:
     if isinstance(k, Key):
         return k
@@ -55,6 +62,7 @@ def _check_key(k: object) -> Key:
 # -- keys --------------------------------------------------------------------------------
 
 
+@_eager
 def key(seed: int) -> Key:
     """A key from an integer seed in [-2**63, 2**64-1] (negative seeds wrap to 64 bits).
 
@@ -70,11 +78,13 @@ def key(seed: int) -> Key:
     return Key(*_rng.key_from_seed(s % 2**64))
 
 
+@_eager
 def split(key: KeyLike, num: int = 2) -> tuple[Key, ...]:
     """``num`` new, independent keys derived from ``key`` (like ``jax.random.split``)."""
     return tuple(Key(lo, hi) for lo, hi in _rng.split(_check_key(key), num))
 
 
+@_eager
 def fold_in(key: KeyLike, data: int) -> Key:
     """A new key from ``key`` and an integer ``data`` in [0, 2**64-1] (e.g. a step or rank)."""
     return Key(*_rng.fold_in(_check_key(key), data))
@@ -95,6 +105,7 @@ def _sample(shape: ShapeLike, sharding: Sharding | None, mesh: Mesh | None, dtyp
     return _allocating(shape, dtype, lambda: _build(shape, layout, lambda box: draw(shape, box, device), dtype))
 
 
+@_eager
 def uniform(key: KeyLike, shape: ShapeLike = (), sharding: Sharding | None = None, *,
             dtype: torch.dtype | None = None, minval: float = 0.0, maxval: float = 1.0,
             mesh: Mesh | None = None) -> torch.Tensor:
@@ -119,6 +130,7 @@ def uniform(key: KeyLike, shape: ShapeLike = (), sharding: Sharding | None = Non
         k, s, box, dtype=dtype, low=minval, high=maxval, device=dev))
 
 
+@_eager
 def normal(key: KeyLike, shape: ShapeLike = (), sharding: Sharding | None = None, *,
            dtype: torch.dtype | None = None, mean: float = 0.0, std: float = 1.0,
            mesh: Mesh | None = None) -> torch.Tensor:
@@ -128,6 +140,7 @@ def normal(key: KeyLike, shape: ShapeLike = (), sharding: Sharding | None = None
         k, s, box, dtype=dtype, mean=mean, std=std, device=dev))
 
 
+@_eager
 def randint(key: KeyLike, shape: ShapeLike, minval: int, maxval: int, sharding: Sharding | None = None, *,
             dtype: torch.dtype = torch.int64, mesh: Mesh | None = None) -> torch.Tensor:
     """Integers in [minval, maxval) of an integer ``dtype`` (see :func:`uniform`)."""
@@ -136,6 +149,7 @@ def randint(key: KeyLike, shape: ShapeLike, minval: int, maxval: int, sharding: 
         k, s, box, low=minval, high=maxval, dtype=dtype, device=dev))
 
 
+@_eager
 def bernoulli(key: KeyLike, p: float | torch.Tensor = 0.5, shape: ShapeLike | None = None,
               sharding: Sharding | None = None, *, dtype: torch.dtype = torch.bool,
               mesh: Mesh | None = None) -> torch.Tensor:
@@ -187,6 +201,7 @@ def _bernoulli_sharded(k: Key, p: ShardedArray, shape: tuple[int, ...], layout: 
     return wrap(_from_boxes(layout, shape, make, dtype, _mesh_device(mesh)), layout, shape, dtype)
 
 
+@_eager
 def dropout(key: KeyLike, x: torch.Tensor, rate: float) -> torch.Tensor:
     """``x`` with each element zeroed with probability ``rate`` and the rest scaled by
     ``1 / (1 - rate)``; differentiable in ``x``. The mask is laid out like ``x``.
