@@ -894,3 +894,21 @@ def test_kernels_making_conj_views_of_their_own(shape, spec):
         if len(shape) == 3:
             got = torch.func.vmap(f, in_dims=-1)(X)
             _close(got, torch.func.vmap(f, in_dims=-1)(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_compiled_dynamic_view_of_a_slice_with_symbolic_strides(dtype):
+    """compile(dynamic=True): a slice of a dynamic dim has concrete sizes but symbolic
+    strides; the next op's cache key hashed them ("unhashable type: non-nested SymInt",
+    fuzzer seed 5727492746, a cholesky of ``b @ b.mT.conj()``)."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    t = torch.randn(3, 4, dtype=dtype)
+    x = sf.distribute(t, P(None, None), mesh=mesh)
+
+    def f(v):
+        b = v[..., :3, :3]
+        return b @ b.mT.conj() + torch.eye(3, dtype=v.dtype) * 3
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="aot_eager", dynamic=True)(x)
+    torch.testing.assert_close(got.full_tensor(), f(t))

@@ -163,8 +163,15 @@ def _remember(key: tuple, entry: Any) -> Any:
 def _any_symbolic(leaves: list) -> bool:
     return any(
         isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape))
+        or (isinstance(v, ShardedArray) and _symbolic_strides(v))
         for _, v in leaves
     )
+
+
+def _symbolic_strides(v: ShardedArray) -> bool:
+    """A view with concrete sizes may still report symbolic strides or offset (a slice of a
+    dynamic dim: ``x[:3].mT``)."""
+    return _ft.is_symbolic(v.stride()) or isinstance(v.storage_offset(), torch.SymInt)
 
 
 def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> Any:
@@ -211,6 +218,9 @@ def _specialised(path: Any, v: Any) -> Any:
         if isinstance(local, torch.Tensor):
             local = local.view(*local.shape[:v.mesh.ndim], *local_shapes(v._layout, shape)[0])
         return ShardedArray(local, v._layout, shape, v.dtype, requires_grad=v.requires_grad)
+    if isinstance(v, ShardedArray) and _symbolic_strides(v):  # concrete sizes: keep the view's strides, guarded
+        return _array._wrap_output(v._local, v._layout, tuple(v.shape), v.dtype, None,
+                                   (tuple(int(n) for n in v.stride()), int(v.storage_offset())))
     if isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape):
         return v.view(tuple(int(n) for n in v.shape))
     return v
