@@ -36,6 +36,9 @@ FOUND = [
     5715727986, 5715755990,  # compile(dynamic=True): a symbol pinned in AOTAutograd's second pass only
     5715726797,  # compiled empty interpolate: torch.compile on plain tensors returns too (the oracle)
     (101260, 2),  # complex pinv: a kernel's own conj view read unconjugated inside __torch_dispatch__
+    (5727480850, 2), (5727481641, 2),  # unique of a contraction: a last-bit difference split a value (oracle)
+    (5727486794, 2),  # vmap_last view(dtype) of an empty clone: the shards kept the batch stride
+    (5727492746, 2), (5727504763, 2),  # compile(dynamic): a slice's symbolic strides in the cache key
 ]
 
 

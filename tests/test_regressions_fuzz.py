@@ -912,3 +912,33 @@ def test_compiled_dynamic_view_of_a_slice_with_symbolic_strides(dtype):
     torch._dynamo.reset()
     got = torch.compile(f, backend="aot_eager", dynamic=True)(x)
     torch.testing.assert_close(got.full_tensor(), f(t))
+
+
+def test_warm_clone_into_contiguous_copies_the_shards():
+    """A clone into contiguous format of a transposed view copies every time: the warm
+    (cached) call aliased the transposed shards, so ``view(dtype)`` of its result raised."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    t = torch.randn(4, 6, dtype=torch.bfloat16)
+    a = sf.distribute(t, P("x", None), mesh=mesh)
+    want = t.t().contiguous().view(torch.uint8)
+    for _ in range(3):  # cold, then warm
+        b = a.t()
+        c = b.clone(memory_format=torch.contiguous_format)
+        assert c.is_contiguous()
+        assert torch.equal(c.view(torch.uint8).full_tensor(), want)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (1, 3)])
+def test_view_dtype_of_a_degenerate_last_dim_under_vmap(shape):
+    """vmap with the batch dim last: a clone of an empty (or size-1) value reports stride 1
+    but its shards kept the batch stride; view(dtype) checks stride(-1) == 1 at any size
+    (fuzzer seeds 5727486794, 424242259)."""
+    mesh = sf.Mesh((2, 4), ("x", "y"), backend="local")
+    t = torch.zeros(*shape, dtype=torch.bfloat16)
+
+    def f(v):
+        return v.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+
+    want = torch.func.vmap(f, in_dims=-1)(t)
+    got = torch.func.vmap(f, in_dims=-1)(sf.distribute(t, P(None, None), mesh=mesh))
+    assert torch.equal(got.full_tensor(), want)

@@ -655,7 +655,10 @@ def more(c: Ctx, x: torch.Tensor) -> Step | None:
         "searchsorted": (n > 0 and real, lambda v, A: torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0], dtype=v.dtype), v)),
         "bucketize": (real, lambda v, A: torch.bucketize(v, torch.tensor([-1.0, 0.0, 1.0], dtype=v.dtype))),
         "histc": (real and x.dtype in (torch.float32, torch.float64), lambda v, A: torch.histc(v, 4, -2, 2)),
-        "unique": (not cplx and x.dtype not in (torch.float16, torch.bfloat16), lambda v, A: torch.unique(v)),
+        # floats on a grid of 1/64: a contraction summed in another order may differ in its last
+        # bit, which splits or merges values of torch.unique (a count, not a value, would differ)
+        "unique": (not cplx and x.dtype not in (torch.float16, torch.bfloat16),
+                   lambda v, A: torch.unique(torch.round(v * 64) / 64 if v.is_floating_point() else v)),
         "nonzero": (True, lambda v, A: torch.nonzero(v)),
         "flip_multi": (n >= 2, lambda v, A: v.flip(0, -1)),
         "rot90": (n >= 2, lambda v, A: torch.rot90(v, k, (0, 1))),

@@ -21,9 +21,8 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     ``x``'s fast-key fragment holds for it too (not a pending one's: its fragment names the
     reductions kept on ``x``), so its next op needs no fragment lookup."""
     x = args[0]
-    fmt = kwargs.get("memory_format")
-    if fmt is not None and fmt is not torch.preserve_format and not x.is_contiguous(memory_format=fmt):
-        return aten._to_copy.default(x, memory_format=fmt)  # clone into another memory format: a copy
+    if _copies(x, kwargs):
+        return aten._to_copy.default(x, memory_format=kwargs["memory_format"])  # a copy
     shape = tuple(x.shape)
     if not x.is_contiguous() or x.storage_offset():
         # torch's strides for the output: a view (detach, alias) keeps x's, clone keeps them where
@@ -33,6 +32,12 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     if frag is not None and x._layout.partial:
         frag = None
     return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
+
+
+def _copies(x: Any, kwargs: dict) -> bool:
+    """Whether a clone into ``memory_format`` must copy (``x`` is not laid out that way)."""
+    fmt = kwargs.get("memory_format")
+    return fmt is not None and fmt is not torch.preserve_format and not x.is_contiguous(memory_format=fmt)
 
 
 class AliasEntry:
@@ -57,8 +62,8 @@ class AliasEntry:
 def alias_entry(func: Any, args: tuple, kwargs: dict) -> AliasEntry | None:
     """A cache entry for this call if it is an ``_alias`` of one array."""
     x = args[0] if len(args) == 1 else None
-    if HANDLERS.get(func) is not _alias or type(x) not in (ShardedArray, _BatchedArray):
-        return None
+    if HANDLERS.get(func) is not _alias or type(x) not in (ShardedArray, _BatchedArray) or _copies(x, kwargs):
+        return None  # a clone into another memory format copies every time
     return AliasEntry(func, x, kwargs)
 
 

@@ -109,8 +109,9 @@ def dense(v: Any, mode: bool | str = True) -> Any:
             v = v.resolve_conj()
         if v.is_neg():
             v = v.resolve_neg()
-        if mode == "last":
-            return v.contiguous() if v.dim() and v.shape[-1] > 1 and v.stride(-1) != 1 else v
+        if mode == "last":  # (a clone, not contiguous(): torch calls an empty or size-1 dim contiguous
+            # whatever its stride, yet view(dtype) checks stride(-1) == 1 for any size)
+            return v.clone(memory_format=torch.contiguous_format) if v.dim() and v.stride(-1) != 1 else v
         return v.contiguous()
     if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
         return type(v)(dense(t, mode) for t in v)
