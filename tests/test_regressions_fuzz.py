@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
+from shardfn.values import torch_compat as _compat
+
+TORCH_2_13 = _compat._release(torch.__version__) >= (2, 13)
 
 
 def _close(a, b, **kw):
@@ -862,7 +865,8 @@ def test_compiled_dynamic_views_report_torchs_strides():
         g(sf.distribute(x, P("x", None), mesh=mesh))
 
 
-@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("k", [0, pytest.param(1, marks=pytest.mark.skipif(
+    not TORCH_2_13, reason="torch 2.11's AOTAutograd still fails this case after settle_guards (a known gap)"))])
 def test_compiled_dynamic_slice_by_a_traced_int_of_a_specialised_size(k):
     # index_select's replicated output has a specialised size (2), so the tracer's contiguity
     # guard on the sliced shard (2 - k >= 2) pinned k only in AOTAutograd's second pass, after
@@ -928,6 +932,7 @@ def test_warm_clone_into_contiguous_copies_the_shards():
         assert torch.equal(c.view(torch.uint8).full_tensor(), want)
 
 
+@pytest.mark.skipif(not TORCH_2_13, reason="torch 2.11 has no vmap rule for view(dtype), for plain tensors too")
 @pytest.mark.parametrize("shape", [(0, 3), (1, 3)])
 def test_view_dtype_of_a_degenerate_last_dim_under_vmap(shape):
     """vmap with the batch dim last: a clone of an empty (or size-1) value reports stride 1
