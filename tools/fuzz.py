@@ -708,6 +708,28 @@ def more(c: Ctx, x: torch.Tensor) -> Step | None:
     return None
 
 
+def smap_draw(c: Ctx, x: torch.Tensor) -> tuple:
+    """What a shard_map body family draws first (``x`` not 0-d): a dim ``d`` and a mesh axis
+    ``a`` (its ``size``; ``even``: d divides over it), ``spec_d`` (d split over a), ``rep``
+    (replicated), and ``smap(body, out_specs, in_specs=spec_d)``: the body mapped over the
+    mesh, an array input resharded to ``in_specs`` first."""
+    mesh, n = c.mesh, x.dim()
+    d = c.ch.integer(0, n - 1)
+    a = c.ch.choice(mesh.axis_names)
+    size = mesh.shape[mesh.axis_names.index(a)]
+    spec_d = P(*[a if i == d else None for i in range(n)])
+
+    def smap(body: Callable, out_specs: P, in_specs: P = spec_d) -> Callable:
+        def run(v: Any) -> Any:
+            if isinstance(v, sf.ShardedArray):
+                v = sf.reshard(v, in_specs)
+            return sf.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)(v)
+
+        return run
+
+    return d, a, size, x.shape[d] % size == 0, spec_d, P(*([None] * n)), smap
+
+
 @op("transform")
 def transform(c: Ctx, x: torch.Tensor) -> Step | None:
     """Layout changes mid-program (reshard, constraints) and shard_map bodies with collectives,
@@ -722,21 +744,7 @@ def transform(c: Ctx, x: torch.Tensor) -> Step | None:
         return Step(name, lambda v, A: f(v, spec) if isinstance(v, sf.ShardedArray) else v, f"{name}({spec})")
     if not n:
         return None
-    d = c.ch.integer(0, n - 1)
-    a = c.ch.choice(mesh.axis_names)
-    size = mesh.shape[mesh.axis_names.index(a)]
-    even = x.shape[d] % size == 0
-    spec_d = P(*[a if i == d else None for i in range(n)])
-    rep = P(*([None] * n))
-
-    def smap(body: Callable, out_specs: P, in_specs: P = spec_d) -> Callable:
-        def run(v: Any) -> Any:
-            if isinstance(v, sf.ShardedArray):
-                v = sf.reshard(v, in_specs)
-            return sf.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)(v)
-
-        return run
-
+    d, a, size, even, spec_d, rep, smap = smap_draw(c, x)
     desc = f"{name}(axis={a!r}, dim={d})"
     if name == "smap_gather" and even:
         g = smap(lambda b: sf.lax.all_gather(b, a, axis=d, tiled=True), rep)

@@ -59,19 +59,8 @@ def collective(c: fuzz.Ctx, x: torch.Tensor) -> fuzz.Step | None:
     mesh, n = c.mesh, x.dim()
     if not n:
         return None
-    d = c.ch.integer(0, n - 1)
-    a = c.ch.choice(mesh.axis_names)
-    size = mesh.shape[mesh.axis_names.index(a)]
-    even = x.shape[d] % size == 0
-    spec_d = P(*[a if i == d else None for i in range(n)])
-    rep = P(*([None] * n))
+    d, a, size, even, spec_d, rep, smap = fuzz.smap_draw(c, x)  # smap's callers pass arrays only
     name = c.ch.choice(["pmin", "pmean", "all_to_all", "gather_stack", "pshuffle", "pbroadcast", "psum2"])
-
-    def smap(body: Callable, out_specs: P, in_specs: P = spec_d) -> Callable:
-        def run(v: Any) -> Any:
-            return sf.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)(sf.reshard(v, in_specs))
-
-        return run
 
     def step(g: Callable, ref: Callable, desc: str) -> fuzz.Step:
         return fuzz.Step(f"smap_{name}", lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else ref(v), desc)
