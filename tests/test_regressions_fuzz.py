@@ -947,3 +947,28 @@ def test_view_dtype_of_a_degenerate_last_dim_under_vmap(shape):
     want = torch.func.vmap(f, in_dims=-1)(t)
     got = torch.func.vmap(f, in_dims=-1)(sf.distribute(t, P(None, None), mesh=mesh))
     assert torch.equal(got.full_tensor(), want)
+
+
+@pytest.mark.parametrize("shape,spec", [((3,), P(None)), ((3, 0), P(None, None)), ((4,), P("x"))])
+def test_compiled_dynamic_backward_of_a_graph_returning_an_array(shape, spec):
+    """compile(dynamic=True), a graph break after a graph whose output needs a gradient: the
+    tangent's sizes come from an earlier trace, and wrapping it made ``1 + (n - 1)`` (its storage
+    size) out of an untracked ``n``, which the tracer resolved to itself (RecursionError; fuzzer
+    seeds 5727481967, 5727508445, both through an ``sf.random`` draw's graph break)."""
+    mesh = sf.Mesh((2,), ("x",))
+    key = sf.random.key(1)
+
+    def f(v):
+        v = v * 2
+        torch._dynamo.graph_break()
+        v = v + sf.random.uniform(key, tuple(v.shape), spec, mesh=mesh)
+        torch._dynamo.graph_break()
+        return (v * v).sum()
+
+    x = torch.rand(*shape, dtype=torch.float64) + 1
+    r = sf.random.uniform(key, shape, spec, mesh=mesh).full_tensor()
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch._dynamo.reset()
+    (got,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", dynamic=True)(sf.distribute(xs, spec, mesh=mesh)), xs)
+    (want,) = torch.autograd.grad(((xr * 2 + r) ** 2).sum(), xr)
+    _close(got, want)

@@ -207,6 +207,7 @@ class ShardedArray(torch.Tensor):
             outer_stride = None if outer_stride is None else tuple(_ft.static_int(n) for n in outer_stride)
         elif _ft.is_symbolic(outer_size):
             _check_symbolic_even(layout, outer_size, like)
+            outer_size, outer_stride = _traced_sizes(layout, outer_size, outer_stride, like)
         return ShardedArray(local, layout, outer_size, like.dtype, stride=outer_stride)
 
     # torch._dynamo.mark_dynamic(x, d) mirrors itself onto inner tensors of x's rank only;
@@ -422,6 +423,28 @@ def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> N
         if isinstance(n, torch.SymInt):
             k = math.prod(mesh.axis_size(a) for a in axes)
             torch._check(n == k * local.shape[mesh.ndim + d])
+
+
+def _traced_sizes(layout: Layout, shape: tuple, stride: tuple | None, local: torch.Tensor) -> tuple[tuple, tuple | None]:
+    """The symbolic global sizes (and strides equal to one) rebuilt from the stacked shard's
+    sizes, which the tracer knows: AOTAutograd hands a tangent its sizes from an earlier trace,
+    and the wrapper's storage size (``1 + (n - 1) * 1``) then makes a new ``n`` out of an
+    untracked one, which the tracer resolves back to the new one (a RecursionError; fuzzer
+    seeds 5727481967, 5727508445). Same values: only where the expressions are equal."""
+    mesh = layout.mesh
+    sizes, by_expr = [], {}
+    for d, (n, axes) in enumerate(zip(shape, layout.dims)):
+        if isinstance(n, torch.SymInt):
+            k = math.prod(mesh.axis_size(a) for a in axes)
+            m = local.shape[mesh.ndim + d]
+            m = m if k == 1 or not isinstance(m, torch.SymInt) else k * m
+            if isinstance(m, torch.SymInt) and m.node.expr == n.node.expr:
+                n = m
+                by_expr[n.node.expr] = n
+        sizes.append(n)
+    if stride is not None and by_expr:
+        stride = tuple(by_expr.get(s.node.expr, s) if isinstance(s, torch.SymInt) else s for s in stride)
+    return tuple(sizes), stride
 
 
 @functools.lru_cache(maxsize=4096)
