@@ -45,6 +45,7 @@ FOUND = [
     (5727486794, 2),  # vmap_last view(dtype) of an empty clone: the shards kept the batch stride
     (5727492746, 2), (5727504763, 2),  # compile(dynamic): a slice's symbolic strides in the cache key
     (5727481967, 2), (5727508445, 2),  # compiled backward: a tangent's untracked sizes (RecursionError)
+    (5728942245, 2),  # compiled backward: sgn's plain ZeroTensor gradient where an array tangent was guessed
 ]
 
 

@@ -972,3 +972,24 @@ def test_compiled_dynamic_backward_of_a_graph_returning_an_array(shape, spec):
     (got,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", dynamic=True)(sf.distribute(xs, spec, mesh=mesh)), xs)
     (want,) = torch.autograd.grad(((xr * 2 + r) ** 2).sum(), xr)
     _close(got, want)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_backward_of_an_op_with_a_plain_zero_gradient(dynamic):
+    """sgn's backward (real input) makes a ZeroTensor from sizes and options, so an array's
+    gradient came back plain; the compiled graph before the break had guessed an array tangent
+    ("Expected a ShardedArray tangent but got a plain Tensor", fuzzer seed 5728942245)."""
+    mesh = sf.Mesh((3,), ("x",))
+
+    def f(v):
+        v = v * 2
+        torch._dynamo.graph_break()
+        s = v.sgn()
+        return (s * s).sum()
+
+    x = torch.randn(8, dtype=torch.float64)
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch._dynamo.reset()
+    (got,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", dynamic=dynamic)(sf.distribute(xs, P("x"), mesh=mesh)), xs)
+    (want,) = torch.autograd.grad(f(xr), xr)
+    _close(got, want)

@@ -19,6 +19,8 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
+import torch
+
 from ..arrays import array, redistribute
 from ..transforms import constraints
 from ..values import graph_calls, torch_compat
@@ -87,6 +89,22 @@ def register() -> None:
     graph_calls.install(lambda fn: (allow_in_graph(fn), _never_trace(fn)))  # shard_map / local_map functions
     # (never traced as frames either: an uneven shard_map breaks the graph, then runs eagerly)
     _never_trace(array.ShardedArray.__torch_dispatch__)
+    if not hasattr(torch.Tensor, "__coerce_same_metadata_as_tangent__"):
+        torch.Tensor.__coerce_same_metadata_as_tangent__ = _plain_tangent_as_array
+
+
+def _plain_tangent_as_array(self: torch.Tensor, flatten_spec: Any, expected_type: Any = None) -> Any:
+    """A plain tangent where a compiled backward expects an array's: laid out as expected.
+    Some of torch's backward formulas make their zeros from sizes and options, not from a
+    tensor (``sgn`` of a real input: a ZeroTensor), so the gradient of an array can come back
+    plain; the next compiled graph's backward guessed an array (fuzzer seed 5728942245). Any
+    other expected type: None (AOTAutograd's error, as without this hook)."""
+    if not (isinstance(expected_type, type) and issubclass(expected_type, array.ShardedArray)):
+        return None
+    if type(self) is not torch.Tensor or not isinstance(flatten_spec, tuple) or not isinstance(flatten_spec[0], Layout):
+        return None
+    dense = torch.zeros(self.shape, dtype=self.dtype, device=self.device) if self._is_zerotensor() else self
+    return redistribute.distribute(dense, flatten_spec[0])
 
 
 def _never_trace(fn: Callable) -> None:
