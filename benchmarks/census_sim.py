@@ -22,7 +22,7 @@ ops (``--sdpa math``), which ``--check`` uses to confirm that the meta census eq
 
     python benchmarks/census_sim.py [--size gpu|small|quick] [--sdpa efficient|math] [--ops CONFIG] [--check]
 
-``--ops CONFIG`` lists one configuration's kernels by op (calls, MB) and its gemm shapes.
+``SHARDFN_BENCH_QUICK=1``: the quick size and ``--check``. ``--ops CONFIG`` lists one configuration's kernels by op (calls, MB) and its gemm shapes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -252,15 +253,17 @@ def check(cfg: dict[str, int]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="gpu", choices=sorted(SIZES))
+    parser.add_argument("--size", default=None, choices=sorted(SIZES), help="gpu (default), small, or quick")
     parser.add_argument("--sdpa", default="efficient", choices=("efficient", "math"))
     parser.add_argument("--ops", default=None, help="list the kernels and gemms of this configuration ('unsharded' too)")
     parser.add_argument("--check", action="store_true", help="first check meta == CPU at the quick size")
     ns = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if ns.check:
+    quick = os.environ.get("SHARDFN_BENCH_QUICK") == "1"
+    size = ns.size or ("quick" if quick else "gpu")
+    if ns.check or quick:
         print(check(SIZES["quick"]))
-    text, res = table(SIZES[ns.size], "meta", ns.sdpa)
+    text, res = table(SIZES[size], "meta", ns.sdpa)
     print(text)
     if ns.ops is not None:
         key = None if ns.ops == "unsharded" else ns.ops
