@@ -730,6 +730,11 @@ def smap_draw(c: Ctx, x: torch.Tensor) -> tuple:
     return d, a, size, x.shape[d] % size == 0, spec_d, P(*([None] * n)), smap
 
 
+def _copies_sum(v: torch.Tensor, n: int) -> torch.Tensor:
+    """torch.sum of ``n`` copies of ``v`` (the psum of a value the same on every device)."""
+    return v.unsqueeze(0).expand(n, *v.shape).sum(0, dtype=v.dtype)
+
+
 @op("transform")
 def transform(c: Ctx, x: torch.Tensor) -> Step | None:
     """Layout changes mid-program (reshard, constraints) and shard_map bodies with collectives,
@@ -762,7 +767,8 @@ def transform(c: Ctx, x: torch.Tensor) -> Step | None:
         return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else v.roll(blk, d), desc)
     if name == "smap_psum_scatter" and even and _num(x.dtype):
         g = smap(lambda b: sf.lax.psum_scatter(b, a, scatter_dimension=d, tiled=True), spec_d, rep)
-        return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else v * size, desc)
+        # the sum of the size copies (torch.sum's: complex component by component, (inf+0j) * 4 is inf+nanj)
+        return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else _copies_sum(v, size), desc)
     if name == "smap_axis_index" and even and _num(x.dtype) and x.dtype != torch.bool:
         g = smap(lambda b: b + sf.lax.axis_index(a).to(b.dtype), spec_d)
         idx = (torch.arange(x.shape[d]) // max(x.shape[d] // size, 1)).to(x.dtype)
