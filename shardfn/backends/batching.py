@@ -671,6 +671,8 @@ _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.any.default: _all_dims(lambda x, d, r, k: aten.any.dims(x, d)),
     aten.all.default: _all_dims(lambda x, d, r, k: aten.all.dims(x, d)),
     aten.prod.default: _all_dims(lambda x, d, r, k: aten.prod.dim_int(x.flatten(-len(d)), -1, False, **k)),
+    aten.median.default: _all_dims(lambda x, d, r, k: aten.median.dim(x.flatten(-len(d)), -1)[0]),
+    aten.nanmedian.default: _all_dims(lambda x, d, r, k: aten.nanmedian.dim(x.flatten(-len(d)), -1)[0]),
     aten.var.default: _all_dims(lambda x, d, r, k: aten.var.dim(x, d, *r)),
     aten.std.default: _all_dims(lambda x, d, r, k: aten.std.dim(x, d, *r)),
     aten.var_mean.default: _all_dims(lambda x, d, r, k: aten.var_mean.dim(x, d, *r)),
