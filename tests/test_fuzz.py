@@ -46,6 +46,7 @@ FOUND = [
     (5727492746, 2), (5727504763, 2),  # compile(dynamic): a slice's symbolic strides in the cache key
     (5727481967, 2), (5727508445, 2),  # compiled backward: a tangent's untracked sizes (RecursionError)
     (5728942245, 2),  # compiled backward: sgn's plain ZeroTensor gradient where an array tangent was guessed
+    (5728938585, 2),  # compile(dynamic): global sizes replaced by products of shard symbols (unbound symbols)
     (5728950627, 2), (5728950823, 2),  # vmap_last view(dtype) of a float reduction: compared as its source (oracle)
 ]
 

@@ -993,3 +993,21 @@ def test_compiled_backward_of_an_op_with_a_plain_zero_gradient(dynamic):
     (got,) = torch.autograd.grad(torch.compile(f, backend="aot_eager", dynamic=dynamic)(sf.distribute(xs, P("x"), mesh=mesh)), xs)
     (want,) = torch.autograd.grad(f(xr), xr)
     _close(got, want)
+
+
+@pytest.mark.parametrize("spec", [P(None, "x", "y"), P("y", None, "x")])
+def test_compiled_dynamic_input_with_two_dims_sharded_on_a_2d_mesh(spec):
+    """compile(dynamic=True) of a 3-d array with two dims sharded: the input's global sizes
+    became products of shard symbols and its strides products of two, which Dynamo cannot
+    bind ("For root tracer, we only expect to bind basic symbols", fuzzer seed 5728938585:
+    std, sf.einsum with a plain operand, sum)."""
+    mesh = sf.Mesh((4, 2), ("x", "y"))
+    x = torch.randn(8, 8, 6, dtype=torch.float64)
+    w = torch.randn(6, 4, dtype=torch.float64)
+
+    def f(v, ein):
+        return ein("abc,cd->abd", v.std(dim=1, keepdim=True), w).sum(-1, keepdim=True) * 2
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda v: f(v, sf.einsum), backend="aot_eager", dynamic=True)(sf.distribute(x, spec, mesh=mesh))
+    _close(got, f(x, torch.einsum))

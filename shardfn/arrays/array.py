@@ -417,12 +417,22 @@ class _MirroredDims(set):
 
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:
     """Tie a symbolic global size to the stacked shard size (``n == k * local``): a guard
-    on the relation, never a specialisation to a constant."""
+    on the relation, never a specialisation to a constant. Stated as ``local == n // k``:
+    the shard's size is solved for, and the global size stays a symbol of its own. (Stated
+    as ``n == k * local``, Dynamo's shape env replaced the input's global sizes by products
+    of shard symbols, and its contiguous strides by products of two, which Dynamo cannot
+    bind as graph inputs: "For root tracer, we only expect to bind basic symbols", a 3-d
+    input with two dims sharded on a 2-d mesh, fuzzer seed 5728938585.)"""
     mesh = layout.mesh
     for d, (n, axes) in enumerate(zip(shape, layout.dims)):
         if isinstance(n, torch.SymInt):
             k = math.prod(mesh.axis_size(a) for a in axes)
-            torch._check(n == k * local.shape[mesh.ndim + d])
+            m = local.shape[mesh.ndim + d]
+            if k == 1:
+                torch._check(n == m)
+            else:
+                torch._check(n % k == 0)
+                torch._check(m == n // k)
 
 
 def _traced_sizes(layout: Layout, shape: tuple, stride: tuple | None, local: torch.Tensor) -> tuple[tuple, tuple | None]:
