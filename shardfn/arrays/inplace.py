@@ -7,6 +7,12 @@ array it writes, not by who issued it:
 * **Observable target -> ImmutableError.** An array is observable when Python holds a
   reference to it (a variable, a container, a module buffer) or when it is a view of such
   an array. The error names the out-of-place form and nothing is changed.
+* **Fresh target -> run functionally.** An array a factory op just made (``new_zeros``,
+  ``zeros_like``, ``clone``, ...; ``fresh.py``) whose value nothing has read yet, or a view
+  of one, is written as below even when Python holds it: no value anywhere was computed
+  from it, so the write changes nothing anyone has seen (torch.func's Jacobian basis,
+  ``matrix_power(x, 0)``, an MoE layer's ``index_add_`` into a ``zeros_like`` buffer). Its
+  first read ends that for good.
 * **Private target -> run functionally.** An array that only C++ holds (a temporary a torch
   composite or an autograd formula created and is now updating, e.g. ``matmul``'s
   ``squeeze_``, ``isclose``'s ``bitwise_and_``, ``qr``'s backward writing into a
@@ -45,6 +51,7 @@ from typing import Any
 import torch
 
 from .array import ShardedArray, _tf_call
+from .fresh import fresh_root, mark_fresh, note_reads, writing
 from .redistribute import raw_full
 from ..values.errors import FallbackWarning, ImmutableError
 from ..values.schema import op_name
@@ -96,7 +103,8 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     if not isinstance(base, ShardedArray):
         return
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    if base.__dict__.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view"):
+    fresh = fresh_root(base) is not None
+    if not fresh and (base.__dict__.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view")):
         for o in outs:
             if isinstance(o, ShardedArray):
                 o._aliases_observable = True
@@ -111,6 +119,8 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
             o._view_of = (base, func, rest, kwargs, i if outs is out else None)
             r = weakref.ref(o, views.drop)
             views[id(r)] = r
+            if fresh:  # no fast-key fragment while its root is fresh (``fresh.py``)
+                o._kf = None
 
 
 class _Views(dict):
@@ -207,6 +217,46 @@ def calibrate() -> None:
         _calibrating = False
 
 
+# -- fresh arrays ------------------------------------------------------------------------------------
+
+# the factory ops whose output is fresh (``fresh.py``); those without ``clone`` read no values
+_FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "zeros_like", "ones_like",
+              "empty_like", "full_like", "rand_like", "randn_like", "randint_like")
+_MAKES_FRESH: dict[Any, bool] = {}
+
+
+def makes_fresh(func: Any) -> bool:
+    """Whether ``func``'s output is fresh: a factory op, or ``clone``."""
+    v = _MAKES_FRESH.get(func)
+    if v is None:
+        name = func.overloadpacket.__name__
+        v = _MAKES_FRESH[func] = name in _FACTORIES or name in ("clone", "_lazy_clone")
+    return v
+
+
+def reads_values(func: Any) -> bool:
+    """Whether ``func`` reads its array inputs' values: not a view, a write (judged by
+    ``run_mutating``), or a factory that takes only their metadata."""
+    return not (is_view(func) or func._schema.is_mutable or (makes_fresh(func) and func.overloadpacket.__name__ in _FACTORIES))
+
+
+class FreshEntry:
+    """A factory op's dispatch cache entry: its warm outputs are fresh too."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: Any) -> None:
+        self.entry = entry
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        out = self.entry.warm(args, kwargs)
+        mark_fresh(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.entry, name)
+
+
 # -- the policy ------------------------------------------------------------------------------------
 
 
@@ -230,12 +280,18 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     counts = [sys.getrefcount(t) - 1 for t in targets]  # before any frame here names a target
     accumulating = func is aten.add_.Tensor and torch._C._current_graph_task_id() != -1
     if targets and not any(isinstance(t, ShardedArray) for t in targets):
+        note_reads(args, kwargs)
         return _into_plain(func, args, kwargs)
+    fresh: dict[int, Any] = {}
     for t, n in zip(targets, counts):
         if not isinstance(t, ShardedArray):
             raise immutable_error(func, "writes a plain tensor and a ShardedArray together")
-        if not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
+        r = fresh_root(t)
+        if r is not None:
+            fresh[id(r)] = r
+        elif not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
             raise immutable_error(func)
+    note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
     return _functionalized(func, args, kwargs, targets)
 
 
@@ -316,7 +372,7 @@ def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
     functional: dict[int, Any] = {i: torch._to_functional_tensor(r) for i, r in roots.items()}
     # inside __torch_dispatch__ the Functionalize key is excluded: let it run again
     exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.Functionalize)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), writing():
         torch._enable_functionalization(reapply_views=True)
         try:
             fargs = tuple(_swap(a, targets, functional) for a in args)
@@ -328,9 +384,10 @@ def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
             new = {i: torch._from_functional_tensor(functional[i]) for i in roots}
         finally:
             torch._disable_functionalization()
-    for i, r in roots.items():
-        _rebind(r, new[i])
-        _regenerate_views(r)
+    with writing():
+        for i, r in roots.items():
+            _rebind(r, new[i])
+            _regenerate_views(r)
     return _result(func, args, kwargs, out)
 
 
