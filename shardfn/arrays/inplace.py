@@ -103,8 +103,10 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     if not isinstance(base, ShardedArray):
         return
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    fresh = fresh_root(base) is not None
-    if not fresh and (base.__dict__.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view")):
+    d = base.__dict__
+    observed = d.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view")
+    fresh = ("_fresh" in d or "_view_of" in d) and fresh_root(base) is not None  # (linked: a fresh root's views)
+    if observed and not fresh:
         for o in outs:
             if isinstance(o, ShardedArray):
                 o._aliases_observable = True
