@@ -27,12 +27,17 @@ _state = threading.local()  # ``writing``: the in-place policy is running a writ
 
 
 def fresh_root(x: Any) -> Any:
-    """The array ``x`` is (or is a view of) while that array is fresh, else None."""
+    """The array ``x`` is (or is a view of) while that array is fresh, else None (also for
+    an array handed out as observable, such as a ``.grad``)."""
     d = x.__dict__
+    if "_aliases_observable" in d:
+        return None
     link = d.get("_view_of")
     while link is not None:
         x = link[0]
         d = x.__dict__
+        if "_aliases_observable" in d:
+            return None
         link = d.get("_view_of")
     return x if "_fresh" in d else None
 
