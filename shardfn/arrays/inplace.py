@@ -28,7 +28,9 @@ array it writes, not by who issued it:
   buffer a torch formula made, e.g. forward AD's ``logsumexp_jvp`` dividing its plain zero
   tangent in place, or a user's ``out=`` tensor) changes no ShardedArray: its ShardedArray
   inputs are gathered and it runs on plain tensors, as torch would, with a
-  ``FallbackWarning`` (the sharded operands are replicated), once per op.
+  ``FallbackWarning`` (the sharded operands are replicated), once per op; none where every
+  array input is replicated already (``one_hot``'s ``scatter_`` into its ``zeros``: a
+  replica is read, nothing moves).
 * **Gradient accumulation.** The autograd engine adds a new gradient into an existing
   ``.grad`` in place (``aten.add_``), as torch documents; while a backward runs that one op
   is run functionally even when ``.grad`` is held elsewhere.
@@ -304,13 +306,24 @@ def _into_plain(func: Any, args: tuple, kwargs: dict) -> Any:
     """An op writing only plain tensors: its ShardedArray inputs as full plain values (a
     plain tensor can hold nothing else), the op run as torch runs it."""
     name = op_name(func)
-    if name not in _warned_plain:
+    if name not in _warned_plain and not _all_replicated((*args, *kwargs.values())):  # (a replica is no gather)
         _warned_plain.add(name)
         warnings.warn(f"{name} writes a plain tensor: its ShardedArray inputs are gathered to full tensors "
                       "(the out-of-place form keeps the result sharded)",
                       FallbackWarning, stacklevel=5)
     full = functools.partial(_full_values, memo={})
     return func(*(full(a) for a in args), **{k: full(v) for k, v in kwargs.items()})
+
+
+def _all_replicated(vs: Any) -> bool:
+    """Whether every ShardedArray among ``vs`` (and in lists) is replicated, nothing pending."""
+    for v in vs:
+        if isinstance(v, (list, tuple)):
+            if not _all_replicated(v):
+                return False
+        elif isinstance(v, ShardedArray) and not v._layout.is_replicated():
+            return False
+    return True
 
 
 def _full_values(v: Any, memo: dict) -> Any:
