@@ -59,7 +59,7 @@ def _eff_fwd(q, k, v, bias, cq, ck, mq, mk, dropout_p, mask_type, compute_lse=Fa
 def _eff_bwd(g, q, k, v, bias, out, cq, ck, mq, mk, lse, dropout_p, seed, offset, mask_type, bias_requires_grad,  # noqa: ANN001, ANN202
              *, scale=None, **_):  # noqa: ANN003
     dq, dk, dv, db = _backward(*_bhsd(g, q, k, v), bias, mask_type == 1, scale)
-    db = db if bias is not None and bias_requires_grad else torch.empty(())
+    db = db if bias is not None and bias_requires_grad else None  # undefined, as CUDA returns it
     return (*_bhsd(dq, dk, dv), db)
 
 

@@ -91,6 +91,19 @@ def test_bench_uneven_gather_prints_both_figures() -> None:
     assert uneven <= 1.1 * even  # one copy per distinct value (issue 25)
 
 
+def test_census_sim_equals_a_cpu_run_and_covers_every_configuration() -> None:
+    out = _run("census_sim.py")
+    assert out.startswith("meta census == CPU census")
+    rows = {line[:16].strip(): line[16:].split() for line in out.splitlines()[3:] if line.strip()}
+    assert set(rows) == {"unsharded", "dp (8,)", "dp x tp (2, 4)", "dp of (2, 4)"}
+    base = rows["unsharded"]
+    assert int(base[0]) > 0 and int(base[1]) == 18 and float(base[4]) > 0  # kernels, 18 gemms, MB
+    for config in ("dp (8,)", "dp x tp (2, 4)", "dp of (2, 4)"):
+        kernels, gemms, attn = map(int, rows[config][:3])
+        assert kernels > 0 and gemms == 18 and attn == 2  # attention: one call forward, one backward
+        assert float(rows[config][3]) >= float(base[3])  # flops: never fewer than unsharded
+
+
 def test_count_sim_counts_every_configuration() -> None:
     out = _run("count_sim.py")
     rows = {line[:16].strip(): line[16:].split() for line in out.splitlines()[2:] if line.strip()}

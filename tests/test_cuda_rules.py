@@ -291,3 +291,57 @@ def test_uneven_heads_and_few_kv_heads_values_equal_unsharded(kernel: str, heads
     torch.testing.assert_close(got.full_tensor(), want)
     for a, w in zip(grads, want_grads):
         torch.testing.assert_close(a.full_tensor(), w)
+
+
+class _KernelCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The attention kernels' calls on plain tensors (a ShardedArray op dispatches under the mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if any(issubclass(t, sf.ShardedArray) for t in types):
+            with self:
+                return sf.ShardedArray.__torch_dispatch__(func, types, args, kwargs)
+        if "_scaled_dot_product" in str(func):
+            q = args[0] if "backward" not in str(func) else args[1]
+            self.batches.append(("backward" if "backward" in str(func) else "forward", q.shape[0]))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("spec, batch", [(P("dp", "tp"), B * 2), (P("dp"), B)])
+def test_attention_kernels_run_once_for_the_whole_mesh(kernel: str, spec: P, batch: int) -> None:
+    # the mesh dims fold into the batch: one call forward, one backward; where the inputs are
+    # replicated over 'tp' the call's batch holds the dp pieces only (computed once, not per device)
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    q, k, v, _ = _inputs(H, None, "meta")
+    qs, ks, vs = (sf.distribute(t, spec, mesh=mesh).requires_grad_() for t in (q, k, v))
+    out, _ = attend(kernel, qs, ks, vs, causal=True)  # cold: the dispatcher's meta run calls the kernel too
+    torch.autograd.grad(out.sum(), (qs, ks, vs))
+    for _ in range(2):
+        calls = _KernelCalls()
+        with calls:
+            out, _ = attend(kernel, qs, ks, vs, causal=True)
+            torch.autograd.grad(out.sum(), (qs, ks, vs))
+        assert calls.batches == [("forward", batch), ("backward", batch)], (kernel, calls.batches)
+        assert out.spec == spec
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_replicated_over_tp_values_equal_unsharded(kernel: str, cpu_kernels: None) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    q, k, v, _ = _inputs(H, None)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    want, wouts = attend(kernel, q, k, v, causal=True, scale=0.3)
+    want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
+    qs, ks, vs = (sf.distribute(t.detach(), P("dp"), mesh=mesh).requires_grad_() for t in (q, k, v))
+    for _ in range(2):
+        got, outs = attend(kernel, qs, ks, vs, causal=True, scale=0.3)
+        grads = torch.autograd.grad((got * got).sum(), (qs, ks, vs))
+        torch.testing.assert_close(got.full_tensor(), want)
+        torch.testing.assert_close(outs[1].full_tensor(), wouts[1])  # logsumexp
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g.full_tensor(), w)

@@ -295,7 +295,7 @@ class _Entry:
         if self.single is not None:  # one tensor output (most ops): no lists, no rebuild
             return _wrap_output(locals_[0], *self.single)
         return self.rebuild([
-            local if layout is None else _wrap_output(local, layout, shape, dtype, frag, stride)
+            local if layout is None or local is None else _wrap_output(local, layout, shape, dtype, frag, stride)
             for local, layout, shape, dtype, frag, stride in zip(
                 locals_, self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_fragments, self.out_strides)
         ])
@@ -310,7 +310,7 @@ class _Entry:
             metas = [None] * len(locals_)
         results = []
         for local, layout, dtype, meta in zip(locals_, self.cand.out_layouts, self.out_dtypes, metas):
-            if layout is None:
+            if layout is None or local is None:
                 results.append(local)
                 continue
             settle_guards(local)

@@ -446,31 +446,55 @@ def _count_nonzero(info: Info) -> "_Call | None":
 
 
 def _attention(info: Info) -> "_Call | None":
-    """Flash attention without a mask: every tensor starts with the batch dim, so the
-    mesh dims fold into it and the kernel runs once for the whole mesh (made contiguous
-    only for grouped-query heads, which the CPU kernel misreads from transposed strides;
-    other layouts it reads as they are, as unsharded torch does)."""
-    if info.bound.get("attn_mask") is not None:
-        return None
+    """Fused attention without a mask, bias or dropout: every tensor starts with the batch
+    dim, so the mesh dims fold into it and the kernel runs once for the whole mesh (a mesh
+    dim the inputs are replicated on stays 1: computed once, not once per device). Inputs
+    are made contiguous only for grouped-query heads on the CPU kernel, which misreads them
+    from transposed strides; other layouts are read as they are, as unsharded torch does.
+    Outputs of two or more dims lead with the batch and unfold again (a view: the kernels'
+    own output layouts are kept); the others are per-call constants (CUDA's philox seed
+    and offset, empty cumulative lengths or debug masks), the same on every device, which
+    the rules lay out replicated."""
+    b = info.bound
+    if b.get("attn_mask") is not None or b.get("attn_bias") is not None or b.get("dropout_p", 0.0):
+        return None  # a bias may broadcast over the batch; dropout draws per device
     op, m = info.func, info.m
+    cpu = op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    # outputs not led by the batch must be per-call constants, laid out replicated
+    const_ok = [l is None or not (any(l.dims) or l.partial) for l in info.cand.out_layouts]
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        tensors = [t for t in args if isinstance(t, torch.Tensor) and t.dim() > m + 1]
         # the mesh dims of the inputs are 1 or the axis size: their broadcast is the max
         lead = [max(t.shape[i] for t in tensors) for i in range(m)]
         heads = [t.shape[m + 1] for t in tensors if t.dim() == m + 4]
-        grouped = any(h != heads[0] for h in heads[1:])
+        grouped = cpu and any(h != heads[0] for h in heads[1:])
 
         def fold(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
+            if a.dim() <= m + 1:  # a per-call constant (seed, offset), the same on every device
+                return a[(0,) * m]
             if list(a.shape[:m]) != lead:
                 a = a.expand(*lead, *a.shape[m:])
             a = a.reshape(-1, *a.shape[m + 1:])
             return a.contiguous() if grouped else dc.dense(a, "last")
 
-        outs = op(*[fold(a) for a in args], **kwargs)
-        return tuple(o.reshape(*lead, -1, *o.shape[1:]) if isinstance(o, torch.Tensor) else o for o in outs)
+        folded = [fold(a) for a in args]
+        batch = next(a.shape[0] for a in folded if isinstance(a, torch.Tensor) and a.dim() >= 3)
+        outs = op(*folded, **{k: fold(v) for k, v in kwargs.items()})
+
+        def unfold(i: int, o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):
+                return o
+            if o.dim() >= 2 and o.shape[0] == batch:
+                return o.reshape(*lead, -1, *o.shape[1:])
+            if not const_ok[i]:
+                raise RuntimeError(f"{op}: output {i} is neither batch-led nor replicated")  # -> per device
+            return o.view((1,) * m + tuple(o.shape))
+
+        return tuple(unfold(i, o) for i, o in enumerate(outs))
 
     return _Call(info, run, (), ())
 
@@ -603,4 +627,10 @@ _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.convolution.default: _convolution,
     aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention,
+    aten._scaled_dot_product_flash_attention: _attention,
+    aten._scaled_dot_product_flash_attention_backward: _attention,
+    aten._scaled_dot_product_efficient_attention: _attention,
+    aten._scaled_dot_product_efficient_attention_backward: _attention,
+    aten._scaled_dot_product_cudnn_attention: _attention,
+    aten._scaled_dot_product_cudnn_attention_backward: _attention,
 }

@@ -194,5 +194,6 @@ class PerDeviceCall:
         out = []
         for i, (layout, shape) in enumerate(zip(self.layouts, self.out_shapes)):
             col = [o[i] for o in per_dev]
-            out.append(col[0] if layout is None else from_parts(col, layout, shape))
+            # an undefined output (a CUDA kernel's gradient nobody asked for) is None on every device
+            out.append(col[0] if layout is None or col[0] is None else from_parts(col, layout, shape))
         return out

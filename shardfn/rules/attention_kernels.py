@@ -160,16 +160,17 @@ class _EmptyHeads:
 def _efficient_backward_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
     """``_efficient_attention_backward``'s outputs on meta: torch's meta kernel rejects the
     schema's own ``window_size`` keyword (which autograd passes), so the shapes are computed
-    here as that kernel would (a bias gradient allocated with its last dim padded to 16)."""
+    here as that kernel would (a bias gradient allocated with its last dim padded to 16, and
+    none where no bias gradient is asked for)."""
     b = bind(func, args, kwargs)
     q, k, v, bias = b["query"], b["key"], b["value"], b.get("bias")
     dq, dk, dv = (torch.empty_like(t, device="meta") for t in (q, k, v))
-    if bias is not None:
+    if bias is not None and b.get("bias_requires_grad", True):
         last = bias.shape[-1]
         padded = torch.empty((*bias.shape[:-1], -(-last // 16) * 16), dtype=bias.dtype, device="meta")
         db = padded[..., :last]
-    else:
-        db = torch.empty((), dtype=q.dtype, device="meta")
+    else:  # undefined, as the CUDA kernel returns it (None in Python)
+        db = None
     return dq, dk, dv, db
 
 
