@@ -238,10 +238,17 @@ def makes_fresh(func: Any) -> bool:
     return v
 
 
+_READS: dict[Any, bool] = {}
+
+
 def reads_values(func: Any) -> bool:
     """Whether ``func`` reads its array inputs' values: not a view, a write (judged by
     ``run_mutating``), or a factory that takes only their metadata."""
-    return not (is_view(func) or func._schema.is_mutable or (makes_fresh(func) and func.overloadpacket.__name__ in _FACTORIES))
+    v = _READS.get(func)
+    if v is None:
+        v = _READS[func] = not (is_view(func) or func._schema.is_mutable
+                                or (makes_fresh(func) and func.overloadpacket.__name__ in _FACTORIES))
+    return v
 
 
 class FreshEntry:
