@@ -730,6 +730,11 @@ def smap_draw(c: Ctx, x: torch.Tensor) -> tuple:
     return d, a, size, x.shape[d] % size == 0, spec_d, P(*([None] * n)), smap
 
 
+def _copies_sum(v: torch.Tensor, n: int) -> torch.Tensor:
+    """torch.sum of ``n`` copies of ``v`` (the psum of a value the same on every device)."""
+    return v.unsqueeze(0).expand(n, *v.shape).sum(0, dtype=v.dtype)
+
+
 @op("transform")
 def transform(c: Ctx, x: torch.Tensor) -> Step | None:
     """Layout changes mid-program (reshard, constraints) and shard_map bodies with collectives,
@@ -762,7 +767,8 @@ def transform(c: Ctx, x: torch.Tensor) -> Step | None:
         return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else v.roll(blk, d), desc)
     if name == "smap_psum_scatter" and even and _num(x.dtype):
         g = smap(lambda b: sf.lax.psum_scatter(b, a, scatter_dimension=d, tiled=True), spec_d, rep)
-        return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else v * size, desc)
+        # the sum of the size copies (torch.sum's: complex component by component, (inf+0j) * 4 is inf+nanj)
+        return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else _copies_sum(v, size), desc)
     if name == "smap_axis_index" and even and _num(x.dtype) and x.dtype != torch.bool:
         g = smap(lambda b: b + sf.lax.axis_index(a).to(b.dtype), spec_d)
         idx = (torch.arange(x.shape[d]) // max(x.shape[d] // size, 1)).to(x.dtype)
@@ -1208,11 +1214,12 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             elif run == "vmap":
                 XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
                 got = torch.func.vmap(lambda v: _chain(case.steps, v, shard))(XB)
-                _compare(got, rg, "vmap", prec)
+                _compare(*_undone_pair(case, got, rg, "vmap"), "vmap", prec)
                 got = _chain(case.steps, X, shard)
             elif run == "vmap_last":
                 XB = sf.distribute(xb, P(*tuple(case.spec), *([None] * (x.dim() - len(case.spec))), None), mesh=mesh)
-                _compare(torch.func.vmap(lambda v: _chain(case.steps, v, shard), in_dims=-1)(XB), rg, "vmap(in_dims=-1)", prec)
+                got = torch.func.vmap(lambda v: _chain(case.steps, v, shard), in_dims=-1)(XB)
+                _compare(*_undone_pair(case, got, rg, "vmap(in_dims=-1)"), "vmap(in_dims=-1)", prec)
                 got = _chain(case.steps, X, shard)
             elif run == "vmap_grad":
                 XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
@@ -1236,10 +1243,11 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             ref, ref_err = _compiled_plain(case.steps, x, run == "compile_dynamic")
         if ref_err is not None:
             return f"torch raised {type(ref_err).__name__}: {str(ref_err)[:200]}; shardfn returned {got!r}"[:600]
-        undo = case.steps[-1].undo if case.steps else None
-        if undo is not None and isinstance(ref, torch.Tensor) and isinstance(got, torch.Tensor):
-            got = undo(got.full_tensor() if isinstance(got, sf.ShardedArray) else got)
-            ref = undo(ref)
+        raw_ref = ref
+        try:
+            got, ref = _undone_pair(case, got, ref, "value")
+        except Mismatch as e:
+            return str(e)
         if run.startswith("compile"):
             bad = _compiled_grad(case, x, mesh, ref, prec, dynamic=True if run == "compile_dynamic" else None)
             if bad:
@@ -1247,12 +1255,24 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         try:
             _compare(got, ref, "value", prec)
             if got2 is not None:
-                _compare(undo(got2.full_tensor() if isinstance(got2, sf.ShardedArray) else got2)
-                         if undo is not None and isinstance(got2, torch.Tensor) else got2,
-                         ref, f"value in layout {_relaid_spec(case, x, mesh)} (recompiled)", prec)
+                what = f"value in layout {_relaid_spec(case, x, mesh)} (recompiled)"
+                _compare(*_undone_pair(case, got2, raw_ref, what), what, prec)
         except Mismatch as e:
             return str(e)
     return None
+
+
+def _undone_pair(case: Case, got: Any, ref: Any, what: str) -> tuple[Any, Any]:
+    """A result and torch's as the chain's last step's source values (``Step.undo``: a bit
+    reinterpretation of a float value is compared with the source's tolerance, as another
+    summation order changes its low bits), after their own dtypes and shapes agree. A batched
+    result's batch dim is its first, so its last dim is the example's."""
+    undo = case.steps[-1].undo if case.steps else None
+    if undo is None or not isinstance(got, torch.Tensor) or not isinstance(ref, torch.Tensor):
+        return got, ref
+    if got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape):
+        raise Mismatch(f"{what}: {got.dtype}{tuple(got.shape)} != torch's {ref.dtype}{tuple(ref.shape)}")
+    return undo(got.full_tensor() if isinstance(got, sf.ShardedArray) else got), undo(ref)
 
 
 def _compiled_grad(case: Case, x: torch.Tensor, mesh: sf.Mesh, ref: Any, prec: torch.dtype, dynamic: Any) -> str | None:

@@ -59,11 +59,29 @@ class AliasEntry:
         return _wrap_output(x._local, x._layout, self.shape, x.dtype, None if self.pending_view else x._kf)
 
 
-def alias_entry(func: Any, args: tuple, kwargs: dict) -> AliasEntry | None:
-    """A cache entry for this call if it is an ``_alias`` of one array."""
+class CopyEntry:
+    """A clone into a memory format its input is not laid out in (the fast key fixes the input's
+    strides, so that is known) as a dispatch cache entry: a copy (``_to_copy``), as ``_alias``
+    makes, with no cold-path lookups on the way (torch's ``.contiguous()`` of a transposed view)."""
+
+    __slots__ = ("memory_format",)
+    pending_view = False
+
+    def __init__(self, memory_format: torch.memory_format) -> None:
+        self.memory_format = memory_format
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        return aten._to_copy.default(args[0], memory_format=self.memory_format)
+
+
+def alias_entry(func: Any, args: tuple, kwargs: dict) -> AliasEntry | CopyEntry | None:
+    """A cache entry for this call if it is an ``_alias`` of one array (or a clone of it into
+    another memory format: a copy)."""
     x = args[0] if len(args) == 1 else None
-    if HANDLERS.get(func) is not _alias or type(x) not in (ShardedArray, _BatchedArray) or _copies(x, kwargs):
-        return None  # a clone into another memory format copies every time
+    if HANDLERS.get(func) is not _alias or type(x) not in (ShardedArray, _BatchedArray):
+        return None
+    if _copies(x, kwargs):
+        return CopyEntry(kwargs["memory_format"])
     return AliasEntry(func, x, kwargs)
 
 

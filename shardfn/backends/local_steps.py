@@ -13,7 +13,7 @@ from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, device_box, is_even, local_shapes
 from ..values.mesh import Mesh
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim, reduce_parts,
-                           replica_of)
+                           replica_of, sum_of_copies)
 
 
 # -- step implementations -------------------------------------------------------------------
@@ -236,7 +236,7 @@ def _reduce_axis(x: torch.Tensor, ai: int, mesh: Mesh, op: str) -> torch.Tensor:
         if op != "sum":
             return one
         if x.is_floating_point() or x.is_complex():
-            return one * g
+            return sum_of_copies(one, g)
     return reduce_dim(_along(x, ai, mesh), ai, op)
 
 

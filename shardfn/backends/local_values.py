@@ -88,6 +88,8 @@ def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | 
     for i, o in enumerate(outs):
         if o is None:
             continue
+        if o.dim() < mesh.ndim:  # the op reduced the mesh dims too (an all-dims reduction unbatched)
+            return False
         vary = varying(layouts[i]) if layouts is not None and layouts[i] is not None else (True,) * mesh.ndim
         for k, g in enumerate(mesh.shape):
             n = o.shape[k]
@@ -167,6 +169,15 @@ def reduce_dim(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
     if op == "max":
         return x.amax(dim, keepdim=True)
     return x.amin(dim, keepdim=True)
+
+
+def sum_of_copies(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The sum of ``n`` copies of ``x`` (a part the same on every device of an axis) without
+    adding them up: ``x * n``, complex component by component (as a sum of the copies, and a
+    collective, add them: ``(inf+0j) * 4`` is ``inf+nanj`` where the sum is ``inf+0j``)."""
+    if x.is_complex() and x.dtype != torch.complex32:
+        return torch.view_as_complex(torch.view_as_real(x) * n)
+    return x * n
 
 
 def reduce_parts(shards: Sequence[torch.Tensor], op: str) -> torch.Tensor:

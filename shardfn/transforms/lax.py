@@ -245,7 +245,9 @@ def _reduce(fn: str, x: Any, axis_name: AxisName, op: str) -> Any:
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):  # a Python number is the same on every device
-            return t * g if op == "sum" else t
+            if op != "sum":
+                return t
+            return complex(t.real * g, t.imag * g) if isinstance(t, complex) else t * g  # as the sum of g copies
         _record(body, "all_reduce", axes, t, op)
         return body.reduce(t, axes, op)
 

@@ -149,4 +149,28 @@ def outputs_empty_on_some_ranks_decide_the_same_everywhere(mesh: sf.Mesh) -> Non
     assert torch.equal(x.full_tensor(), full)  # the world goes on
 
 
+@scenario
+def complex_sums_of_copies_add_component_by_component(mesh: sf.Mesh) -> None:
+    """psum / psum_scatter / a pending sum of a complex value the same on every device: the local
+    backend multiplied the value by the axis size, ``(inf+0j) * 4 = inf+nanj``, where dist (and
+    torch.sum of the copies, and the local backend's own sum of distinct parts) adds component by
+    component, ``inf+0j`` (seed 501189). Both backends give torch.sum's answer now."""
+    a = mesh.axis_names[0]
+    n = mesh.axis_size(a)
+    inf = float("inf")
+    full = torch.tensor([complex(inf, 0), complex(-inf, 1), complex(1, inf), 1 + 2j] * n, dtype=torch.complex128)
+    want = full.unsqueeze(0).expand(n, *full.shape).sum(0)
+    x = sf.ShardedArray.from_local(shards_for(full, P(), mesh), P(), mesh=mesh)
+    scattered = sf.shard_map(lambda b: sf.lax.psum_scatter(b, a, scatter_dimension=0, tiled=True), mesh=mesh,
+                             in_specs=(P(),), out_specs=P(a))(x)
+    summed = sf.shard_map(lambda b: sf.lax.psum(b, a), mesh=mesh, in_specs=(P(),), out_specs=P())(x)
+    number = sf.shard_map(lambda: sf.lax.psum(complex(inf, 1), a), mesh=mesh, in_specs=(), out_specs=P())()
+    for got in (scattered.full_tensor(), summed.full_tensor()):
+        assert torch.equal(got.isnan(), want.isnan()), (is_dist(mesh), got, want)
+        torch.testing.assert_close(got, want, equal_nan=True)
+    assert number == complex(inf, n), number
+    # the pending sum of a replicated value made pending and resolved again is the value
+    assert torch.equal(sf.reshard(sf.reshard(x, P(partial=a)), P()).full_tensor(), full)
+
+
 test_local, test_dist = collect(globals())

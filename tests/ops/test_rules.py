@@ -138,6 +138,42 @@ def test_max_with_indices_argmax_cumsum(mesh22: sf.Mesh) -> None:
     close(x.cumsum(0), a.cumsum(0))
 
 
+@pytest.mark.parametrize("mesh_spec", MESHES)
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x"), P("x", None, "y"), P(("y", "x")), P(partial="x")])
+def test_median_and_nanmedian(mesh_spec: tuple, spec: P) -> None:
+    """median / nanmedian (all dims, and along a dim with values and indices): the reduced dim
+    whole, the others keep their split (even, uneven and empty shards), values, indices and
+    gradients equal torch's; no replicated fallback."""
+    mesh = mesh_of(mesh_spec)
+    if "y" not in mesh.axis_names and any("y" in (e if isinstance(e, tuple) else (e,)) for e in spec):
+        pytest.skip("a spec of axis y on a mesh without it")
+    a = torch.randn(5, 3, 2, dtype=torch.float64)
+    a[1, 2, 0] = a[3, 0, 1] = float("nan")
+    if spec.partial:
+        a = a.nan_to_num().mul(8).round()  # a pending sum of integers: no rounding between the parts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FallbackWarning fails the test
+        x = leaf(a, spec, mesh)
+        for fn in (torch.median, torch.nanmedian):
+            same(fn(x), fn(a))
+            for d in (0, 1, -1):
+                for keep in (False, True):
+                    got, want = fn(x, d, keepdim=keep), fn(a, d, keepdim=keep)
+                    same(got.values, want.values)
+                    assert torch.equal(got.indices.full_tensor(), want.indices), (fn, d, keep)
+                    if d == 1 and not spec.partial:  # the split dims other than the reduced one stay split
+                        assert (*got.values.spec, None)[0] == (*spec, None)[0], got.values.spec
+        (torch.nanmedian(x, 1).values.full_tensor().sum() + x.nanmedian().full_tensor()).backward()
+    a.requires_grad_()
+    (torch.nanmedian(a, 1).values.sum() + a.nanmedian()).backward()
+    same(x.grad, a.grad)
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert isinstance(got, sf.ShardedArray)
+    torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_sum_leaves_partial_and_mean_is_exact_for_uneven(mesh22: sf.Mesh) -> None:
     a = torch.randn(5, 3)
     x = sf.distribute(a, P(("x", "y")), mesh=mesh22)  # rows 2, 1, 1, 1

@@ -26,6 +26,7 @@ from torch._functorch.vmap import vmap_increment_nesting
 from ...arrays.array import ShardedArray
 from ...arrays.functorch import base_array
 from ...arrays.redistribute import gather, reshard
+from ...backends.local_values import sum_of_copies
 from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh, to_mesh_device
@@ -123,7 +124,7 @@ class StackedBody:
         c = self.unwrap(x)
         for k in self._ais(axes):
             if c.shape[k] == 1:
-                c = c * self.mesh.shape[k] if op == "sum" else c
+                c = sum_of_copies(c, self.mesh.shape[k]) if op == "sum" else c
             elif op == "sum":
                 c = c.sum(k, keepdim=True, dtype=c.dtype)
             elif op == "max":
