@@ -214,4 +214,5 @@ TABLE = {
     aten.ones_like: LIKE,
     aten.empty_like: LIKE,
     aten.full_like: LIKE,
+    aten.zero: LIKE,  # zero_'s functional form (a write into a fresh buffer runs it)
 }
