@@ -209,8 +209,8 @@ def check_attention_values(device: str, quick: bool) -> list[str]:
                     grads = torch.autograd.grad(out.float().pow(2).sum(), ins)
                 err = max([rel_err(out, want)] + [rel_err(a, w) for a, w in zip(grads, wgrads)])
                 moved = len(cc.records)
-                say(f"  sdpa {backend.name.lower():19s} {case:6s} {str(dtype)[6:]:9s} out + 3 grads: worst rel err "
-                    f"{err:.1e} {_verdict(err, dtype)}, collectives {moved}{'' if not moved else ' (target 0)'}")
+                say(f"  sdpa {backend.name.lower():19s} {case:6s} {str(dtype)[6:]:9s} {moved} collectives; out + 3 grads: "
+                    f"worst rel err {err:.1e} {_verdict(err, dtype) if not moved else 'FAIL (collectives: target 0)'}")
                 if err > TOL[dtype] or moved:
                     bad.append(f"sdpa {backend.name} {case} {dtype}")
     return bad
