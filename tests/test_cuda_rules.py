@@ -240,9 +240,9 @@ def test_fused_rms_norm_keeps_rows_sharded(mesh_device: str) -> None:
     with sf.debug.CommCounter() as cc:
         out, rstd = aten._fused_rms_norm(xs, [D], ws, 1e-6)
         gx, gw = torch.autograd.grad(out.sum(), (xs, ws))
-    # the forward moves nothing; off CUDA torch decomposes the backward (a broadcast rstd
-    # meets a replicated gradient there); the fused backward kernel is checked below
-    assert [r.phase for r in cc.records if r.phase == "forward"] == []
+    # nothing moves: off CUDA torch decomposes the backward, where a row-split broadcast rstd
+    # meets a replicated gradient (sliced locally); the fused backward kernel is checked below
+    assert cc.records == []
     assert out.spec == P("dp", "tp") and rstd.spec == P("dp", "tp")
     assert gx.spec == P("dp", "tp") and gw.spec == P(partial=("dp", "tp"))
     if mesh_device == "cpu":
