@@ -1011,3 +1011,21 @@ def test_compiled_dynamic_input_with_two_dims_sharded_on_a_2d_mesh(spec):
     torch._dynamo.reset()
     got = torch.compile(lambda v: f(v, sf.einsum), backend="aot_eager", dynamic=True)(sf.distribute(x, spec, mesh=mesh))
     _close(got, f(x, torch.einsum))
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_view_output_keeps_its_storage_offset(dynamic):
+    """A view leaving a compiled graph is rebuilt by ``__tensor_unflatten__``, which torch gives
+    sizes and strides only: its storage offset read 0 (eager and torch: 2)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 6)
+
+    def f(v):
+        a = v[:, 2:]
+        torch._dynamo.graph_break()
+        return torch.tensor([a.storage_offset(), *a.stride()]), a
+
+    torch._dynamo.reset()
+    got, a = torch.compile(f, backend="aot_eager", dynamic=dynamic)(sf.distribute(x, P("x", None), mesh=mesh))
+    assert got.tolist() == [2, 6, 1] and a.storage_offset() == x[:, 2:].storage_offset()
+    _close(a, x[:, 2:])

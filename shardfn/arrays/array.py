@@ -88,14 +88,16 @@ class ShardedArray(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
-                *, requires_grad: bool = False, stride: Sequence[int] | None = None) -> ShardedArray:
+                *, requires_grad: bool = False, stride: Sequence[int] | None = None,
+                storage_offset: int = 0) -> ShardedArray:
         if cls is ShardedArray and len(shape) >= _BATCHED_NDIM:
             cls = _BatchedArray
         if layout.partial:
             check_partial_dtype(layout, dtype)
         like = local[0] if isinstance(local, tuple) else local
         r = torch.Tensor._make_wrapper_subclass(  # strides None: contiguous (computed in C++)
-            cls, shape, strides=stride, dtype=dtype, device=like.device, requires_grad=requires_grad,
+            cls, shape, strides=stride, storage_offset=storage_offset or None, dtype=dtype, device=like.device,
+            requires_grad=requires_grad,
         )
         r._local = local
         r._layout = layout
@@ -185,9 +187,14 @@ class ShardedArray(torch.Tensor):
         return _dispatch_fn(func, args, kwargs or _NO_KWARGS)
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        # the storage offset travels in the context (``__tensor_unflatten__`` is given sizes and
+        # strides only): a view rebuilt by a compiled program reported 0; a symbolic one is not
+        # kept (a constant of one trace), as before
+        off = self.storage_offset()
+        off = off if type(off) is int else 0
         if isinstance(self._local, tuple):
-            return [f"_part_{i}" for i in range(len(self._local))], (self._layout, True)
-        return ["_local"], (self._layout, False)
+            return [f"_part_{i}" for i in range(len(self._local))], (self._layout, True, off)
+        return ["_local"], (self._layout, False, off)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_part_"):
@@ -196,7 +203,8 @@ class ShardedArray(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> ShardedArray:
-        layout, is_parts = ctx
+        layout, is_parts, *rest = ctx  # (a context of two: an older shardfn's, in a compile cache)
+        offset = rest[0] if rest else 0
         local = tuple(inner[f"_part_{i}"] for i in range(len(inner))) if is_parts else inner["_local"]
         like = local[0] if is_parts else local
         # Symbolic sizes (torch.compile dynamic dims) stay symbolic: sharding propagation
@@ -210,7 +218,7 @@ class ShardedArray(torch.Tensor):
         elif _ft.is_symbolic(outer_size):
             _check_symbolic_even(layout, outer_size, like)
             outer_size, outer_stride = _traced_sizes(layout, outer_size, outer_stride, like)
-        return ShardedArray(local, layout, outer_size, like.dtype, stride=outer_stride)
+        return ShardedArray(local, layout, outer_size, like.dtype, stride=outer_stride, storage_offset=offset)
 
     # torch._dynamo.mark_dynamic(x, d) mirrors itself onto inner tensors of x's rank only;
     # a stacked value has the mesh dims in front, so dim d is mirrored to mesh.ndim + d as
