@@ -82,8 +82,18 @@ def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def _same_storage_numel(func: Any, args: tuple, kwargs: dict) -> bool:
     # forward AD (jvp) asks before reusing a tangent; a ShardedArray's "storage" is its
-    # global extent (wrappers are always contiguous)
-    return args[0].numel() == args[1].numel()
+    # global extent (wrappers are always contiguous), a plain tensor's its own storage's: a
+    # ZeroTensor (a formula's zero tangent, e.g. sgn's) has none, so torch copies it into a
+    # new tangent like the primal, which an in-place op may then update (seed 5729103494)
+    return _storage_numel(args[0]) == _storage_numel(args[1])
+
+
+def _storage_numel(t: torch.Tensor) -> int:
+    if isinstance(t, ShardedArray):
+        return t.numel()
+    if t._is_zerotensor():
+        return 0
+    return t.untyped_storage().nbytes() // t.element_size()
 
 
 def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -176,7 +186,22 @@ def _unflagged(v: Any) -> Any:
     return _alias(aten.alias.default, (v,), {}) if isinstance(v, ShardedArray) else v.resolve_conj().resolve_neg()
 
 
+def _to(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten.to`` reaches dispatch only when called below autograd, as torch's ZeroTensor
+    kernels call it (forward AD's zero tangents): ``other.to(kMeta)`` for the output's shape;
+    to meta that is the array's metadata (a plain meta tensor of its global shape and strides,
+    no data to move), anything else what ``.to`` decomposes into (``_to_copy``, an alias)."""
+    x = args[0]
+    device = kwargs.get("device", args[1] if func is aten.to.device and len(args) > 1 else None)
+    if device is not None and torch.device(device).type == "meta":
+        dtype = kwargs.get("dtype", args[2] if func is aten.to.device and len(args) > 2 else None) or x.dtype
+        return torch.empty_strided(tuple(x.shape), x.stride(), dtype=dtype, device="meta")
+    return func.decompose(*args, **kwargs)
+
+
 HANDLERS: dict[Any, Callable] = {
+    aten.to.dtype_layout: _to,
+    aten.to.device: _to,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.clone.default: _alias,
