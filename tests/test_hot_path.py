@@ -134,6 +134,25 @@ def test_warm_aliases_skip_the_cold_path(mesh, monkeypatch):
             assert hot.__dict__.get("_aliases_observable") or hot.__dict__["_view_of"][0] is a
 
 
+def test_warm_clone_into_a_memory_format_copies_on_the_fast_path(mesh, monkeypatch):
+    """``.contiguous()`` of a transposed view (torch's SDPA and reshape do it every step): a warm
+    one is a copy reached on the fast path, never an alias of the strided shards."""
+    t = torch.randn(4, 6)
+    x = sf.distribute(t, P("x"), mesh=mesh)
+    pending = sf.distribute(t, P(None, "y"), mesh=mesh) @ sf.distribute(torch.randn(6, 4), P("y"), mesh=mesh)
+    outs = []
+    for warm in (False, True):
+        if warm:
+            seen = _slow_calls(monkeypatch)
+        outs.append([a.t().contiguous() for a in (x, pending)])
+    assert torch.ops.aten.clone.default not in seen
+    for a, cold, hot in zip((x, pending), *outs):
+        assert hot.is_contiguous() and hot.stride() == cold.stride() == (a.shape[0], 1)
+        assert hot.sharding == cold.sharding
+        assert hot._local is not a._local and hot._local is not cold._local
+        torch.testing.assert_close(hot.full_tensor(), a.full_tensor().t())
+
+
 def test_warm_views_keep_lazy_flags(mesh, monkeypatch):
     """A warm view of a lazily conjugated or negated array keeps the flag, as torch's views do
     (the fast path reads the flags off the dispatch keys), and an unflagged one gets none."""

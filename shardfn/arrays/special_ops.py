@@ -59,11 +59,29 @@ class AliasEntry:
         return _wrap_output(x._local, x._layout, self.shape, x.dtype, None if self.pending_view else x._kf)
 
 
-def alias_entry(func: Any, args: tuple, kwargs: dict) -> AliasEntry | None:
-    """A cache entry for this call if it is an ``_alias`` of one array."""
+class CopyEntry:
+    """A clone into a memory format its input is not laid out in (the fast key fixes the input's
+    strides, so that is known) as a dispatch cache entry: a copy (``_to_copy``), as ``_alias``
+    makes, with no cold-path lookups on the way (torch's ``.contiguous()`` of a transposed view)."""
+
+    __slots__ = ("memory_format",)
+    pending_view = False
+
+    def __init__(self, memory_format: torch.memory_format) -> None:
+        self.memory_format = memory_format
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        return aten._to_copy.default(args[0], memory_format=self.memory_format)
+
+
+def alias_entry(func: Any, args: tuple, kwargs: dict) -> AliasEntry | CopyEntry | None:
+    """A cache entry for this call if it is an ``_alias`` of one array (or a clone of it into
+    another memory format: a copy)."""
     x = args[0] if len(args) == 1 else None
-    if HANDLERS.get(func) is not _alias or type(x) not in (ShardedArray, _BatchedArray) or _copies(x, kwargs):
-        return None  # a clone into another memory format copies every time
+    if HANDLERS.get(func) is not _alias or type(x) not in (ShardedArray, _BatchedArray):
+        return None
+    if _copies(x, kwargs):
+        return CopyEntry(kwargs["memory_format"])
     return AliasEntry(func, x, kwargs)
 
 
@@ -186,22 +204,25 @@ def _unflagged(v: Any) -> Any:
     return _alias(aten.alias.default, (v,), {}) if isinstance(v, ShardedArray) else v.resolve_conj().resolve_neg()
 
 
-def _to(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``aten.to`` reaches dispatch only when called below autograd, as torch's ZeroTensor
-    kernels call it (forward AD's zero tangents): ``other.to(kMeta)`` for the output's shape;
-    to meta that is the array's metadata (a plain meta tensor of its global shape and strides,
-    no data to move), anything else what ``.to`` decomposes into (``_to_copy``, an alias)."""
-    x = args[0]
-    device = kwargs.get("device", args[1] if func is aten.to.device and len(args) > 1 else None)
-    if device is not None and torch.device(device).type == "meta":
-        dtype = kwargs.get("dtype", args[2] if func is aten.to.device and len(args) > 2 else None) or x.dtype
-        return torch.empty_strided(tuple(x.shape), x.stride(), dtype=dtype, device="meta")
-    return func.decompose(*args, **kwargs)
+def _to_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten.to`` onto the meta device (torch's zero-tensor kernels compute an output's
+    shape and dtype by running the op on ``x.to("meta")``, as forward AD does under
+    ``torch.func.hessian``): a plain meta tensor with the array's global metadata; any
+    other ``to`` is left to the rule table."""
+    from ..values.schema import bind
+
+    b = bind(func, args, kwargs)
+    device = b.get("device")
+    if device is None or torch.device(device).type != "meta":
+        return NotImplemented
+    x = b["self"]
+    dtype = b.get("dtype") or x.dtype
+    return torch.empty_strided(tuple(x.shape), x.stride(), dtype=dtype, device="meta")
 
 
 HANDLERS: dict[Any, Callable] = {
-    aten.to.dtype_layout: _to,
-    aten.to.device: _to,
+    aten.to.dtype_layout: _to_meta,
+    aten.to.device: _to_meta,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.clone.default: _alias,
