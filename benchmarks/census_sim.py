@@ -22,7 +22,8 @@ ops (``--sdpa math``), which ``--check`` uses to confirm that the meta census eq
 
     python benchmarks/census_sim.py [--size gpu|small|quick] [--sdpa efficient|math] [--ops CONFIG] [--check]
 
-``SHARDFN_BENCH_QUICK=1``: the quick size and ``--check``. ``--ops CONFIG`` lists one configuration's kernels by op (calls, MB) and its gemm shapes.
+``SHARDFN_BENCH_QUICK=1``: the quick size and ``--check``. ``--ops CONFIG`` lists one configuration's
+kernels by op (calls, MB) and its gemm shapes.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from ..values.mesh import Mesh
 from ..values.sharded import Sharded
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
+from .fresh import end_fresh
 from ..values.spec import NamedSharding, P, Placement, Sharding, layout_placements, layout_to_spec, to_layout
 
 
@@ -136,6 +137,7 @@ class ShardedArray(torch.Tensor):
     def local_shards(self) -> list[torch.Tensor]:
         """Copies of the shards this process holds, one per device (row-major); no autograd.
         Costs one copy of each shard (writing to one cannot change the array)."""
+        end_fresh(self)  # its value is read (``fresh.py``)
         return [p.clone() for p in backend_for(self.mesh).shard_list(self._local, self.mesh)]
 
     def to_local(self, grad_sharding: Sharding | None = None) -> Any:

@@ -18,6 +18,7 @@ from ..values.layout import Layout
 from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from ..values.mesh_views import not_a_view, refinement, to_fine
 from . import functorch as _ft
+from .fresh import end_fresh
 from .reduced import base_reduced, link_of
 from ..values.spec import Sharding, check_mesh, to_layout
 from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
@@ -89,6 +90,8 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
             raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
         return _reshard_tree(x, sharding)
     base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
+    if base is not None:
+        end_fresh(base)  # its value is read (``fresh.py``): the result may be the array itself
     if base is None:
         if isinstance(x, torch.Tensor):
             return distribute(x, sharding)
@@ -190,6 +193,7 @@ def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
 
 
 def raw_full(x: ShardedArray) -> torch.Tensor:
+    end_fresh(x)  # its value is read (``fresh.py``)
     value = raw_reshard(x, Layout(x.mesh, ((),) * x.ndim))
     return backend_for(x.mesh).one_replica(value, x.mesh)
 

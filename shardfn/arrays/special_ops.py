@@ -194,7 +194,25 @@ def _unflagged(v: Any) -> Any:
     return _alias(aten.alias.default, (v,), {}) if isinstance(v, ShardedArray) else v.resolve_conj().resolve_neg()
 
 
+def _to_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten.to`` onto the meta device (torch's zero-tensor kernels compute an output's
+    shape and dtype by running the op on ``x.to("meta")``, as forward AD does under
+    ``torch.func.hessian``): a plain meta tensor with the array's global metadata; any
+    other ``to`` is left to the rule table."""
+    from ..values.schema import bind
+
+    b = bind(func, args, kwargs)
+    device = b.get("device")
+    if device is None or torch.device(device).type != "meta":
+        return NotImplemented
+    x = b["self"]
+    dtype = b.get("dtype") or x.dtype
+    return torch.empty_strided(tuple(x.shape), x.stride(), dtype=dtype, device="meta")
+
+
 HANDLERS: dict[Any, Callable] = {
+    aten.to.dtype_layout: _to_meta,
+    aten.to.device: _to_meta,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.clone.default: _alias,

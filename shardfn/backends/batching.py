@@ -23,6 +23,7 @@ nn kernels, a ``local_fn``): the local backend then runs the call once per devic
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -446,50 +447,66 @@ def _count_nonzero(info: Info) -> "_Call | None":
 
 
 def _attention(info: Info) -> "_Call | None":
-    """Fused attention without a mask, bias or dropout: every tensor starts with the batch
-    dim, so the mesh dims fold into it and the kernel runs once for the whole mesh (a mesh
-    dim the inputs are replicated on stays 1: computed once, not once per device). Inputs
+    """Fused attention without a mask, bias or dropout: every (batch, head) pair is its own
+    problem, so the mesh dims fold into the batch dim or the heads dim and the kernel runs
+    once for the whole mesh (a mesh dim the inputs are replicated on stays 1: computed once,
+    not once per device). Each mesh dim goes where the inputs fold as views (a 'tp'-split
+    projection's heads sit next to their mesh dim, its batch does not: ``_fold_plan``). Inputs
     are made contiguous only for grouped-query heads on the CPU kernel, which misreads them
     from transposed strides; other layouts are read as they are, as unsharded torch does.
-    Outputs of two or more dims lead with the batch and unfold again (a view: the kernels'
-    own output layouts are kept); the others are per-call constants (CUDA's philox seed
-    and offset, empty cumulative lengths or debug masks), the same on every device, which
-    the rules lay out replicated."""
+    Outputs of two or more dims lead with (batch, heads) and unfold again (views: the kernels'
+    own output layouts are kept); the others are per-call constants (CUDA's philox seed and
+    offset, empty cumulative lengths or debug masks), the same on every device, which the
+    rules lay out replicated."""
     b = info.bound
     if b.get("attn_mask") is not None or b.get("attn_bias") is not None or b.get("dropout_p", 0.0):
         return None  # a bias may broadcast over the batch; dropout draws per device
     op, m = info.func, info.m
     cpu = op in (aten._scaled_dot_product_flash_attention_for_cpu.default,
                  aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-    # outputs not led by the batch must be per-call constants, laid out replicated
+    # outputs not led by (batch, heads) must be per-call constants, laid out replicated
     const_ok = [l is None or not (any(l.dims) or l.partial) for l in info.cand.out_layouts]
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        tensors = [t for t in args if isinstance(t, torch.Tensor) and t.dim() > m + 1]
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > m + 1]
         # the mesh dims of the inputs are 1 or the axis size: their broadcast is the max
-        lead = [max(t.shape[i] for t in tensors) for i in range(m)]
+        lead = tuple(max(t.shape[i] for t in tensors) for i in range(m))
         heads = [t.shape[m + 1] for t in tensors if t.dim() == m + 4]
         grouped = cpu and any(h != heads[0] for h in heads[1:])
+        to_batch, to_heads = _fold_plan(tensors, lead, m)
+        nb = len(to_batch)
 
         def fold(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
             if a.dim() <= m + 1:  # a per-call constant (seed, offset), the same on every device
                 return a[(0,) * m]
-            if list(a.shape[:m]) != lead:
+            if tuple(a.shape[:m]) != lead:
                 a = a.expand(*lead, *a.shape[m:])
-            a = a.reshape(-1, *a.shape[m + 1:])
+            if to_heads:
+                a = a.permute(*to_batch, m, *to_heads, m + 1, *range(m + 2, a.dim()))
+                a = a.reshape(-1, math.prod(a.shape[nb + 1:m + 2]), *a.shape[m + 2:])
+            else:
+                a = a.reshape(-1, *a.shape[m + 1:])
             return a.contiguous() if grouped else dc.dense(a, "last")
 
         folded = [fold(a) for a in args]
         batch = next(a.shape[0] for a in folded if isinstance(a, torch.Tensor) and a.dim() >= 3)
         outs = op(*folded, **{k: fold(v) for k, v in kwargs.items()})
+        back = None
+        if to_heads:  # (batch mesh dims, batch, heads mesh dims, heads, ...) -> mesh dims first
+            where = {d: j for j, d in enumerate((*to_batch, "b", *to_heads, "h"))}
+            back = [where[i] for i in range(m)] + [where["b"], where["h"]]
 
         def unfold(i: int, o: Any) -> Any:
             if not isinstance(o, torch.Tensor):
                 return o
             if o.dim() >= 2 and o.shape[0] == batch:
-                return o.reshape(*lead, -1, *o.shape[1:])
+                if back is None:
+                    return o.reshape(*lead, -1, *o.shape[1:])
+                hm = [lead[d] for d in to_heads]
+                o = o.reshape(*(lead[d] for d in to_batch), -1, *hm, o.shape[1] // math.prod(hm), *o.shape[2:])
+                return o.permute(*back, *range(m + 2, o.dim()))
             if not const_ok[i]:
                 raise RuntimeError(f"{op}: output {i} is neither batch-led nor replicated")  # -> per device
             return o.view((1,) * m + tuple(o.shape))
@@ -497,6 +514,43 @@ def _attention(info: Info) -> "_Call | None":
         return tuple(unfold(i, o) for i, o in enumerate(outs))
 
     return _Call(info, run, (), ())
+
+
+_FOLDS: dict[tuple, tuple] = {}
+
+
+def _fold_plan(tensors: Sequence[torch.Tensor], lead: tuple, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Which mesh dims fold into the batch dim and which into the heads dim (dim ``m`` and
+    ``m + 1`` of the stacked tensors): all into the batch unless some other choice folds
+    every tensor as a view (remembered per shapes and strides)."""
+    key = (lead, tuple((tuple(t.shape), t.stride()) for t in tensors))
+    plan = _FOLDS.get(key)
+    if plan is None:
+        plan = (tuple(range(m)), ())
+        for mask in range(1 << m):  # mask 0 first: everything into the batch
+            to_heads = tuple(i for i in range(m) if mask >> i & 1)
+            to_batch = tuple(i for i in range(m) if not mask >> i & 1)
+            if all(_merges(t, lead, (*to_batch, m)) and _merges(t, lead, (*to_heads, m + 1)) for t in tensors):
+                plan = (to_batch, to_heads)
+                break
+        if len(_FOLDS) >= 1024:
+            _FOLDS.clear()
+        _FOLDS[key] = plan
+    return plan
+
+
+def _merges(t: torch.Tensor, lead: tuple, dims: Sequence[int]) -> bool:
+    """Whether dims ``dims`` of ``t`` (expanded to the mesh sizes ``lead``) merge as a view."""
+    expected = None
+    for i in reversed(dims):
+        n = lead[i] if i < len(lead) else t.shape[i]
+        if n == 1:
+            continue
+        s = t.stride(i) if i >= len(lead) or t.shape[i] == n else 0
+        if expected is not None and s != expected:
+            return False
+        expected = s * n
+    return True
 
 
 def _same_everywhere(info: Info, *names: str) -> bool:
