@@ -55,7 +55,7 @@ import torch
 from .array import ShardedArray, _tf_call
 from .fresh import fresh_root, mark_fresh, note_reads, writing
 from .redistribute import raw_full
-from ..values.errors import FallbackWarning, ImmutableError
+from ..values.errors import FallbackWarning, ImmutableError, ShardingRuntimeError
 from ..values.schema import op_name
 
 aten = torch.ops.aten
@@ -302,10 +302,15 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
             fresh[id(r)] = r
         elif not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
             raise immutable_error(func)
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
+            raise ShardingRuntimeError(_OVERLAP)  # as torch's kernels: the functional update would sum the copies
     note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
     return _functionalized(func, args, kwargs, targets)
 
 
+# torch's error for a write into a tensor some of whose elements share memory (``expand``)
+_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+            "location. Please clone() the tensor before performing the operation.")
 _warned_plain: set[str] = set()
 
 
