@@ -12,7 +12,8 @@ array it writes, not by who issued it:
   of one, is written as below even when Python holds it: no value anywhere was computed
   from it, so the write changes nothing anyone has seen (torch.func's Jacobian basis,
   ``matrix_power(x, 0)``, an MoE layer's ``index_add_`` into a ``zeros_like`` buffer). Its
-  first read ends that for good.
+  first read ends that for good. A write the policy runs into an expanded view (elements
+  sharing memory) raises torch's RuntimeError, as torch's kernels do.
 * **Private target -> run functionally.** An array that only C++ holds (a temporary a torch
   composite or an autograd formula created and is now updating, e.g. ``matmul``'s
   ``squeeze_``, ``isclose``'s ``bitwise_and_``, ``qr``'s backward writing into a
