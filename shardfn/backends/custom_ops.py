@@ -300,17 +300,16 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
 
 
 def _one_device(t: Any) -> Any:
-    """A plain tensor standing for one device's shard of ``t`` as a kernel would see it (the
-    simulated mesh's stacked shards with their mesh dims folded into the first dim: the
-    kernels' constraints are on dtypes, strides, head dims and ranks), ``t`` itself if it is
-    plain, or None where there is none (a pending sum's parts)."""
+    """Device 0's shard of ``t`` (the simulated mesh stacks the shards behind the mesh dims; the
+    dist backend holds its own), ``t`` itself if it is plain, or None where there is none (a
+    pending sum's parts)."""
     local = getattr(t, "_local", None)
     if local is None:
         return t
     if not isinstance(local, torch.Tensor):
         return None
     extra = local.dim() - t.dim()
-    return local.flatten(0, extra) if extra > 0 else local
+    return local[(0,) * extra] if extra > 0 else local
 
 
 def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
