@@ -252,3 +252,19 @@ def test_pending_clone_written_is_not_a_recomputation(mesh22):
     a.fill_(0.0)
     _close(b + 0, t)
     _close(a + 0, torch.zeros(4, 4))
+
+
+def test_a_write_into_an_expanded_view_raises_as_torchs(mesh22):
+    """Elements sharing memory (an ``expand`` of a fresh buffer, the gradient of a ``sum``):
+    torch's kernels refuse the write; so does the policy (a functional update through the
+    view would add the copies up)."""
+    z = torch.zeros_like(sf.distribute(torch.ones(()), P(), mesh=mesh22))
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        z.expand(4).mul_(2)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.zeros(()).expand(4).mul_(2)
+    p = sf.distribute(torch.randn(4), P("x"), mesh=mesh22).requires_grad_()
+    g = torch.autograd.grad(p.sum(), p)[0]
+    with pytest.raises(RuntimeError, match="more than one element"):
+        g.mul_(2)
+    _close(g, torch.ones(4))

@@ -47,6 +47,7 @@ FOUND = [
     (5727481967, 2), (5727508445, 2),  # compiled backward: a tangent's untracked sizes (RecursionError)
     (5728942245, 2),  # compiled backward: sgn's plain ZeroTensor gradient where an array tangent was guessed
     (5728938585, 2),  # compile(dynamic): global sizes replaced by products of shard symbols (unbound symbols)
+    (5729103494, 2),  # jvp: a plain ZeroTensor tangent reported as the primal's storage, then updated in place
     (5728950627, 2), (5728950823, 2),  # vmap_last view(dtype) of a float reduction: compared as its source (oracle)
     (5728956073, 2),  # matrix_power(x, 0) of a pending sum: torch's composite copy_s into its fresh clone
 ]

@@ -12,7 +12,8 @@ array it writes, not by who issued it:
   of one, is written as below even when Python holds it: no value anywhere was computed
   from it, so the write changes nothing anyone has seen (torch.func's Jacobian basis,
   ``matrix_power(x, 0)``, an MoE layer's ``index_add_`` into a ``zeros_like`` buffer). Its
-  first read ends that for good.
+  first read ends that for good. A write the policy runs into an expanded view (elements
+  sharing memory) raises torch's RuntimeError, as torch's kernels do.
 * **Private target -> run functionally.** An array that only C++ holds (a temporary a torch
   composite or an autograd formula created and is now updating, e.g. ``matmul``'s
   ``squeeze_``, ``isclose``'s ``bitwise_and_``, ``qr``'s backward writing into a
@@ -55,7 +56,7 @@ import torch
 from .array import ShardedArray, _tf_call
 from .fresh import fresh_root, mark_fresh, note_reads, writing
 from .redistribute import raw_full
-from ..values.errors import FallbackWarning, ImmutableError
+from ..values.errors import FallbackWarning, ImmutableError, ShardingRuntimeError
 from ..values.schema import op_name
 
 aten = torch.ops.aten
@@ -302,10 +303,15 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
             fresh[id(r)] = r
         elif not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
             raise immutable_error(func)
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
+            raise ShardingRuntimeError(_OVERLAP)  # as torch's kernels: the functional update would sum the copies
     note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
     return _functionalized(func, args, kwargs, targets)
 
 
+# torch's error for a write into a tensor some of whose elements share memory (``expand``)
+_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+            "location. Please clone() the tensor before performing the operation.")
 _warned_plain: set[str] = set()
 
 
