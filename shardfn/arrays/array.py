@@ -153,7 +153,7 @@ class ShardedArray(torch.Tensor):
 
     def full_tensor(self) -> torch.Tensor:
         """The global value as a plain tensor, ready to use (differentiable)."""
-        return _FullTensor.apply(self)
+        return _FullTensor.forward(self) if _untracked(self) else _FullTensor.apply(self)
 
     def redistribute(self, sharding: Sharding) -> ShardedArray:
         """Same value, new layout (see :func:`shardfn.reshard`)."""
@@ -526,4 +526,4 @@ for _cls in ARRAY_TYPES:
 # the moves the methods above call; those modules import this one's class, defined by now
 # (``arrays/__init__.py`` imports this module first, whichever arrays module is asked for)
 from .local_shards import _from_local, _ToLocal  # noqa: E402
-from .redistribute import _FullTensor, reshard  # noqa: E402
+from .redistribute import _FullTensor, _untracked, reshard  # noqa: E402
