@@ -10,7 +10,8 @@ section runs; in section 3 each eager size and each compiled run is its own such
 
 1. values and gradients of the bench_sim transformer block in its three configurations
    (TP and DP on simulated meshes of the device), float32 and bfloat16, against the same
-   block unsharded on the same device; HF Llama/Qwen2/Mistral/Gemma TP likewise;
+   block unsharded on the same device; HF Llama/Qwen2/Mistral/Gemma TP likewise; SDPA on each
+   backend the device takes (flash, efficient, cuDNN, math) with heads split, and its collectives;
 2. the fallback census (``tools/fallback_census.py``) on the device (target: no op);
 3. ``bench_sim``'s three configurations at the GPU size (dim 1024, seq 256, batch 32) and the
    small size (dim 256, seq 64, batch 16), eager and under ``torch.compile``, with each step's
@@ -172,6 +173,49 @@ def check_hf_values(device: str, quick: bool) -> list[str]:
     return bad
 
 
+def check_attention_values(device: str, quick: bool) -> list[str]:
+    """``F.scaled_dot_product_attention`` on every backend this device takes the call on (flash,
+    efficient, cuDNN, math: the kernels torch picks on CUDA), batch over dp and heads over tp:
+    output and q/k/v gradients against the same backend unsharded, and the collectives counted
+    (target: none, heads stay split)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type=device)
+    b, h, s, d = (4, 4, 8, 16) if quick else (4, 8, 128, 64)
+    g = torch.Generator().manual_seed(0)
+    backends = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                SDPBackend.MATH)
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in ("plain", "causal", "gqa", "mask"):
+            q, k, v = (torch.randn(b, 2 if case == "gqa" and i else h, s, d, generator=g).to(device, dtype)
+                       for i in range(3))
+            kw: dict = {"causal": {"is_causal": True}, "gqa": {"enable_gqa": True},
+                        "mask": {"attn_mask": torch.randn(b, 1, s, s, generator=g).to(device, dtype)}}.get(case, {})
+            for backend in backends:
+                plain = [t.clone().requires_grad_() for t in (q, k, v)]
+                try:
+                    with sdpa_kernel(backend):
+                        want = F.scaled_dot_product_attention(*plain, **kw)
+                        wgrads = torch.autograd.grad(want.float().pow(2).sum(), plain)
+                except RuntimeError:
+                    continue  # this backend does not take this call on this device: torch's business
+                ins = [sf.distribute(t, P("dp", "tp"), mesh=mesh).requires_grad_() for t in (q, k, v)]
+                skw = {n: sf.distribute(m, P("dp"), mesh=mesh) if isinstance(m, torch.Tensor) else m
+                       for n, m in kw.items()}
+                with sdpa_kernel(backend), sf.debug.CommCounter() as cc:
+                    out = F.scaled_dot_product_attention(*ins, **skw)
+                    grads = torch.autograd.grad(out.float().pow(2).sum(), ins)
+                err = max([rel_err(out, want)] + [rel_err(a, w) for a, w in zip(grads, wgrads)])
+                moved = len(cc.records)
+                say(f"  sdpa {backend.name.lower():19s} {case:6s} {str(dtype)[6:]:9s} {moved} collectives; out + 3 grads: "
+                    f"worst rel err {err:.1e} {_verdict(err, dtype) if not moved else 'FAIL (collectives: target 0)'}")
+                if err > TOL[dtype] or moved:
+                    bad.append(f"sdpa {backend.name} {case} {dtype}")
+    return bad
+
+
 # -- 2. census --------------------------------------------------------------------------------------
 
 
@@ -324,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         with section("1. values and gradients vs unsharded (block: bench_sim configurations; HF: TP)", failures):
             bad += check_block_values(cfg, device, quick)
             bad += check_hf_values(device, quick)
+            bad += check_attention_values(device, quick)
             if bad:
                 raise AssertionError(f"values differ from unsharded: {bad}")
     if 2 in wanted:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
@@ -267,3 +268,53 @@ def test_census_of_the_cuda_kernels_finds_no_fallback_on_a_meta_mesh() -> None:
     rows = fallback_census.run_census("meta", [torch.float32], ["cuda"], ["sdpa", "kernels", "optim"], ["dptp"])
     assert [r[0] for r in rows] == ["sdpa/dptp", "kernels/dptp", "optim/dptp"]
     assert all(r[3] == [] for r in rows), fallback_census.report(rows)
+
+
+# -- F.scaled_dot_product_attention where torch takes its math path --------------------------------
+
+
+@pytest.mark.parametrize("spec", [P("dp", "tp"), P(None, "tp"), P("dp"), P(("dp", "tp"))])
+@pytest.mark.parametrize("case", ["plain", "causal", "float_mask", "bool_mask", "scale", "gqa"])
+def test_sdpa_on_the_math_path_keeps_heads_sharded_and_equals_torch(spec: P, case: str) -> None:
+    """torch's math path folds (batch, heads) into one dim; shardfn runs the same formula with
+    batched products instead, so head-sharded attention moves nothing, with torch's values."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    g = torch.Generator().manual_seed(1)
+    b, h, s, d = 4, 6, 5, 8  # 6 heads: uneven over the 4 devices of P(("dp", "tp"))
+    q, k, v = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for _ in range(3))
+    if case == "gqa":
+        k, v = k[:, :2], v[:, :2]
+    kw: dict = {"causal": {"is_causal": True}, "scale": {"scale": 0.3}, "gqa": {"enable_gqa": True},
+                "float_mask": {"attn_mask": torch.randn(b, 1, s, s, generator=g, dtype=torch.float64)},
+                "bool_mask": {"attn_mask": torch.rand(s, s, generator=g) > 0.3}}.get(case, {})
+    kv_spec = P(spec[0]) if case == "gqa" else spec
+    qs = sf.distribute(q, spec, mesh=mesh).requires_grad_()
+    ks, vs = (sf.distribute(t, kv_spec, mesh=mesh).requires_grad_() for t in (k, v))
+    skw = {n: sf.distribute(m, P(), mesh=mesh) if isinstance(m, torch.Tensor) else m for n, m in kw.items()}
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(*plain, **kw)
+        with sf.debug.CommCounter() as cc:
+            out = F.scaled_dot_product_attention(qs, ks, vs, **skw)
+        grads = torch.autograd.grad((out ** 2).sum(), (qs, ks, vs))
+    wgrads = torch.autograd.grad((want ** 2).sum(), plain)
+    if case != "gqa" and spec == P("dp", "tp"):
+        assert cc.records == [] and out.spec == spec
+    torch.testing.assert_close(out.full_tensor(), want)
+    for got, w in zip(grads, wgrads):
+        torch.testing.assert_close(got.full_tensor(), w)
+
+
+def test_sdpa_on_a_meta_mesh_keeps_heads_sharded() -> None:
+    # torch runs its math path for meta tensors: batch over dp, heads over tp move nothing
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    bhsd = P("dp", "tp")  # F.scaled_dot_product_attention takes (batch, heads, seq, head_dim)
+    qs, ks, vs = (sf.distribute(torch.randn(B, H, S, D, device="meta", dtype=torch.bfloat16), bhsd, mesh=mesh)
+                  .requires_grad_() for _ in range(3))
+    with sf.debug.CommCounter() as cc:
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        torch.autograd.grad(out.float().pow(2).sum(), (qs, ks, vs))
+    assert cc.records == []
+    assert out.spec == bhsd and out.device.type == "meta"

@@ -7,11 +7,11 @@ accepts float32, so the rule computes the output metadata itself. ``histc`` over
 (the tokens per expert) leaves a pending sum; ``nonzero`` (the eager experts' hit list) on a
 replicated input runs on each device's replica without a warning.
 
-Both default experts implementations write into a tensor Python holds (``grouped_mm``:
-``inv_perm[perm] = arange``; ``eager``: ``final.index_add_``), which the in-place policy
-refuses (ShardedArrays are immutable): the error names the op and its out-of-place form.
-The same grouped-mm computation written out of place (``_grouped_experts`` below, registered
-as an experts implementation) runs sharded with values and gradients equal to unsharded.
+Both default experts implementations write into a buffer they just made (``grouped_mm``:
+``inv_perm[perm] = arange`` into an ``empty_like``; ``eager``: ``final.index_add_`` into a
+``zeros_like``), which the in-place policy runs as a functional update (a fresh array:
+``shardfn/arrays/fresh.py``). The same grouped-mm computation written out of place
+(``_grouped_experts`` below, registered as an experts implementation) runs sharded too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import shardfn as sf
 from shardfn import P
 
-from _hf_common import close
+from _hf_common import close, logits, make_loss, sharded_loss_and_grads
 from test_hf_families import LAYERS, _backward, _cfg, _forward
 import test_hf_families as fam
 
@@ -135,13 +135,39 @@ def experts(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("name", MOE)
-@pytest.mark.parametrize("impl, op", [(None, "aten.index_put_"), ("eager", "aten.index_add_")])
-def test_default_experts_write_in_place(experts, name: str, impl: str | None, op: str) -> None:
-    """The default (grouped_mm) and eager experts write into a Python-held temporary: the
-    in-place policy refuses it, naming the op and the out-of-place form to use."""
-    experts(impl)
-    with pytest.raises(sf.ImmutableError, match=rf"{op} would modify a ShardedArray in place.*out-of-place form"):
-        _forward(name)
+def test_default_grouped_mm_experts_fill_a_fresh_buffer(experts, name: str) -> None:
+    """The default experts (grouped_mm) write ``inv_perm[perm] = arange`` into an
+    ``empty_like`` they just made, which the in-place policy runs as a functional update
+    (``shardfn/arrays/fresh.py``): values and gradients equal unsharded, under autograd and
+    torch.func, no fallback."""
+    experts(None)
+    _forward(name)
+    for mode in ("autograd", "func"):
+        _backward(name, mode)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_eager_experts_index_add_into_a_fresh_buffer(experts, name: str) -> None:
+    """The eager experts ``index_add_`` each expert's rows into a ``zeros_like`` they just
+    made (a fresh array): values and gradients equal unsharded, under autograd and
+    torch.func, no fallback. Tokens replicated over dp: the eager loop's ``torch.where``
+    of a dp-split routing mask is a global index list (a gather, which warns)."""
+    experts("eager")
+    model, params, plain, ids, labels, mesh = fam._setup(name)
+    sids, slabels = sf.distribute(ids, P(), mesh=mesh), sf.distribute(labels, P(), mesh=mesh)
+    loss_fn = make_loss(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        close(logits(model, params, sids), logits(model, plain, ids))
+        got = {mode: sharded_loss_and_grads(loss_fn, params, sids, slabels, mode) for mode in ("autograd", "func")}
+    ref = {n: p.detach().requires_grad_() for n, p in plain.items()}
+    want = loss_fn(ref, ids, labels)
+    want.backward()
+    for loss, grads in got.values():
+        close(loss, want)
+        for n, p in ref.items():
+            if p.grad is not None:
+                close(grads[n], p.grad)
 
 
 @pytest.mark.parametrize("name", MOE)

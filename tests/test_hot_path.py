@@ -331,3 +331,31 @@ def test_run_once_chains_read_the_kept_squeezed_output():
     zr.backward()
     for got, want in ((bs, br), (xs, xr), (ws, wr)):
         torch.testing.assert_close(got.grad.full_tensor(), want.grad)
+
+
+def test_moves_needing_no_gradient_skip_the_autograd_function(mesh, monkeypatch):
+    """``sf.reshard`` / ``distribute`` / ``full_tensor`` of values needing no gradient (an optimizer
+    step's gradients, a batch) run the move alone; with a gradient to record they take the
+    autograd Function, and gradients flow as before."""
+    from shardfn.arrays import redistribute as _redistribute
+
+    applied: list = []
+    for cls in (_redistribute._Reshard, _redistribute._Distribute, _redistribute._FullTensor):
+        monkeypatch.setattr(cls, "apply", classmethod(lambda c, *a, _f=cls.apply.__func__: applied.append(c) or _f(c, *a)))
+    t = torch.randn(4, 6)
+    x = sf.distribute(t, P("x"), mesh=mesh)
+    pending = sf.distribute(t, P(None, "y"), mesh=mesh) @ sf.distribute(torch.randn(6, 2), P("y"), mesh=mesh)
+    r, g, f = sf.reshard(x, P(None, "y")), sf.reshard(pending, P()), x.full_tensor()
+    assert applied == []
+    assert r.sharding.spec == P(None, "y") and g.sharding.spec == P() and r.grad_fn is None and not r.requires_grad
+    torch.testing.assert_close(r.full_tensor(), t)
+    torch.testing.assert_close(g.full_tensor(), pending.full_tensor())
+    torch.testing.assert_close(f, t)
+    with torch.no_grad():  # grad mode off: nothing to record either
+        sf.reshard(x.detach().requires_grad_(), P(None, "y"))
+    assert applied == []
+    w = t.clone().requires_grad_()
+    xs = sf.distribute(w, P("x"), mesh=mesh)
+    (sf.reshard(xs, P(None, "y")).full_tensor() * 2).sum().backward()
+    assert applied[:3] == [_redistribute._Distribute, _redistribute._Reshard, _redistribute._FullTensor]  # (then backward)
+    torch.testing.assert_close(w.grad, torch.full_like(t, 2.0))

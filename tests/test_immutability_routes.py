@@ -607,14 +607,19 @@ def test_fill_tensor_with_a_stacked_value():
         torch.testing.assert_close(torch.ops.aten.fill.Tensor(x, v).full_tensor(), torch.full(tuple(x.shape), 3.0))
 
 
-def test_empty_like_arrays_are_values():
+def test_empty_like_arrays_are_values_once_read():
+    # a fresh buffer (``fresh.py``) is filled in place, its views seeing the fill as torch's do;
+    # its first read makes it a value like any other
     x = sf.distribute(_t(4, 4), P("x"), mesh=MESH)
     y = torch.empty_like(x)
     v = y[0]
+    y.fill_(1.0)
+    assert torch.equal(v.full_tensor(), torch.ones(4))  # (a read: y is a value from here on)
     with pytest.raises(ImmutableError):
-        y.fill_(1.0)  # no scratch phase: a named empty_like array is a value like any other
+        y.fill_(2.0)
     with pytest.raises(ImmutableError):
         v.zero_()
+    assert torch.equal(y.full_tensor(), torch.ones(4, 4))
 
 
 # -- crash safety: risky routes in a child process ------------------------------------------------

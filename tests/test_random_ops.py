@@ -356,17 +356,19 @@ def test_in_place_fills_on_arrays_raise(mesh24, fill, hint):
     assert torch.equal(sf.gather(x), torch.zeros(4, 4))
 
 
-def test_empty_arrays_are_immutable_like_any_other(mesh24):
-    # issue 13: no scratch flag; an array from empty_like / new_empty that the user holds
-    # raises on in-place fills like any array (a view of it could see the fill otherwise)
+def test_empty_arrays_are_immutable_once_read(mesh24):
+    # issue 13 / 25: an array from empty_like / new_empty is fresh (``fresh.py``) until its
+    # value is first read; from then on in-place fills raise like any array's
     x = sf.distribute(torch.zeros(6, 4), P("x", "y"), mesh=mesh24)
     y = torch.empty_like(x)
-    before = sf.gather(y).clone()
+    before = sf.gather(y).clone()  # a read
     with pytest.raises(sf.ImmutableError, match="normal_.*randn_like"):
         y.normal_(2.0, 0.5)
     assert torch.equal(sf.gather(y), before)
     w = x.new_empty((3, 5))
     assert w._layout.is_replicated() and tuple(w.shape) == (3, 5)
+    w.fill_(4.0)  # fresh: filled
+    assert torch.equal((w * 1).full_tensor(), torch.full((3, 5), 4.0))  # read
     with pytest.raises(sf.ImmutableError, match="div_"):
         w.div_(2.0)
     with pytest.raises(sf.ImmutableError):

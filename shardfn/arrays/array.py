@@ -21,6 +21,7 @@ from ..values.mesh import Mesh
 from ..values.sharded import Sharded
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
+from .fresh import end_fresh
 from ..values.spec import NamedSharding, P, Placement, Sharding, layout_placements, layout_to_spec, to_layout
 
 
@@ -136,6 +137,7 @@ class ShardedArray(torch.Tensor):
     def local_shards(self) -> list[torch.Tensor]:
         """Copies of the shards this process holds, one per device (row-major); no autograd.
         Costs one copy of each shard (writing to one cannot change the array)."""
+        end_fresh(self)  # its value is read (``fresh.py``)
         return [p.clone() for p in backend_for(self.mesh).shard_list(self._local, self.mesh)]
 
     def to_local(self, grad_sharding: Sharding | None = None) -> Any:
@@ -151,7 +153,7 @@ class ShardedArray(torch.Tensor):
 
     def full_tensor(self) -> torch.Tensor:
         """The global value as a plain tensor, ready to use (differentiable)."""
-        return _FullTensor.apply(self)
+        return _FullTensor.forward(self) if _untracked(self) else _FullTensor.apply(self)
 
     def redistribute(self, sharding: Sharding) -> ShardedArray:
         """Same value, new layout (see :func:`shardfn.reshard`)."""
@@ -524,4 +526,4 @@ for _cls in ARRAY_TYPES:
 # the moves the methods above call; those modules import this one's class, defined by now
 # (``arrays/__init__.py`` imports this module first, whichever arrays module is asked for)
 from .local_shards import _from_local, _ToLocal  # noqa: E402
-from .redistribute import _FullTensor, reshard  # noqa: E402
+from .redistribute import _FullTensor, _untracked, reshard  # noqa: E402

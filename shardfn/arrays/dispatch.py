@@ -27,6 +27,7 @@ from ..values.mesh import check_mesh_device
 from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, _BatchedArray
 from .redistribute import note_derived
 from .fragments import _fragment
+from .fresh import mark_fresh, note_reads
 from .reduced import note_recomputed, reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
 from .op_calls import _leaves, _lift_plain, _replace
@@ -55,7 +56,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 _inplace.note_views(func, args, kwargs, out)
                 if entry.pending_view:
                     _note_derived(func, args, kwargs, out)
-            elif type(out) in _ARRAY_TYPES and out._layout.partial:
+            elif type(out) in _ARRAY_TYPES and out._layout.partial and "_fresh" not in out.__dict__:
                 note_recomputed(func, args, kwargs, out, aten.view.default)
             return out
     out = _dispatch(func, args, kwargs, fkey)
@@ -63,6 +64,8 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         keep_math_bits(func, args, out)
         _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
         _note_derived(func, args, kwargs, out)
+    elif _inplace.makes_fresh(func):  # a buffer its maker may fill in place (``fresh.py``): never a recomputation
+        mark_fresh(out)
     elif isinstance(out, ShardedArray) and out._layout.partial and not func._schema.is_mutable:
         note_recomputed(func, args, kwargs, out, aten.view.default)
     return out
@@ -102,6 +105,8 @@ _VIEWS: dict[int, Any] = {}
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
+    if _inplace.reads_values(func):
+        note_reads(args, kwargs)  # a fresh array read is fresh no longer (``fresh.py``; only this path sees them)
     # factories (*_like, new_*, random): the mesh owns the device (casts: ``_to_copy``'s rule; ``aten.to``
     # itself reaches here only from torch.func's internals, which decompose it)
     if kwargs.get("device") is not None and func.overloadpacket is not aten.to:
@@ -117,7 +122,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
                 if entry is not None:  # the next such call takes dispatch's fast path
                     if _inplace.is_view(func):
                         _VIEWS[id(func)] = func
-                    _remember(fkey, entry)
+                    _remember(fkey, _inplace.FreshEntry(entry) if _inplace.makes_fresh(func) else entry)
             return out
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
@@ -139,10 +144,11 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
     if (fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default
-            and _cache.get(fkey) is not entry):
+            and getattr(_cache.get(fkey), "entry", _cache.get(fkey)) is not entry):
         if _inplace.is_view(func):
             _VIEWS[id(func)] = func
-        _remember(fkey, entry)  # the next such call takes dispatch's fast path
+        # the next such call takes dispatch's fast path
+        _remember(fkey, _inplace.FreshEntry(entry) if _inplace.makes_fresh(func) else entry)
     if _explicit._stack:
         _explicit.check(func, entry, leaves)
     return entry.run(args, kwargs, leaves)

@@ -9,6 +9,7 @@ import torch
 
 from ..backends.registry import backend_for
 from ..values.layout import Layout
+from .fresh import fresh_root
 from .reduced import reduced_forms
 
 
@@ -20,7 +21,11 @@ def _fragment(x: Any) -> Any:
     """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
     it); None while its shape is symbolic or its storage is not in the canonical form. A
     pending value's fragment also names the reductions already at hand (free to read:
-    strategies are costed with them), and is not kept on a view linked to its base."""
+    strategies are costed with them), and is not kept on a view linked to its base. None
+    for a fresh array (``fresh.py``): its first read must take dispatch's slow path."""
+    d = x.__dict__
+    if ("_fresh" in d or "_view_of" in d) and fresh_root(x) is not None:
+        return None
     layout = x._layout
     if layout.partial:
         forms = reduced_forms(x)

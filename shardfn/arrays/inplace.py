@@ -7,6 +7,13 @@ array it writes, not by who issued it:
 * **Observable target -> ImmutableError.** An array is observable when Python holds a
   reference to it (a variable, a container, a module buffer) or when it is a view of such
   an array. The error names the out-of-place form and nothing is changed.
+* **Fresh target -> run functionally.** An array a factory op just made (``new_zeros``,
+  ``zeros_like``, ``clone``, ...; ``fresh.py``) whose value nothing has read yet, or a view
+  of one, is written as below even when Python holds it: no value anywhere was computed
+  from it, so the write changes nothing anyone has seen (torch.func's Jacobian basis,
+  ``matrix_power(x, 0)``, an MoE layer's ``index_add_`` into a ``zeros_like`` buffer). Its
+  first read ends that for good. A write the policy runs into an expanded view (elements
+  sharing memory) raises torch's RuntimeError, as torch's kernels do.
 * **Private target -> run functionally.** An array that only C++ holds (a temporary a torch
   composite or an autograd formula created and is now updating, e.g. ``matmul``'s
   ``squeeze_``, ``isclose``'s ``bitwise_and_``, ``qr``'s backward writing into a
@@ -22,7 +29,9 @@ array it writes, not by who issued it:
   buffer a torch formula made, e.g. forward AD's ``logsumexp_jvp`` dividing its plain zero
   tangent in place, or a user's ``out=`` tensor) changes no ShardedArray: its ShardedArray
   inputs are gathered and it runs on plain tensors, as torch would, with a
-  ``FallbackWarning`` (the sharded operands are replicated), once per op.
+  ``FallbackWarning`` (the sharded operands are replicated), once per op; none where every
+  array input is replicated already (``one_hot``'s ``scatter_`` into its ``zeros``: a
+  replica is read, nothing moves).
 * **Gradient accumulation.** The autograd engine adds a new gradient into an existing
   ``.grad`` in place (``aten.add_``), as torch documents; while a backward runs that one op
   is run functionally even when ``.grad`` is held elsewhere.
@@ -45,8 +54,9 @@ from typing import Any
 import torch
 
 from .array import ShardedArray, _tf_call
+from .fresh import fresh_root, mark_fresh, note_reads, writing
 from .redistribute import raw_full
-from ..values.errors import FallbackWarning, ImmutableError
+from ..values.errors import FallbackWarning, ImmutableError, ShardingRuntimeError
 from ..values.schema import op_name
 
 aten = torch.ops.aten
@@ -96,7 +106,10 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     if not isinstance(base, ShardedArray):
         return
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    if base.__dict__.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view"):
+    d = base.__dict__
+    observed = d.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view")
+    fresh = ("_fresh" in d or "_view_of" in d) and fresh_root(base) is not None  # (linked: a fresh root's views)
+    if observed and not fresh:
         for o in outs:
             if isinstance(o, ShardedArray):
                 o._aliases_observable = True
@@ -111,6 +124,8 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
             o._view_of = (base, func, rest, kwargs, i if outs is out else None)
             r = weakref.ref(o, views.drop)
             views[id(r)] = r
+            if fresh:  # no fast-key fragment while its root is fresh (``fresh.py``)
+                o._kf = None
 
 
 class _Views(dict):
@@ -207,6 +222,53 @@ def calibrate() -> None:
         _calibrating = False
 
 
+# -- fresh arrays ------------------------------------------------------------------------------------
+
+# the factory ops whose output is fresh (``fresh.py``); those without ``clone`` read no values
+_FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "zeros_like", "ones_like",
+              "empty_like", "full_like", "rand_like", "randn_like", "randint_like")
+_MAKES_FRESH: dict[Any, bool] = {}
+
+
+def makes_fresh(func: Any) -> bool:
+    """Whether ``func``'s output is fresh: a factory op, or ``clone``."""
+    v = _MAKES_FRESH.get(func)
+    if v is None:
+        name = func.overloadpacket.__name__
+        v = _MAKES_FRESH[func] = name in _FACTORIES or name in ("clone", "_lazy_clone")
+    return v
+
+
+_READS: dict[Any, bool] = {}
+
+
+def reads_values(func: Any) -> bool:
+    """Whether ``func`` reads its array inputs' values: not a view, a write (judged by
+    ``run_mutating``), or a factory that takes only their metadata."""
+    v = _READS.get(func)
+    if v is None:
+        v = _READS[func] = not (is_view(func) or func._schema.is_mutable
+                                or (makes_fresh(func) and func.overloadpacket.__name__ in _FACTORIES))
+    return v
+
+
+class FreshEntry:
+    """A factory op's dispatch cache entry: its warm outputs are fresh too."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: Any) -> None:
+        self.entry = entry
+
+    def warm(self, args: tuple, kwargs: dict) -> Any:
+        out = self.entry.warm(args, kwargs)
+        mark_fresh(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.entry, name)
+
+
 # -- the policy ------------------------------------------------------------------------------------
 
 
@@ -230,15 +292,26 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     counts = [sys.getrefcount(t) - 1 for t in targets]  # before any frame here names a target
     accumulating = func is aten.add_.Tensor and torch._C._current_graph_task_id() != -1
     if targets and not any(isinstance(t, ShardedArray) for t in targets):
+        note_reads(args, kwargs)
         return _into_plain(func, args, kwargs)
+    fresh: dict[int, Any] = {}
     for t, n in zip(targets, counts):
         if not isinstance(t, ShardedArray):
             raise immutable_error(func, "writes a plain tensor and a ShardedArray together")
-        if not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
+        r = fresh_root(t)
+        if r is not None:
+            fresh[id(r)] = r
+        elif not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
             raise immutable_error(func)
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
+            raise ShardingRuntimeError(_OVERLAP)  # as torch's kernels: the functional update would sum the copies
+    note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
     return _functionalized(func, args, kwargs, targets)
 
 
+# torch's error for a write into a tensor some of whose elements share memory (``expand``)
+_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+            "location. Please clone() the tensor before performing the operation.")
 _warned_plain: set[str] = set()
 
 
@@ -246,13 +319,24 @@ def _into_plain(func: Any, args: tuple, kwargs: dict) -> Any:
     """An op writing only plain tensors: its ShardedArray inputs as full plain values (a
     plain tensor can hold nothing else), the op run as torch runs it."""
     name = op_name(func)
-    if name not in _warned_plain:
+    if name not in _warned_plain and not _all_replicated((*args, *kwargs.values())):  # (a replica is no gather)
         _warned_plain.add(name)
         warnings.warn(f"{name} writes a plain tensor: its ShardedArray inputs are gathered to full tensors "
                       "(the out-of-place form keeps the result sharded)",
                       FallbackWarning, stacklevel=5)
     full = functools.partial(_full_values, memo={})
     return func(*(full(a) for a in args), **{k: full(v) for k, v in kwargs.items()})
+
+
+def _all_replicated(vs: Any) -> bool:
+    """Whether every ShardedArray among ``vs`` (and in lists) is replicated, nothing pending."""
+    for v in vs:
+        if isinstance(v, (list, tuple)):
+            if not _all_replicated(v):
+                return False
+        elif isinstance(v, ShardedArray) and not v._layout.is_replicated():
+            return False
+    return True
 
 
 def _full_values(v: Any, memo: dict) -> Any:
@@ -316,7 +400,7 @@ def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
     functional: dict[int, Any] = {i: torch._to_functional_tensor(r) for i, r in roots.items()}
     # inside __torch_dispatch__ the Functionalize key is excluded: let it run again
     exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.Functionalize)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), writing():
         torch._enable_functionalization(reapply_views=True)
         try:
             fargs = tuple(_swap(a, targets, functional) for a in args)
@@ -328,9 +412,10 @@ def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
             new = {i: torch._from_functional_tensor(functional[i]) for i in roots}
         finally:
             torch._disable_functionalization()
-    for i, r in roots.items():
-        _rebind(r, new[i])
-        _regenerate_views(r)
+    with writing():
+        for i, r in roots.items():
+            _rebind(r, new[i])
+            _regenerate_views(r)
     return _result(func, args, kwargs, out)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from ..backends.registry import backend_for, execute
 from ..plans.planner import plan_layouts
@@ -17,6 +18,7 @@ from ..values.layout import Layout
 from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from ..values.mesh_views import not_a_view, refinement, to_fine
 from . import functorch as _ft
+from .fresh import end_fresh
 from .reduced import base_reduced, link_of
 from ..values.spec import Sharding, check_mesh, to_layout
 from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
@@ -73,7 +75,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     backend.check_same_meta(layout.mesh, tuple(tensor.shape), tensor.dtype, "distribute")
     if _replicas.checking():
         backend.check_replicas(layout.mesh, tensor, layout.mesh.axis_names, "sf.distribute: the tensor argument")
-    return _Distribute.apply(tensor, layout)
+    return _Distribute.forward(tensor, layout) if _untracked(tensor) else _Distribute.apply(tensor, layout)
 
 
 device_put = distribute
@@ -88,6 +90,8 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
             raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
         return _reshard_tree(x, sharding)
     base = x if isinstance(x, ShardedArray) else _ft.base_array(x)
+    if base is not None:
+        end_fresh(base)  # its value is read (``fresh.py``): the result may be the array itself
     if base is None:
         if isinstance(x, torch.Tensor):
             return distribute(x, sharding)
@@ -98,14 +102,28 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     dst = to_layout(sharding, x.ndim, base.mesh)
     if dst == (x._layout if base is x else _ft.layout_of(x)):
         return x
-    return _Reshard.apply(x, dst)
+    return _Reshard.forward(x, dst) if base is x and _untracked(x) else _Reshard.apply(x, dst)
 
 
 def gather(x: ShardedArray) -> torch.Tensor:
     """The global value as a plain tensor (= ``x.full_tensor()``)."""
     if not isinstance(x, ShardedArray) and _ft.base_array(x) is None:
         raise ShardingError(f"gather takes a ShardedArray, got {type(x).__name__}")
-    return _FullTensor.apply(x)
+    return _FullTensor.forward(x) if isinstance(x, ShardedArray) and _untracked(x) else _FullTensor.apply(x)
+
+
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
+def _untracked(x: torch.Tensor) -> bool:
+    """Whether a move of ``x`` has nothing to record: no gradient (``x`` needs none, or grad
+    mode is off), no torch.func transform or forward-AD level, no dispatch mode (fake tensors,
+    tracing) looking on. Such a move runs its Function's ``forward`` alone: the Function's
+    ``apply`` (context, output bookkeeping) costs several times the move of a small array,
+    every step (``sf.reshard(grad, sharding)`` before an optimizer update, a batch's
+    ``distribute``)."""
+    return (not (x.requires_grad and torch.is_grad_enabled()) and not torch._C._are_functorch_transforms_active()
+            and _forward_ad._current_level < 0 and not torch._C._len_torch_dispatch_stack())
 
 
 # -- raw (autograd-free) helpers shared with dispatch --------------------------------------
@@ -175,6 +193,7 @@ def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
 
 
 def raw_full(x: ShardedArray) -> torch.Tensor:
+    end_fresh(x)  # its value is read (``fresh.py``)
     value = raw_reshard(x, Layout(x.mesh, ((),) * x.ndim))
     return backend_for(x.mesh).one_replica(value, x.mesh)
 

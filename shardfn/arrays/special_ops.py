@@ -100,8 +100,18 @@ def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def _same_storage_numel(func: Any, args: tuple, kwargs: dict) -> bool:
     # forward AD (jvp) asks before reusing a tangent; a ShardedArray's "storage" is its
-    # global extent (wrappers are always contiguous)
-    return args[0].numel() == args[1].numel()
+    # global extent (wrappers are always contiguous), a plain tensor's its own storage's: a
+    # ZeroTensor (a formula's zero tangent, e.g. sgn's) has none, so torch copies it into a
+    # new tangent like the primal, which an in-place op may then update (seed 5729103494)
+    return _storage_numel(args[0]) == _storage_numel(args[1])
+
+
+def _storage_numel(t: torch.Tensor) -> int:
+    if isinstance(t, ShardedArray):
+        return t.numel()
+    if t._is_zerotensor():
+        return 0
+    return t.untyped_storage().nbytes() // t.element_size()
 
 
 def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -194,7 +204,25 @@ def _unflagged(v: Any) -> Any:
     return _alias(aten.alias.default, (v,), {}) if isinstance(v, ShardedArray) else v.resolve_conj().resolve_neg()
 
 
+def _to_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten.to`` onto the meta device (torch's zero-tensor kernels compute an output's
+    shape and dtype by running the op on ``x.to("meta")``, as forward AD does under
+    ``torch.func.hessian``): a plain meta tensor with the array's global metadata; any
+    other ``to`` is left to the rule table."""
+    from ..values.schema import bind
+
+    b = bind(func, args, kwargs)
+    device = b.get("device")
+    if device is None or torch.device(device).type != "meta":
+        return NotImplemented
+    x = b["self"]
+    dtype = b.get("dtype") or x.dtype
+    return torch.empty_strided(tuple(x.shape), x.stride(), dtype=dtype, device="meta")
+
+
 HANDLERS: dict[Any, Callable] = {
+    aten.to.dtype_layout: _to_meta,
+    aten.to.device: _to_meta,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.clone.default: _alias,

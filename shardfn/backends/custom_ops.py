@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -131,7 +132,7 @@ def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     if func in _RMS_NORMS:
         return _rms_norm_call(args, kwargs)
     if func is _SDPA:
-        return _attention_with_dropout(args, kwargs)
+        return _attention_math(args, kwargs)
     if kwargs:
         return NotImplemented
     if func is torch.einsum:
@@ -250,21 +251,23 @@ def _rms_norm_call(args: tuple, kwargs: dict | None) -> Any:
     return rms_norm(x, shape, w, None if eps is None else float(eps))
 
 
-# -- attention with dropout ---------------------------------------------------------------
+# -- attention on torch's math path --------------------------------------------------------
 # CUDA's fused attention kernels (flash, efficient, cuDNN) draw their dropout mask from a
 # philox seed and offset taken per call, so each simulated device would draw its own and
 # the mask would depend on the layout; torch's math path (``at::matmul``) folds the batch
-# and head dims into one and gathers heads sharded over a second axis. With dropout,
-# attention on these arrays runs torch's math formula here instead: batched products that
-# keep every batch dim, and ``F.dropout``, whose mask shardfn draws from global indices
+# and head dims into one and gathers heads sharded over a second axis. With dropout, and
+# wherever torch itself would take its math path (always for meta tensors, so on a meta
+# mesh; on other devices when no fused kernel accepts the call), attention on these arrays
+# runs torch's math formula here instead: batched products that keep every batch dim, and
+# ``F.dropout``, whose mask shardfn draws from global indices
 # (``shardfn.random.torch_ops``), the same for every layout.
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _attention_with_dropout(args: tuple, kwargs: dict | None) -> Any:
-    """``scaled_dot_product_attention`` with ``dropout_p > 0`` as torch's math path computes
-    it (q and k each scaled by sqrt(scale), boolean and causal masks as -inf, a softmax that
+def _attention_math(args: tuple, kwargs: dict | None) -> Any:
+    """``scaled_dot_product_attention`` with ``dropout_p > 0``, or where torch would take its
+    math path (:func:`_torch_takes_math_path`), as that path computes it (q and k each scaled by sqrt(scale), boolean and causal masks as -inf, a softmax that
     gives 0 on fully masked rows, GQA by repeating key/value heads), else NotImplemented."""
     bound = dict(zip(_SDPA_ARGS, args))
     for key, v in (kwargs or {}).items():
@@ -274,9 +277,11 @@ def _attention_with_dropout(args: tuple, kwargs: dict | None) -> Any:
     p = bound.get("dropout_p", 0.0)
     q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
     mask, scale = bound.get("attn_mask"), bound.get("scale")
-    if not isinstance(p, (int, float)) or not p > 0.0 or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    if not isinstance(p, (int, float)) or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return NotImplemented
     if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)) or q.dim() < 2:
+        return NotImplemented
+    if not p > 0.0 and not _torch_takes_math_path(q, k, v, mask, bound):
         return NotImplemented
     if mask is not None and bound.get("is_causal"):
         return NotImplemented  # torch raises its own error
@@ -291,4 +296,35 @@ def _attention_with_dropout(args: tuple, kwargs: dict | None) -> Any:
     if mask is not None:
         scores = scores.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else scores + mask
     attn = torch.ops.aten._safe_softmax(scores, -1)
-    return torch.matmul(torch.nn.functional.dropout(attn, float(p)), v)
+    return torch.matmul(torch.nn.functional.dropout(attn, float(p)) if p > 0.0 else attn, v)
+
+
+def _one_device(t: Any) -> Any:
+    """Device 0's shard of ``t`` (the simulated mesh stacks the shards behind the mesh dims; the
+    dist backend holds its own), ``t`` itself if it is plain, or None where there is none (a
+    pending sum's parts)."""
+    local = getattr(t, "_local", None)
+    if local is None:
+        return t
+    if not isinstance(local, torch.Tensor):
+        return None
+    extra = local.dim() - t.dim()
+    return local[(0,) * extra] if extra > 0 else local
+
+
+def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
+    """Whether torch would run attention's math path on these arrays: always on meta tensors
+    (torch has no fused meta choice), elsewhere where its own choice, asked of one device's
+    shards, is math (a disabled fused backend, an unsupported head dim or mask)."""
+    if q.device.type == "meta":
+        return True
+    shards = [_one_device(t) for t in (q, k, v, mask)]
+    if any(s is None for s in shards[:3]) or (mask is not None and shards[3] is None):
+        return False
+    try:
+        choice = torch.ops.aten._fused_sdp_choice(
+            *shards, bound.get("dropout_p", 0.0), bool(bound.get("is_causal", False)),
+            scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa", False)))
+    except (RuntimeError, TypeError, ValueError):
+        return False  # torch's own call raises its own error
+    return int(choice) == int(SDPBackend.MATH)

@@ -177,7 +177,9 @@ class _EmptyHeads:
             return self.op(*args, **kwargs)
         meta = self.op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
                        **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
-        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=q.device) for m in meta)
+        # an undefined output (None: a gradient nobody asked for) or an int stays as it is
+        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=q.device) if isinstance(m, torch.Tensor) else m
+                     for m in meta)
 
 
 def _embedding_bwd_lead(b: dict) -> tuple[int, bool]:

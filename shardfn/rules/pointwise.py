@@ -44,6 +44,16 @@ def _map_dims(base: Layout, out_shape: tuple[int, ...], shape: tuple[int, ...]) 
     return tuple(base.dims[k + off] if shape[k] == out_shape[k + off] else () for k in range(len(shape)))
 
 
+def _broadcast_base(layout: Layout, shape: tuple[int, ...], out_shape: tuple[int, ...]) -> Layout | None:
+    """The output layout that keeps a broadcast operand's sharded dims (None where it has
+    none: its dims that broadcast stay whole in the output)."""
+    off = len(out_shape) - len(shape)
+    dims = tuple(d if shape[k] == out_shape[k + off] else () for k, d in enumerate(layout.dims))
+    if not any(dims):
+        return None
+    return Layout(layout.mesh, ((),) * off + dims)
+
+
 def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
     """Indices (into call.arrays) of operands that may carry ``partial`` (operand ``base``'s
     pending reductions) into the output: every operand of an op linear in its operands
@@ -97,10 +107,13 @@ class Pointwise:
         mesh = call.mesh
         shapes = call.shapes
         seen, cands = set(), []
-        for i, (_, v) in enumerate(call.arrays):
-            if shapes[i] != out_shape:
-                continue
-            base = v._layout
+        # the output laid out like an operand of its shape, then (after, so that ties keep
+        # those) like a broadcast operand's sharded dims: ``x * rstd`` with ``rstd`` split by
+        # rows slices a replicated ``x`` rather than gathering ``rstd``
+        bases = [v._layout for i, (_, v) in enumerate(call.arrays) if shapes[i] == out_shape]
+        bases += [b for i, (_, v) in enumerate(call.arrays) if shapes[i] != out_shape
+                  for b in (_broadcast_base(v._layout, shapes[i], out_shape),) if b is not None]
+        for base in bases:
             # the output takes this operand's dims, and the pending reductions of any operand
             # they may pass through (or none: those operands are reduced first)
             options = [(j, _keeps_partial(call, j, x._layout.partial)) for j, (_, x) in enumerate(call.arrays)]
@@ -146,6 +159,21 @@ class Like:
         layout = v._layout
         return [Candidate((layout,) + tuple(x._layout for _, x in call.arrays[1:]),
                           (layout.without_partial(),))]
+
+
+@attrs.frozen
+class ZerosLikeOther:
+    """``_new_zeros_with_same_feature_meta(self, other)`` (forward AD: a new tangent made like
+    its primal ``other``): zeros laid out as ``other``, pending reductions dropped. Batch dims
+    taken from ``self`` (``self_num_batch_dims``) have no rule."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if call.arg(2, "self_num_batch_dims", 0):
+            return []
+        other = [v for path, v in call.arrays if path == 1]
+        if not other:
+            return []
+        return [Candidate(tuple(v._layout for _, v in call.arrays), (other[0]._layout.without_partial(),))]
 
 
 @attrs.frozen
@@ -198,7 +226,9 @@ TABLE = {
     aten._conj: Materialised(POINTWISE, aten.conj_physical.default),
     aten._neg_view: Materialised(POINTWISE, aten.neg.default),
     aten.zeros_like: LIKE,
+    aten._new_zeros_with_same_feature_meta: ZerosLikeOther(),
     aten.ones_like: LIKE,
     aten.empty_like: LIKE,
     aten.full_like: LIKE,
+    aten.zero: LIKE,  # zero_'s functional form (a write into a fresh buffer runs it)
 }

@@ -186,7 +186,7 @@ TABLE = {
         aten.max.dim, aten.min.dim, aten.argmax, aten.argmin, aten.var, aten.std, aten.var_mean,
         aten.std_mean, aten.logsumexp, aten.linalg_vector_norm, aten.prod.default, aten.prod.dim_int,
         aten.any, aten.all, aten.median.default, aten.median.dim, aten.nanmedian.default, aten.nanmedian.dim,
-        aten.mode, aten.kthvalue)},
+        aten.mode, aten.kthvalue, aten.aminmax)},
     aten._softmax: _ALONG,
     aten._safe_softmax: _ALONG,
     aten._log_softmax: _ALONG,

@@ -325,6 +325,28 @@ class SizedBackward:
 
 
 @attrs.frozen
+class ViewScatter:
+    """select_scatter / slice_scatter / diagonal_scatter(input, src, ...): ``src`` written
+    into the view of ``input`` that ``mapping`` describes (torch's view inverses, which an
+    in-place write through a view becomes): the dims the view cuts into whole, every other
+    dim sharded alike in ``input``, ``src`` (where the view puts it) and the output. Linear
+    in both together: a reduction pending on both alike stays pending."""
+
+    mapping: Any
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if len(call.arrays) != 2:
+            return []
+        (_, x), (_, v) = call.arrays
+        whole, out_map = self.mapping(bind(call.func, call.args, call.kwargs), x.ndim)
+        partial = x._layout.partial if v._layout.partial == x._layout.partial else ()
+        dims = tuple(() if i in whole else d for i, d in enumerate(x._layout.dims))
+        inp = Layout(call.mesh, dims, partial)
+        src = Layout(call.mesh, tuple(() if i is None else dims[i] for i in out_map), partial)
+        return [Candidate((inp, src), (inp,))]
+
+
+@attrs.frozen
 class PadLast:
     """constant_pad_nd(x, pad): the last ``len(pad) // 2`` dims whole."""
 
@@ -374,6 +396,9 @@ TABLE = {
     aten.slice_backward: SizedBackward(),
     aten.select_backward: SizedBackward(insert=True),
     aten.constant_pad_nd: PadLast(),
+    aten.select_scatter: ViewScatter(_select_map),
+    aten.slice_scatter: ViewScatter(_slice_map),
+    aten.diagonal_scatter: ViewScatter(_diagonal_map),
     aten.view_as_complex: Mapped(_as_complex_map, dense=True),
     aten.view_as_real: Mapped(_as_real_map, dense=True),
     aten.new_zeros: NewFactory(),
