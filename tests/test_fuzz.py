@@ -44,6 +44,7 @@ FOUND = [
     (5727480850, 2), (5727481641, 2),  # unique of a contraction: a last-bit difference split a value (oracle)
     (5727486794, 2),  # vmap_last view(dtype) of an empty clone: the shards kept the batch stride
     (5727492746, 2), (5727504763, 2),  # compile(dynamic): a slice's symbolic strides in the cache key
+    (5729103494, 2),  # jvp: a plain ZeroTensor tangent reported as the primal's storage, then updated in place
     (5728950627, 2), (5728950823, 2),  # vmap_last view(dtype) of a float reduction: compared as its source (oracle)
     (5728956073, 2),  # matrix_power(x, 0) of a pending sum: torch's composite copy_s into its fresh clone
 ]

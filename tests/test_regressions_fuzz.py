@@ -43,6 +43,28 @@ def test_forward_ad_through_dot_products(op, n):
         _close(fwAD.unpack_dual(o).tangent, rtan)
 
 
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_in_place_update_of_a_zero_tangent(spec):
+    """sgn's forward formula gives a ShardedArray primal a plain ZeroTensor tangent; shardfn
+    told forward AD its storage matched the primal's, so the tangent was kept as is and an
+    in-place op's tangent update (inside binary_cross_entropy_with_logits) copied into the
+    ZeroTensor: "ZeroTensors are immutable" (fuzzer seed 5729103494)."""
+    mesh = sf.Mesh((4,), ("x",))
+    x, t = (torch.randn(6, 5, dtype=torch.float64) for _ in range(2))
+    X, T = (sf.distribute(v, spec, mesh=mesh) for v in (x, t))
+
+    def f(v):
+        y = torch.sgn(v) * 2
+        y.add_(v)
+        return y
+
+    for fn in (f, lambda v: F.binary_cross_entropy_with_logits(torch.sgn(v), v.abs().clamp(max=1))):
+        out, tan = torch.func.jvp(fn, (X,), (T,))
+        ref, rtan = torch.func.jvp(fn, (x,), (t,))
+        _close(out, ref)
+        _close(tan, rtan)
+
+
 @pytest.mark.parametrize("shape", [8, 6])
 def test_complex_dot_products_conjugate(shape):
     mesh = sf.Mesh((4,), ("x",))

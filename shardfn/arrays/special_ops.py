@@ -100,8 +100,18 @@ def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
 
 def _same_storage_numel(func: Any, args: tuple, kwargs: dict) -> bool:
     # forward AD (jvp) asks before reusing a tangent; a ShardedArray's "storage" is its
-    # global extent (wrappers are always contiguous)
-    return args[0].numel() == args[1].numel()
+    # global extent (wrappers are always contiguous), a plain tensor's its own storage's: a
+    # ZeroTensor (a formula's zero tangent, e.g. sgn's) has none, so torch copies it into a
+    # new tangent like the primal, which an in-place op may then update (seed 5729103494)
+    return _storage_numel(args[0]) == _storage_numel(args[1])
+
+
+def _storage_numel(t: torch.Tensor) -> int:
+    if isinstance(t, ShardedArray):
+        return t.numel()
+    if t._is_zerotensor():
+        return 0
+    return t.untyped_storage().nbytes() // t.element_size()
 
 
 def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:

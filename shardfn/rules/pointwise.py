@@ -162,6 +162,21 @@ class Like:
 
 
 @attrs.frozen
+class ZerosLikeOther:
+    """``_new_zeros_with_same_feature_meta(self, other)`` (forward AD: a new tangent made like
+    its primal ``other``): zeros laid out as ``other``, pending reductions dropped. Batch dims
+    taken from ``self`` (``self_num_batch_dims``) have no rule."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if call.arg(2, "self_num_batch_dims", 0):
+            return []
+        other = [v for path, v in call.arrays if path == 1]
+        if not other:
+            return []
+        return [Candidate(tuple(v._layout for _, v in call.arrays), (other[0]._layout.without_partial(),))]
+
+
+@attrs.frozen
 class Materialised:
     """A rule whose local call is ``op`` (same arguments): lazy conj/neg views would
     leak a flag into the shards, so each device materialises its shard."""
@@ -211,6 +226,7 @@ TABLE = {
     aten._conj: Materialised(POINTWISE, aten.conj_physical.default),
     aten._neg_view: Materialised(POINTWISE, aten.neg.default),
     aten.zeros_like: LIKE,
+    aten._new_zeros_with_same_feature_meta: ZerosLikeOther(),
     aten.ones_like: LIKE,
     aten.empty_like: LIKE,
     aten.full_like: LIKE,
