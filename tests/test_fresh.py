@@ -190,6 +190,7 @@ ROUTES = {
     "gather": lambda z: sf.gather(z),
     "reshard": lambda z: sf.reshard(z, P("y")),
     "reshard to its own layout": lambda z: sf.reshard(z, z.sharding),
+    "reshard of a tree": lambda z: sf.reshard({"a": z}, {"a": z.sharding}),
     "local_shards": lambda z: z.local_shards(),
     "item of a view": lambda z: z[0, 0].item(),
     "clone": lambda z: z.clone(),

@@ -359,3 +359,23 @@ def test_moves_needing_no_gradient_skip_the_autograd_function(mesh, monkeypatch)
     (sf.reshard(xs, P(None, "y")).full_tensor() * 2).sum().backward()
     assert applied[:3] == [_redistribute._Distribute, _redistribute._Reshard, _redistribute._FullTensor]  # (then backward)
     torch.testing.assert_close(w.grad, torch.full_like(t, 2.0))
+
+
+def test_first_read_of_a_fresh_buffer_takes_the_fast_path(mesh, monkeypatch):
+    """A factory's or clone's output is fresh (``fresh.py``) until first read; that read ends
+    its freshness as the slow path would, then runs warm (autograd's ``ones_like`` seed and a
+    ``.contiguous()`` copy are read every step)."""
+    x = sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh)
+    for _ in range(2):
+        x.clone() * 2
+    seen = _slow_calls(monkeypatch)
+    y = x.clone()
+    assert "_fresh" in y.__dict__
+    z = y * 2
+    assert seen == [] and "_fresh" not in y.__dict__
+    torch.testing.assert_close(z.full_tensor(), x.full_tensor() * 2)
+    with pytest.raises(sf.ImmutableError):
+        y.add_(1)  # read, so no longer a buffer to fill
+    w = x.clone()
+    w.add_(1)  # never read: still fresh, filled in place
+    torch.testing.assert_close(w.full_tensor(), x.full_tensor() + 1)

@@ -842,6 +842,13 @@ def extra(c: Ctx, x: torch.Tensor) -> Step | None:
         b = v[..., :sq, :sq]
         return b @ b.mT.conj() + torch.eye(sq, dtype=v.dtype) * sq
 
+    def full_rank(v: Any) -> Any:
+        # QR's gradient exists only at full rank (torch's docs): a rank-deficient input (a reflect
+        # pad repeats columns) gives gradients of 1e17 whose last bits decide the result (dist seed
+        # 5801638); entries scaled below 1 and a diagonal of n + 1 make the leading block dominant
+        m, nn = v.shape[-2:]
+        return (v / (1 + v.abs().amax()) if v.numel() else v) + torch.eye(m, nn, dtype=v.dtype) * (nn + 1)
+
     fns: dict[str, tuple[bool, Callable]] = {
         "nanmean": (n > 0 and real, lambda v, A: v.nanmean(dd, keepdim=k % 2 == 0)),
         "nanmedian": (n > 0 and real, lambda v, A: v.nanmedian(dd)[0]),
@@ -876,7 +883,7 @@ def extra(c: Ctx, x: torch.Tensor) -> Step | None:
         "slogdet": (n >= 2 and wide, lambda v, A: torch.linalg.slogdet(square(v))[1]),
         "solve": (n >= 2 and wide, lambda v, A: torch.linalg.solve(square(v), A(y)[..., :sq, :])),
         "cholesky": (n >= 2 and wide, lambda v, A: torch.linalg.cholesky(square(v))),
-        "qr_r": (n >= 2 and wide, lambda v, A: torch.linalg.qr(v)[1].abs()),
+        "qr_r": (n >= 2 and wide, lambda v, A: torch.linalg.qr(full_rank(v))[1].abs()),
         "eigvalsh": (n >= 2 and wide, lambda v, A: torch.linalg.eigvalsh(square(v))),
         "svdvals": (n >= 2 and wide, lambda v, A: torch.linalg.svdvals(v)),
         "matrix_power": (n >= 2 and wide, lambda v, A: torch.linalg.matrix_power(v[..., :sq, :sq], k)),

@@ -42,8 +42,12 @@ PLAN_CACHES.append(_cache.clear)  # strategies are chosen by the cost model (``s
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on ShardedArrays: a warm call is one fast key, one dict lookup, the
     entry's run; anything else (a miss, explicit mode, plain tensors, symbolic sizes,
-    special and in-place ops) takes ``_dispatch``."""
+    special and in-place ops) takes ``_dispatch``. The first read of a fresh buffer (``fresh.py``:
+    ``ones_like`` seeding a backward, a ``.contiguous()`` copy) ends its freshness, as ``_dispatch``
+    would first, and then takes the fast path too."""
     fkey = _fast_key(func, args, kwargs)
+    if fkey is None and _inplace.reads_values(func) and note_reads(args, kwargs):
+        fkey = _fast_key(func, args, kwargs)
     if fkey is not None and not _explicit._stack:
         entry = _cache.get(fkey)
         if entry is not None:

@@ -16,7 +16,7 @@ from ..backends.device_call import with_flag_keys
 from ..backends.registry import backend_for
 from ..plans.planner import cost_model, plan_layouts
 from ..values.errors import FallbackWarning, ShardingError, like_torch
-from ..values.layout import Layout
+from ..values.layout import Layout, local_shapes
 from ..values.schema import op_name as _op_name
 from ..values.torch_compat import settle_guards
 from . import functorch as _ft
@@ -184,7 +184,21 @@ def _cost(c: Candidate, call: OpCall) -> float:
 
 
 def _seconds(model: Any, plan: Any) -> float:
-    return model.alpha * plan.collectives + plan.bytes_per_device / model.beta
+    return model.alpha * plan.collectives + (plan.bytes_per_device + _marked_bytes(plan)) / model.beta
+
+
+def _marked_bytes(plan: Any) -> int:
+    """Bytes a plan writes locally to mark a value pending (``reduce_local``: the value on one
+    device of the group, zeros on the others, then summed in by the op). No communication, but
+    every device holds and reads a whole-size part where the value alone was enough: charged
+    like the bytes of a collective, so that a pending sum meeting a whole-size replicated
+    operand is reduced first where that is cheaper (a residual added to a Megatron block's
+    output: the all-reduce the next norm would run anyway, run at the add)."""
+    total = 0
+    for step in plan.steps:
+        if step.kind == "reduce_local" and step.dim is None:
+            total += math.prod(local_shapes(step.src, plan.shape)[0]) * plan.dtype.itemsize
+    return total
 
 
 def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:

@@ -12,8 +12,9 @@ Freshness belongs to the root array (a view of a fresh array is fresh through it
 ``_view_of`` link). It ends for good at the first read of the root or of any view of it:
 an op other than a view op or a write into it takes it as an input, or ``reshard`` moves
 it. A write into it reads it only as part of that write, so a buffer stays fresh while it
-is filled piece by piece. Only dispatch's slow path sees fresh arrays: their key fragment
-stays unset (``fragments._fragment``), so no read slips past on the fast path.
+is filled piece by piece. A fresh array's key fragment stays unset (``fragments._fragment``),
+so no read slips past dispatch's fast path: a read ends the freshness first (on the slow path,
+or in ``dispatch`` itself, which then builds the fast key again and runs warm).
 """
 
 from __future__ import annotations
@@ -58,26 +59,30 @@ def end_fresh(x: Any) -> None:
             del r.__dict__["_fresh"]
 
 
-def note_reads(args: tuple, kwargs: dict, keep: Any = ()) -> None:
+def note_reads(args: tuple, kwargs: dict, keep: Any = ()) -> bool:
     """An op reads these arguments: each fresh root among them (except those in ``keep``,
-    by id: the roots the op writes) is fresh no longer."""
+    by id: the roots the op writes) is fresh no longer. Whether any was."""
     if getattr(_state, "writing", 0):
-        return
+        return False
+    ended = False
     for a in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(a, (list, tuple)):
             for b in a:
-                _read(b, keep)
+                ended = _read(b, keep) or ended
         else:
-            _read(a, keep)
+            ended = _read(a, keep) or ended
+    return ended
 
 
-def _read(a: Any, keep: Any) -> None:
+def _read(a: Any, keep: Any) -> bool:
     if isinstance(a, _Tensor):
         d = a.__dict__
         if "_fresh" in d or "_view_of" in d:
             r = fresh_root(a)
             if r is not None and id(r) not in keep:
                 del r.__dict__["_fresh"]
+                return True
+    return False
 
 
 class writing:

@@ -23,6 +23,7 @@ from ..arrays import redistribute as _redistribute
 from ..arrays.array import _BATCHED_NDIM, ARRAY_TYPES, ShardedArray, _BatchedArray, _make_wrapper, check_partial_dtype
 from ..arrays.redistribute import reshard
 from ..arrays.fragments import fragment_of
+from ..arrays.fresh import end_fresh
 from ..values.layout import Layout, is_even
 from ..plans.planner import PLAN_CACHES, plan_layouts
 from ..values.spec import to_layout
@@ -56,6 +57,8 @@ def reshard_tree(tree: Any, shardings: Any) -> Any:
                 if len(_plans) >= _PLANS_MAX:
                     _plans.clear()
                 _plans[key] = plan
+        for v in leaves:
+            end_fresh(v)  # each array's value is read (``arrays/fresh.py``): a leaf may come back as itself
         return optree.tree_unflatten(treespec, plan.run(leaves))
 
 
