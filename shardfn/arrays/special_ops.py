@@ -207,14 +207,15 @@ def _unflagged(v: Any) -> Any:
 def _to_meta(func: Any, args: tuple, kwargs: dict) -> Any:
     """``aten.to`` onto the meta device (torch's zero-tensor kernels compute an output's
     shape and dtype by running the op on ``x.to("meta")``, as forward AD does under
-    ``torch.func.hessian``): a plain meta tensor with the array's global metadata; any
-    other ``to`` is left to the rule table."""
+    ``torch.func.hessian``): a plain meta tensor with the array's global metadata (no data
+    to move); any other ``to`` below autograd is what ``.to`` decomposes into (``_to_copy``,
+    an alias)."""
     from ..values.schema import bind
 
     b = bind(func, args, kwargs)
     device = b.get("device")
     if device is None or torch.device(device).type != "meta":
-        return NotImplemented
+        return func.decompose(*args, **kwargs)
     x = b["self"]
     dtype = b.get("dtype") or x.dtype
     return torch.empty_strided(tuple(x.shape), x.stride(), dtype=dtype, device="meta")
