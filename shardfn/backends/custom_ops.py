@@ -267,8 +267,9 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 def _attention_math(args: tuple, kwargs: dict | None) -> Any:
     """``scaled_dot_product_attention`` with ``dropout_p > 0``, or where torch would take its
-    math path (:func:`_torch_takes_math_path`), as that path computes it (q and k each scaled by sqrt(scale), boolean and causal masks as -inf, a softmax that
-    gives 0 on fully masked rows, GQA by repeating key/value heads), else NotImplemented."""
+    math path (:func:`_torch_takes_math_path`), as that path computes it (q and k each scaled
+    by sqrt(scale), boolean and causal masks as -inf, a softmax that gives 0 on fully masked
+    rows, GQA by repeating key/value heads), else NotImplemented."""
     bound = dict(zip(_SDPA_ARGS, args))
     for key, v in (kwargs or {}).items():
         if key not in _SDPA_ARGS or key in bound:
@@ -299,32 +300,30 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
     return torch.matmul(torch.nn.functional.dropout(attn, float(p)) if p > 0.0 else attn, v)
 
 
-def _one_device(t: Any) -> Any:
-    """Device 0's shard of ``t`` (the simulated mesh stacks the shards behind the mesh dims; the
-    dist backend holds its own), ``t`` itself if it is plain, or None where there is none (a
-    pending sum's parts)."""
-    local = getattr(t, "_local", None)
-    if local is None:
+def _stand_in(t: Any) -> Any:
+    """A plain tensor with ``t``'s global shape, dtype, device and requires_grad, holding one
+    row of memory (the other dims expanded: the kernels' choice reads metadata and the last
+    dim's stride, never values); ``t`` itself if it is plain. The same on every rank."""
+    if not hasattr(t, "_layout"):
         return t
-    if not isinstance(local, torch.Tensor):
-        return None
-    extra = local.dim() - t.dim()
-    return local[(0,) * extra] if extra > 0 else local
+    if t.dim() == 0:
+        return torch.empty((), dtype=t.dtype, device=t.device)
+    row = torch.empty(t.shape[-1], dtype=t.dtype, device=t.device,
+                      requires_grad=t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex))
+    return row.expand(t.shape)
 
 
 def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
     """Whether torch would run attention's math path on these arrays: always on meta tensors
-    (torch has no fused meta choice), elsewhere where its own choice, asked of one device's
-    shards, is math (a disabled fused backend, an unsupported head dim or mask)."""
+    (torch has no fused meta choice), elsewhere where its own choice for the unsharded call
+    is math (a disabled fused backend, an unsupported head dim or mask). Asked of the global
+    shapes, so that every rank of the dist backend decides alike."""
     if q.device.type == "meta":
         return True
-    shards = [_one_device(t) for t in (q, k, v, mask)]
-    if any(s is None for s in shards[:3]) or (mask is not None and shards[3] is None):
-        return False
     try:
         choice = torch.ops.aten._fused_sdp_choice(
-            *shards, bound.get("dropout_p", 0.0), bool(bound.get("is_causal", False)),
-            scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa", False)))
+            *(_stand_in(t) for t in (q, k, v, mask)), bound.get("dropout_p", 0.0),
+            bool(bound.get("is_causal", False)), scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa", False)))
     except (RuntimeError, TypeError, ValueError):
         return False  # torch's own call raises its own error
     return int(choice) == int(SDPBackend.MATH)
