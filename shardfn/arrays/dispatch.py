@@ -123,10 +123,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
         if out is not NotImplemented:  # a handler may leave a call to the rule table
             if fkey is not None and _cache.get(fkey) is None:
                 entry = special_ops.alias_entry(func, args, kwargs)
-                if entry is not None:  # the next such call takes dispatch's fast path
-                    if _inplace.is_view(func):
-                        _VIEWS[id(func)] = func
-                    _remember(fkey, _inplace.FreshEntry(entry) if _inplace.makes_fresh(func) else entry)
+                if entry is not None:
+                    _remember_fast(fkey, func, entry)
             return out
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
@@ -147,15 +145,21 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
         raise
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
-    if (fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default
-            and getattr(_cache.get(fkey), "entry", _cache.get(fkey)) is not entry):
-        if _inplace.is_view(func):
-            _VIEWS[id(func)] = func
-        # the next such call takes dispatch's fast path
-        _remember(fkey, _inplace.FreshEntry(entry) if _inplace.makes_fresh(func) else entry)
+    if fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default:
+        cached = _cache.get(fkey)
+        if getattr(cached, "entry", cached) is not entry:  # (a factory's entry is wrapped: ``FreshEntry``)
+            _remember_fast(fkey, func, entry)
     if _explicit._stack:
         _explicit.check(func, entry, leaves)
     return entry.run(args, kwargs, leaves)
+
+
+def _remember_fast(fkey: tuple, func: Any, entry: Any) -> None:
+    """Cache ``entry`` under dispatch's fast key: the next such call takes the fast path (a
+    view op noted for the in-place policy's alias tracking; a factory's outputs fresh)."""
+    if _inplace.is_view(func):
+        _VIEWS[id(func)] = func
+    _remember(fkey, _inplace.FreshEntry(entry) if _inplace.makes_fresh(func) else entry)
 
 
 def _remember(key: tuple, entry: Any) -> Any:

@@ -112,9 +112,6 @@ def gather(x: ShardedArray) -> torch.Tensor:
     return _FullTensor.forward(x) if isinstance(x, ShardedArray) and _untracked(x) else _FullTensor.apply(x)
 
 
-_PROXY = torch._C._TorchDispatchModeKey.PROXY
-
-
 def _untracked(x: torch.Tensor) -> bool:
     """Whether a move of ``x`` has nothing to record: no gradient (``x`` needs none, or grad
     mode is off), no torch.func transform or forward-AD level, no dispatch mode (fake tensors,

@@ -233,8 +233,8 @@ def _vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: Any, rows:
         return torch.zeros(*indices.shape, weight.shape[1], dtype=weight.dtype, device=weight.device)
     # where, not a multiply by the mask: the row looked up in place of an outside index may hold
     # inf or nan, and inf * 0 is nan (vmap_last fuzzer seed 5809141)
-    rows_ = torch.nn.functional.embedding(local, weight)
-    return torch.where(inside.unsqueeze(-1), rows_, torch.zeros((), dtype=weight.dtype, device=weight.device))
+    looked_up = torch.nn.functional.embedding(local, weight)
+    return torch.where(inside.unsqueeze(-1), looked_up, torch.zeros((), dtype=weight.dtype, device=weight.device))
 
 
 def _conv_lead(b: dict) -> tuple[int, bool]:
