@@ -13,7 +13,7 @@ from ..values.errors import ShardingError
 from ..values.layout import is_even, local_shapes
 from ..values.mesh import Mesh
 from .device_call import DeviceCall, call_is_complex, raw_op, substitute
-from .local_values import batch_consistent, canonical_sizes, device_view, from_parts, full, settle
+from .local_values import SHARES, batch_consistent, canonical_sizes, device_view, from_parts, full, settle
 
 
 # -- running an op's local call -------------------------------------------------------------
@@ -38,10 +38,10 @@ def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], pos
 
 
 def _copy_dims(func: Any, mesh: Mesh, layouts: Sequence[Any]) -> tuple[int, ...]:
-    """The mesh dims on which this call's inputs may all be equal parts of pending sums
-    (``local_values.copies``): dims an input is pending over and no input shards. Where
-    every input holds one part expanded there, every device computes the same thing, so
-    the call runs once (a seeded random op draws per device: never)."""
+    """The mesh dims on which this call's inputs may all be equal shares of pending sums
+    (``local_values.set_pending_parts``): dims an input is pending over and no input shards.
+    Where every input holds one part expanded there, every device computes the same thing,
+    so the call runs once (a seeded random op draws per device: never)."""
     if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
         return ()
     names = mesh.axis_names
@@ -88,8 +88,8 @@ class StackedCall:
         move (dispatch's fast path), or None until such a call has been verified."""
         if self.once is not None:
             return self._once(args, kwargs)
-        if not self.ready or self.copy_dims and _copies({p: args[p]._local for p in self.positional},
-                                                         self.copy_dims) is not None:
+        if not self.ready or self.copy_dims and SHARES[0] and _copies(
+                {p: args[p]._local for p in self.positional}, self.copy_dims) is not None:
             return None
         a = list(args)  # (``with_locals``, inlined: one Python call less on every warm op)
         for p in self.positional:
@@ -115,7 +115,7 @@ class StackedCall:
         return res
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
-        if self.copy_dims and not symbolic:
+        if self.copy_dims and SHARES[0] and not symbolic:
             values = _copies(values, self.copy_dims) or values
         if self.mode == "batched":
             m = self.m
