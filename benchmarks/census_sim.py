@@ -48,6 +48,7 @@ import bench_sim  # noqa: E402
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
 from shardfn.backends.local import set_pending_parts  # noqa: E402
+from shardfn.backends.local_values import shares  # noqa: E402
 
 aten = torch.ops.aten
 SIZES = {
@@ -220,7 +221,8 @@ def table(cfg: dict[str, int], device: str = "meta", sdpa: str = "efficient") ->
     res = {config: census(cfg, config, device, sdpa) for config in (None, *bench_sim.CONFIGS)}
     base = res[None].summary()
     lines = [f"one training step of bench_sim's block (dim {cfg['dim']}, heads {cfg['heads']}, hidden {cfg['hidden']}, "
-             f"seq {cfg['seq']}, batch {cfg['batch']}), {device} tensors, SDPA {sdpa}, torch {torch.__version__}",
+             f"seq {cfg['seq']}, batch {cfg['batch']}), {device} tensors, SDPA {sdpa}, torch {torch.__version__}, "
+             f"pending parts: {'shares' if shares() else 'device'}",
              f"{'configuration':16s}" + "".join(f"{c:>10s}" for c in COLUMNS) + f"{'est x':>8s}{'peak x':>8s}{'MB x':>7s}"]
     for config, c in res.items():
         s = c.summary()
@@ -269,7 +271,6 @@ def main(argv: list[str] | None = None) -> None:
             main([a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--parts", "both")]
                  + ["--parts", mode])
         return
-    print(f"pending parts: {ns.parts} (set_pending_parts)")
     set_pending_parts(ns.parts)
     quick = os.environ.get("SHARDFN_BENCH_QUICK") == "1"
     size = ns.size or ("quick" if quick else "gpu")
