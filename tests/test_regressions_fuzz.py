@@ -1069,3 +1069,22 @@ def test_compiled_view_output_keeps_its_storage_offset(dynamic):
     got, a = torch.compile(f, backend="aot_eager", dynamic=dynamic)(sf.distribute(x, P("x", None), mesh=mesh))
     assert got.tolist() == [2, 6, 1] and a.storage_offset() == x[:, 2:].storage_offset()
     _close(a, x[:, 2:])
+
+
+@pytest.mark.parametrize("spec", [P(None, "x"), P("y", "x"), P()])
+def test_grad_of_sgn_is_an_array_laid_out_like_the_leaf(spec):
+    """``sgn``'s backward of a real input makes its zeros from sizes and options (a plain
+    ZeroTensor, no array reaches it); the leaf's ``.grad`` reads as zeros laid out like the
+    leaf, later gradients accumulate into it (torch raises there: a ZeroTensor is immutable)
+    and nothing warns."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.randn(4, 6)
+    a = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a.sgn().sum().backward()
+        g = a.grad
+        assert type(g) is sf.ShardedArray and g.spec == spec and g is a.grad
+        _close(g, torch.zeros_like(x))
+        (a.sgn() * 2 + a.sin()).sum().backward()
+    _close(a.grad, x.cos())
