@@ -1088,3 +1088,49 @@ def test_grad_of_sgn_is_an_array_laid_out_like_the_leaf(spec):
         _close(g, torch.zeros_like(x))
         (a.sgn() * 2 + a.sin()).sum().backward()
     _close(a.grad, x.cos())
+
+
+@pytest.mark.parametrize("spec", [P(None, "x"), P("x", "y"), P("y", None, "x"), P()])
+@pytest.mark.parametrize("offset,dims", [(0, (0, 1)), (1, (0, 2)), (-1, (2, 1))])
+def test_diagonal_backward_has_a_rule(spec, offset, dims):
+    """The gradient of ``x.diagonal()`` (``aten.diagonal_backward``) ran the replicate fallback
+    with a warning; it keeps the grad's other dims sharded now, values as torch."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+
+    def f(v):
+        return (v.diagonal(offset, *dims).exp() * v.sum(dims[0], keepdim=True).diagonal(0, *dims)).sum()
+
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(f(xr), xr)
+    xs = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = torch.autograd.grad(f(xs), xs)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("spec", [P(None, "x"), P("x"), P()])
+def test_fresh_buffer_diagonal_filled_from_a_grad_requiring_array(spec):
+    """``buf = zeros_like(x); buf.diagonal().copy_(x.exp()...)``: values and gradients as
+    torch's, no warning (the write's backward runs ``diagonal_backward`` / CopySlices)."""
+    mesh = sf.Mesh((2,), ("x",))
+    m, v = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+
+    def f(a, x):
+        buf = torch.zeros_like(a)
+        buf.diagonal().copy_(x.exp())
+        buf2 = torch.zeros_like(a)
+        buf2.diagonal().copy_(a.diagonal().exp())
+        return (buf * buf.sin()).sum() + (buf2 * a).sum()
+
+    mr, vr = m.clone().requires_grad_(), v.clone().requires_grad_()
+    want = torch.autograd.grad(f(mr, vr), (mr, vr))
+    ms, vs = sf.distribute(m, spec, mesh=mesh).requires_grad_(), sf.distribute(v, P("x"), mesh=mesh).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = f(ms, vs)
+        got = torch.autograd.grad(out, (ms, vs))
+    _close(out, f(m, v))
+    for g, w in zip(got, want):
+        _close(g, w)
