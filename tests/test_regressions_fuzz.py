@@ -1134,3 +1134,21 @@ def test_fresh_buffer_diagonal_filled_from_a_grad_requiring_array(spec):
     _close(out, f(m, v))
     for g, w in zip(got, want):
         _close(g, w)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_view_inputs_read_their_storage_offset(dynamic):
+    """Views passed into one compiled function, one after another: ``storage_offset()`` read
+    inside is each view's (a symbolic offset read 0 under dynamic=True), and a slice to the end
+    (``x[1:]``: Dynamo replays it with INT64_MAX as a symbol of no source) compiles."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(6, 4)
+    X = sf.distribute(x, P(None, "x"), mesh=mesh)
+    torch._dynamo.reset()
+    f = torch.compile(lambda v: (v * 2, v.storage_offset()), backend="aot_eager", dynamic=dynamic)
+    views = [lambda t: t.narrow(0, 1, 3), lambda t: t.narrow(0, 2, 3), lambda t: t.narrow(0, 2, 4),
+             lambda t: t[1:], lambda t: t[2:5], lambda t: t[:, 1:]]
+    for view in views:
+        out, off = f(view(X))
+        assert off == view(x).storage_offset()
+        _close(out, view(x) * 2)

@@ -188,10 +188,11 @@ class ShardedArray(torch.Tensor):
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         # the storage offset travels in the context (``__tensor_unflatten__`` is given sizes and
-        # strides only): a view rebuilt by a compiled program reported 0; a symbolic one is not
-        # kept (a constant of one trace), as before
+        # strides only): a view rebuilt by a compiled program reported 0. A symbolic one (a view
+        # passed in under dynamic=True) is specialised to its value, guarded: the context is a
+        # constant of the trace, and 0 there made ``v.storage_offset()`` a wrong constant
         off = self.storage_offset()
-        off = off if type(off) is int else 0
+        off = off if type(off) is int else int(off)
         if isinstance(self._local, tuple):
             return [f"_part_{i}" for i in range(len(self._local))], (self._layout, True, off)
         return ["_local"], (self._layout, False, off)
