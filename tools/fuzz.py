@@ -1036,10 +1036,12 @@ def wide(c: Ctx, x: torch.Tensor) -> Step | None:
                                                                   dd % n, 1, None, 2)),
         "pixel_shuffle": (n in (3, 4) and x.shape[-3] % 4 == 0, lambda v, A: F.pixel_shuffle(v, 2)),
         "pixel_unshuffle": (n in (3, 4) and x.shape[-1] % 2 == 0 and x.shape[-2] % 2 == 0, lambda v, A: F.pixel_unshuffle(v, 2)),
-        "replicate_pad": (n in (2, 3, 4) and real, lambda v, A: F.pad(v, (1, 2) if n < 4 or k % 2 else (1, 0, 2, 1), mode="replicate")),
+        "replicate_pad": (n in (2, 3, 4) and real,
+                          lambda v, A: F.pad(v, (1, 2) if n < 4 or k % 2 else (1, 0, 2, 1), mode="replicate")),
         "reflect_pad2d": (n in (3, 4) and real, lambda v, A: F.pad(v, (1, 1, 1, 0), mode="reflect")),
         "upsample2d": (n == 4 and real, lambda v, A: F.interpolate(
-            v, scale_factor=2, mode=["bilinear", "bicubic", "nearest", "nearest-exact"][k], **({"align_corners": True} if k < 2 else {}))),
+            v, scale_factor=2, mode=["bilinear", "bicubic", "nearest", "nearest-exact"][k],
+            **({"align_corners": True} if k < 2 else {}))),
         "adaptive_max_pool2d": (n in (3, 4) and real, lambda v, A: F.adaptive_max_pool2d(v, (2, 1))),
         "adaptive_avg_pool2d": (n in (3, 4) and real, lambda v, A: F.adaptive_avg_pool2d(v, (1, 2))),
         "avg_pool3d": (n == 4 and real, lambda v, A: F.avg_pool3d(v, (1, 2, 2))),
@@ -1054,7 +1056,8 @@ def wide(c: Ctx, x: torch.Tensor) -> Step | None:
         "solve_triangular": (n >= 2 and wide_, lambda v, A: torch.linalg.solve_triangular(
             square(v).triu(), A(y)[..., :sq, :], upper=True)),
         "eigvals": (n >= 2 and wide_, lambda v, A: torch.linalg.eigvals(square(v)).abs().sort(-1)[0]),
-        "cholesky_solve": (n >= 2 and wide_, lambda v, A: torch.cholesky_solve(A(y)[..., :sq, :], torch.linalg.cholesky(square(v)))),
+        "cholesky_solve": (n >= 2 and wide_,
+                           lambda v, A: torch.cholesky_solve(A(y)[..., :sq, :], torch.linalg.cholesky(square(v)))),
         "cholesky_inverse": (n == 2 and wide_, lambda v, A: torch.cholesky_inverse(torch.linalg.cholesky(square(v)))),
         "logdet": (n >= 2 and fl, lambda v, A: torch.logdet(square(v))),
         "unbind": (n > 0 and x.shape[dd] > 0, lambda v, A: v.unbind(dd)[-1]),
@@ -1082,7 +1085,8 @@ def wide(c: Ctx, x: torch.Tensor) -> Step | None:
         "nanquantile": (n > 0 and fl, lambda v, A: torch.nanquantile(v, 0.25 * k, dd) if v.shape[dd] else v.sum(dd)),
         "cumsum_rev": (n > 0 and num, lambda v, A: v.flip(dd).cumsum(dd).flip(dd)),
         "var_unbiased_dim": (n >= 2 and (real or cplx), lambda v, A: v.var((0, 1), unbiased=k % 2 == 0)),
-        "max_unpool": (n == 3 and real and x.shape[-1] >= 2, lambda v, A: F.max_unpool1d(*F.max_pool1d(v, 2, return_indices=True), 2)),
+        "max_unpool": (n == 3 and real and x.shape[-1] >= 2,
+                       lambda v, A: F.max_unpool1d(*F.max_pool1d(v, 2, return_indices=True), 2)),
         "gumbel0": (real and x.dtype != torch.bfloat16 and n > 0, lambda v, A: F.softmax(v / 0.5, dd)),
         "xlogy": (real, lambda v, A: torch.xlogy(v.abs(), A(y).abs() + 0.1)),
         "clamp_int": (intg, lambda v, A: v.clamp(min=-2) if k % 2 else v.clamp(max=A(y))),
@@ -1483,7 +1487,8 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         ct = make_tensor(tuple(ref.shape), ref.dtype, gen) if run == "vjp" else None
         xb = None
         if run.startswith("vmap"):  # a batch of two: vmap_last batches the last dim (a dim behind the sharded ones)
-            xb = torch.stack([x, x * 2 if x.dtype != torch.bool else ~x], -1 if run == "vmap_last" else 1 if run == "vmap_mid" else 0)
+            at = -1 if run == "vmap_last" else 1 if run == "vmap_mid" else 0
+            xb = torch.stack([x, x * 2 if x.dtype != torch.bool else ~x], at)
         loss_of = lambda lift: lambda v: _scalar_loss(_chain(case.steps, v, lift))  # noqa: E731
         try:  # torch's transform first: where torch cannot transform the program, compare values only
             if run == "jvp":
