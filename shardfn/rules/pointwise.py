@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import torch
 
+from ..arrays.fragments import is_unit
 from ..values.layout import Layout
 from ..values.mesh import check_mesh_device
 from .base import Candidate, OpCall, sum_passes
@@ -82,15 +83,17 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
 
 def _finite_factors(call: OpCall, base_path: Any) -> bool:
     """Whether the factors of a product (every operand but ``base_path``'s) are known finite
-    without reading them: numbers that are, and integer or bool tensors. A floating tensor
-    may hold inf, and ``sum(parts) * inf`` is not ``sum(parts * inf)`` (``0 * inf`` is nan in a
-    part, and parts of both signs give nan where the total's sign gives ±inf); knowing it is
-    finite would take a device-to-host sync, so the pending operand is reduced first."""
+    without reading them: numbers that are, integer or bool tensors, arrays that their op
+    bounds (``arrays/bounds.py``: ``cos``, ``-sin``, ...). Another floating tensor may hold
+    inf, and ``sum(parts) * inf`` is not ``sum(parts * inf)`` (``0 * inf`` is nan in a part,
+    and parts of both signs give nan where the total's sign gives ±inf); knowing it is finite
+    would take a device-to-host sync, so the pending operand is reduced first (nan factors
+    need nothing: nan in every part is the total's nan)."""
     for i, a in enumerate(call.args[:2]):
         if i == base_path:
             continue
         if isinstance(a, torch.Tensor):
-            if a.dtype.is_floating_point or a.dtype.is_complex:
+            if (a.dtype.is_floating_point or a.dtype.is_complex) and not (hasattr(a, "_layout") and is_unit(a)):
                 return False
         elif isinstance(a, (float, complex)) and not cmath.isfinite(a):
             return False
