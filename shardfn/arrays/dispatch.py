@@ -26,7 +26,7 @@ from ..plans.planner import PLAN_CACHES
 from ..values.mesh import check_mesh_device
 from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, _BatchedArray
 from .redistribute import note_derived
-from .fragments import _fragment, is_unit
+from .fragments import _fragment, known_finite
 from .fresh import mark_fresh, note_reads
 from .reduced import note_recomputed, reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
@@ -325,7 +325,7 @@ def _key(func: Any, leaves: list) -> tuple:
     for path, v in leaves:
         if isinstance(v, ShardedArray):
             parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset(),
-                          reduced_forms(v) if v._layout.partial else None, is_unit(v)))
+                          reduced_forms(v) if v._layout.partial else None, known_finite(v)))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
         elif isinstance(v, (float, complex)):

@@ -44,32 +44,31 @@ def _fragment(x: Any) -> Any:
 
 
 def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype, stride: tuple | None = None,
-                unit: bool = False) -> Any:
+                finite: bool = False) -> Any:
     """A unique object per (layout (with the reductions at hand, if any), shape, dtype, stride;
-    None: contiguous; ``unit``: the value is known to lie in [-1, 1], see ``is_unit``): fast
-    keys hash it by identity. Never reused for another tuple (dropping the table only makes new
-    objects)."""
+    None: contiguous; ``finite``: see ``known_finite``): fast keys hash it by identity. Never
+    reused for another tuple (dropping the table only makes new objects)."""
     key = (layout, shape, dtype) if stride is None else (layout, shape, dtype, stride)
-    if unit:
-        key += (_UNIT,)
+    if finite:
+        key += (_FINITE,)
     k = _fragments.get(key)
     if k is None:
         if len(_fragments) >= _FRAGMENTS_MAX:
             _fragments.clear()
         k = _fragments[key] = _Fragment()
-        k.unit = unit
+        k.finite = finite
     return k
 
 
-_UNIT = object()  # marks a unit fragment's key
+_FINITE = object()  # marks a known-finite fragment's key
 
 
-def is_unit(x: Any) -> bool:
-    """Whether every element of array ``x`` is known to lie in [-1, 1] (or be nan) by the op
-    that made it (``bounds.py``), so a pending sum may be multiplied by it part by part. The
-    mark is the fragment's: an in-place write, which drops the fragment, drops it too."""
+def known_finite(x: Any) -> bool:
+    """Whether no element of array ``x`` can be ±inf (nan may be), known from the op that made
+    it (``bounds.py``) without reading it: a pending sum may be multiplied by it part by part.
+    The mark is the fragment's: an in-place write, which drops the fragment, drops it too."""
     k = x.__dict__.get("_kf")
-    return k is not None and k.unit
+    return k is not None and k.finite
 
 
 _CONTIGUOUS: dict[tuple, tuple] = {}  # shape -> its contiguous strides
@@ -108,7 +107,7 @@ def _odd_stride(shape: tuple, stride: tuple, offset: int = 0) -> tuple | None:
 class _Fragment:
     """An identity-hashed stand-in for one (layout, shape, dtype) in fast keys."""
 
-    __slots__ = ("__weakref__", "unit")
+    __slots__ = ("__weakref__", "finite")
 
     def __copy__(self) -> _Fragment:
         return self  # a copied array keeps hitting its original's entries

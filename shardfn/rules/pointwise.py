@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..arrays.fragments import is_unit
+from ..arrays.fragments import known_finite
 from ..values.layout import Layout
 from ..values.mesh import check_mesh_device
 from .base import Candidate, OpCall, sum_passes
@@ -93,7 +93,7 @@ def _finite_factors(call: OpCall, base_path: Any) -> bool:
         if i == base_path:
             continue
         if isinstance(a, torch.Tensor):
-            if (a.dtype.is_floating_point or a.dtype.is_complex) and not (hasattr(a, "_layout") and is_unit(a)):
+            if (a.dtype.is_floating_point or a.dtype.is_complex) and not (hasattr(a, "_layout") and known_finite(a)):
                 return False
         elif isinstance(a, (float, complex)) and not cmath.isfinite(a):
             return False
