@@ -33,10 +33,17 @@ def sharded_loss_and_grads(loss_fn, params: dict, ids: torch.Tensor, labels: tor
         loss = loss_fn(leaves, ids, labels)
         loss.backward()
         return loss, {n: p.grad for n, p in leaves.items() if n in trainable}
-    consts = {n: p for n, p in params.items() if n not in trainable}
-    grads, loss = torch.func.grad_and_value(lambda tr: loss_fn({**consts, **tr}, ids, labels))(
-        {n: p for n, p in params.items() if n in trainable})
+    grads, loss = parameters_grad_and_value(loss_fn, params, ids, labels)
     return loss, grads
+
+
+def parameters_grad_and_value(loss_fn, params: dict, *args) -> tuple[dict, torch.Tensor]:
+    """``torch.func.grad_and_value(loss_fn)(params, *args)`` w.r.t. the parameters of the sharded
+    ``params`` (``requires_grad``: what ``sf.nn.shard_params`` gives a model's parameters); its
+    buffers stay constants, as the unsharded reference's ``plain`` holds parameters only."""
+    consts = {n: p for n, p in params.items() if not p.requires_grad}
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    return torch.func.grad_and_value(lambda tr: loss_fn({**consts, **tr}, *args))(trainable)
 
 
 def full(x: torch.Tensor) -> torch.Tensor:

@@ -139,3 +139,22 @@ def test_gradient_of_a_product_by_a_non_finite_factor(shape, names):
         ((X * f1 * f2) @ W).sum().backward()
         grads.append(xl.grad)
     _close(*grads, tol=1e-12)
+
+
+def test_rms_norm_backward_with_a_non_finite_weight():
+    """``shardfn::rms_norm``'s backward is linear in the gradient times the weight: a pending
+    gradient (a column-parallel product's input gradient) meets the weight's inf."""
+    import torch.nn.functional as F
+
+    mesh = sf.Mesh((2,), ("x",))
+    x, v = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    w = torch.tensor([1.0, INF, -INF, 0.5], dtype=torch.float64)
+    grads = []
+    for m in (mesh, None):
+        xl = x.clone().requires_grad_()
+        X = xl if m is None else sf.distribute(xl, P(), mesh=m)
+        W = w if m is None else sf.distribute(w, P(), mesh=m)
+        V = v if m is None else sf.distribute(v, P(None, "x"), mesh=m)
+        (F.rms_norm(X, (4,), W) @ V).sum().backward()
+        grads.append(xl.grad)
+    _close(*grads, tol=1e-12)
