@@ -204,9 +204,14 @@ def test_moe_tp_attention_replicated_experts(name: str) -> None:
         assert set(cc.counts) == {"all_reduce"}, cc
 
 
-@pytest.mark.xfail(strict=True, reason="the routed experts' backward reduces the pending residual gradient "
-                   "at several small tensors (router, routing weights, expert inputs) instead of once at the MoE output")
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+_MOE_XFAIL = pytest.mark.xfail(strict=True, reason="the routed experts' backward reduces the pending residual "
+                               "gradient at several small tensors (router, routing weights, expert inputs) instead "
+                               "of once at the MoE output")
+
+
+# Mixtral: the pending residual gradient is reduced at the norm's ``grad * weight`` (a factor not known
+# finite: issue 25), Megatron's placement, before it reaches the experts
+@pytest.mark.parametrize("name", ["mixtral", pytest.param("qwen2moe", marks=_MOE_XFAIL)])
 def test_moe_backward_megatron_counts(name: str) -> None:
     cc = _backward(name, "func")
     fwd = {"mixtral": 1, "qwen2moe": 2}[name]
