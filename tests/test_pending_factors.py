@@ -158,3 +158,16 @@ def test_rms_norm_backward_with_a_non_finite_weight():
         (F.rms_norm(X, (4,), W) @ V).sum().backward()
         grads.append(xl.grad)
     _close(*grads, tol=1e-12)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_product_of_a_pending_sum_and_a_non_finite_factor(dynamic):
+    mesh = sf.Mesh((2,), ("x",))
+    a, b = torch.randn(3, 4), torch.randn(4, 3)
+    a[:, 2:] = 0  # one device's parts are 0
+    f, t = torch.tensor([INF, -INF, 0.5]), torch.randn(3)
+    A, B = sf.distribute(a, P(None, "x"), mesh=mesh), sf.distribute(b, P("x"), mesh=mesh)
+    F, T = sf.distribute(f, P(), mesh=mesh), sf.distribute(t, P(), mesh=mesh)
+    got, bounded = torch.compile(lambda A, B, F, T: ((A @ B) * F, (A @ B) * torch.cos(T)), dynamic=dynamic)(A, B, F, T)
+    _close(got, (a @ b) * f)
+    _close(bounded, (a @ b) * torch.cos(t), tol=1e-6)
