@@ -1192,3 +1192,12 @@ def test_shard_map_pending_input_varies_over_its_axis_on_uneven_layouts(n):
         _close(sf.shard_map(lambda b: b * 3, mesh=mesh, out_specs=x.spec, **kw)(x), t * 3)
     with pytest.raises(sf.ShardingError, match="'y'"):  # it varies over y: an out_spec without y is refused
         sf.shard_map(lambda b: b * 3, mesh=mesh, in_specs=(x.spec,), out_specs=P("x"))(x)
+
+
+@pytest.mark.parametrize("shape,spec", [((6, 0, 0), P()), ((6, 0, 0), P("x")), ((2, 0, 2), P("x")), ((1, 4, 2, 2), P(None, "x"))])
+def test_pixel_unshuffle_of_an_empty_input_has_torchs_shape(shape, spec):
+    """torch's CPU kernel returns an empty input's clone ((6, 0, 0) stays (6, 0, 0)); its meta
+    kernel says (24, 0, 0), which the array took (fuzzer seed 98001660, --families wide,smap3)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(shape, dtype=torch.float64)
+    _close(F.pixel_unshuffle(sf.distribute(x, spec, mesh=mesh), 2), F.pixel_unshuffle(x, 2))
