@@ -74,6 +74,31 @@ def test_shardings_built_inside_keep_partial(mesh22):
         torch.testing.assert_close(sf.gather(t), X * 3.0)
 
 
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_shardings_built_inside_live_across_a_graph_break(mesh22, graph_break):
+    """A P / NamedSharding made inside the compiled function and still used after a graph
+    break reaches the resumed frame as the real value (not AOTAutograd's FakeScriptObject
+    wrapper, nor a weak-reference error); values and gradients as eager, and a P returned
+    from the compiled function is the real P."""
+
+    def f(x, w):
+        p, ns = P("x", None), sf.NamedSharding(mesh22, P(None, "y", partial="x"))
+        h = sf.reshard(x @ w, p)
+        if graph_break:
+            torch._dynamo.graph_break()
+        return sf.reshard(h.tanh(), p) * 2.0, sf.reshard(h, ns), p
+
+    x, w = _inputs(mesh22, requires_grad=True)
+    out, pend, p = torch.compile(f, backend="aot_eager", fullgraph=not graph_break)(x, w)
+    assert type(p) is P and p == P("x", None)
+    assert (out.spec, pend.spec) == (P("x"), P(None, "y", partial="x"))
+    torch.testing.assert_close(sf.gather(pend), X @ W)
+    sf.gather(out).sum().backward()
+    wr = W.clone().requires_grad_()
+    ((X @ wr).tanh() * 2.0).sum().backward()
+    torch.testing.assert_close(sf.gather(w.grad), wr.grad)
+
+
 def test_backward_of_compiled_forward(mesh22):
     x, w = _inputs(mesh22, requires_grad=True)
     out = _compile(model)[0](x, w)

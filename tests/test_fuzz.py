@@ -50,7 +50,17 @@ FOUND = [
     (5729103494, 2),  # jvp: a plain ZeroTensor tangent reported as the primal's storage, then updated in place
     (5728950627, 2), (5728950823, 2),  # vmap_last view(dtype) of a float reduction: compared as its source (oracle)
     (5728956073, 2),  # matrix_power(x, 0) of a pending sum: torch's composite copy_s into its fresh clone
+    (5738218702, 2),  # compiled grad of std(min()): torch.compile of the plain program takes the nan branch (oracle)
+    (5738221152, 2),  # o / x of a pending zero: its parts add to +0, torch's input held -0 (oracle: no -0 on the grid)
+    (5738230791, 2),  # float32 eigvalsh of an unscaled B B^T + nI: eps * |A| = 0.08 (oracle: scaled, as it says)
 ]
+
+
+def test_pending_values_hold_no_negative_zero():
+    """A pending sum's parts that cancel add up to +0, so the fuzzer's pending inputs hold none."""
+    t = fuzz.on_grid(torch.tensor([-1e-5, 1e-5, -0.0, 0.3], dtype=torch.float64))
+    assert not torch.signbit(t[t == 0]).any()
+    assert fuzz.on_grid(torch.tensor([-0.3 + 0j], dtype=torch.complex128)).real.item() == -0.2998046875
 
 
 TORCH_2_13 = _compat._release(torch.__version__) >= (2, 13)

@@ -1069,3 +1069,86 @@ def test_compiled_view_output_keeps_its_storage_offset(dynamic):
     got, a = torch.compile(f, backend="aot_eager", dynamic=dynamic)(sf.distribute(x, P("x", None), mesh=mesh))
     assert got.tolist() == [2, 6, 1] and a.storage_offset() == x[:, 2:].storage_offset()
     _close(a, x[:, 2:])
+
+
+@pytest.mark.parametrize("spec", [P(None, "x"), P("y", "x"), P()])
+def test_grad_of_sgn_is_an_array_laid_out_like_the_leaf(spec):
+    """``sgn``'s backward of a real input makes its zeros from sizes and options (a plain
+    ZeroTensor, no array reaches it); the leaf's ``.grad`` reads as zeros laid out like the
+    leaf, later gradients accumulate into it (torch raises there: a ZeroTensor is immutable)
+    and nothing warns."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.randn(4, 6)
+    a = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        a.sgn().sum().backward()
+        g = a.grad
+        assert type(g) is sf.ShardedArray and g.spec == spec and g is a.grad
+        _close(g, torch.zeros_like(x))
+        (a.sgn() * 2 + a.sin()).sum().backward()
+    _close(a.grad, x.cos())
+
+
+@pytest.mark.parametrize("spec", [P(None, "x"), P("x", "y"), P("y", None, "x"), P()])
+@pytest.mark.parametrize("offset,dims", [(0, (0, 1)), (1, (0, 2)), (-1, (2, 1))])
+def test_diagonal_backward_has_a_rule(spec, offset, dims):
+    """The gradient of ``x.diagonal()`` (``aten.diagonal_backward``) ran the replicate fallback
+    with a warning; it keeps the grad's other dims sharded now, values as torch."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+
+    def f(v):
+        return (v.diagonal(offset, *dims).exp() * v.sum(dims[0], keepdim=True).diagonal(0, *dims)).sum()
+
+    xr = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(f(xr), xr)
+    xs = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (got,) = torch.autograd.grad(f(xs), xs)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("spec", [P(None, "x"), P("x"), P()])
+def test_fresh_buffer_diagonal_filled_from_a_grad_requiring_array(spec):
+    """``buf = zeros_like(x); buf.diagonal().copy_(x.exp()...)``: values and gradients as
+    torch's, no warning (the write's backward runs ``diagonal_backward`` / CopySlices)."""
+    mesh = sf.Mesh((2,), ("x",))
+    m, v = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+
+    def f(a, x):
+        buf = torch.zeros_like(a)
+        buf.diagonal().copy_(x.exp())
+        buf2 = torch.zeros_like(a)
+        buf2.diagonal().copy_(a.diagonal().exp())
+        return (buf * buf.sin()).sum() + (buf2 * a).sum()
+
+    mr, vr = m.clone().requires_grad_(), v.clone().requires_grad_()
+    want = torch.autograd.grad(f(mr, vr), (mr, vr))
+    ms, vs = sf.distribute(m, spec, mesh=mesh).requires_grad_(), sf.distribute(v, P("x"), mesh=mesh).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = f(ms, vs)
+        got = torch.autograd.grad(out, (ms, vs))
+    _close(out, f(m, v))
+    for g, w in zip(got, want):
+        _close(g, w)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_view_inputs_read_their_storage_offset(dynamic):
+    """Views passed into one compiled function, one after another: ``storage_offset()`` read
+    inside is each view's (a symbolic offset read 0 under dynamic=True), and a slice to the end
+    (``x[1:]``: Dynamo replays it with INT64_MAX as a symbol of no source) compiles."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(6, 4)
+    X = sf.distribute(x, P(None, "x"), mesh=mesh)
+    torch._dynamo.reset()
+    f = torch.compile(lambda v: (v * 2, v.storage_offset()), backend="aot_eager", dynamic=dynamic)
+    views = [lambda t: t.narrow(0, 1, 3), lambda t: t.narrow(0, 2, 3), lambda t: t.narrow(0, 2, 4),
+             lambda t: t[1:], lambda t: t[2:5], lambda t: t[:, 1:]]
+    for view in views:
+        out, off = f(view(X))
+        assert off == view(x).storage_offset()
+        _close(out, view(x) * 2)

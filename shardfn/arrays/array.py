@@ -188,10 +188,11 @@ class ShardedArray(torch.Tensor):
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         # the storage offset travels in the context (``__tensor_unflatten__`` is given sizes and
-        # strides only): a view rebuilt by a compiled program reported 0; a symbolic one is not
-        # kept (a constant of one trace), as before
+        # strides only): a view rebuilt by a compiled program reported 0. A symbolic one (a view
+        # passed in under dynamic=True) is specialised to its value, guarded: the context is a
+        # constant of the trace, and 0 there made ``v.storage_offset()`` a wrong constant
         off = self.storage_offset()
-        off = off if type(off) is int else 0
+        off = off if type(off) is int else int(off)
         if isinstance(self._local, tuple):
             return [f"_part_{i}" for i in range(len(self._local))], (self._layout, True, off)
         return ["_local"], (self._layout, False, off)
@@ -349,6 +350,8 @@ class ShardedArray(torch.Tensor):
     @property
     def grad(self) -> Any:
         g = _GRAD.__get__(self)
+        if type(g) is torch.Tensor and g._is_zerotensor():
+            g = self._zero_grad(g)
         if type(g) in ARRAY_TYPES:
             g._aliases_observable = True
         return g
@@ -362,6 +365,18 @@ class ShardedArray(torch.Tensor):
     @grad.deleter
     def grad(self) -> None:
         _GRAD.__delete__(self)
+
+    def _zero_grad(self, g: torch.Tensor) -> ShardedArray:
+        """Some of torch's backward formulas make a zero gradient from sizes and options
+        (``sgn`` of a real input: ``_efficientzerotensor``, a factory no array reaches), so
+        the engine stores a plain ZeroTensor as an array's gradient; it is read as zeros
+        laid out like the array (pending sums as replicated), as every other gradient is."""
+        with torch.no_grad():
+            z = torch.zeros_like(self, dtype=g.dtype)
+        if z._layout != self._layout.without_partial():
+            z = reshard(z, _named(self._layout.without_partial()))
+        _GRAD.__set__(self, z)
+        return z
 
     @property
     def data(self) -> ShardedArray:

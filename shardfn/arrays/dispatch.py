@@ -202,6 +202,8 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
             return _ft.hint_int(v)
         return v
 
+    if func is aten.slice.Tensor and any(_past_the_end(v) for _, v in leaves):
+        return dispatch(func, *_replace(args, kwargs, _to_the_end))
     hargs, hkwargs = _replace(args, kwargs, hinted)
     hleaves = _leaves(hargs, hkwargs)
     key = _key(func, hleaves)
@@ -218,6 +220,21 @@ def _dispatch_symbolic(func: Any, args: tuple, kwargs: dict, leaves: list) -> An
         return entry.run(args, kwargs, leaves, symbolic=True)
     except _BakedSizes:
         return dispatch(func, *_replace(args, kwargs, _specialised))
+
+
+_END = 2**62  # a slice bound at least this large is torch's "to the end" (INT64_MAX: ``x[1:]``)
+
+
+def _past_the_end(v: Any) -> bool:
+    return isinstance(v, torch.SymInt) and _ft.hint_int(v) >= _END
+
+
+def _to_the_end(path: Any, v: Any) -> Any:
+    """A slice bound of "to the end" made a symbol: Dynamo replays a view input's slice on
+    its fake base with every int a fresh symbol of no source (``view_from_base``), and the
+    slice's clamping guards on it then fail to build ('sources must not be empty'). Every
+    bound past the dim gives the same slice, so the sentinel's value is used, unguarded."""
+    return _ft.hint_int(v) if _past_the_end(v) else v
 
 
 def _specialised(path: Any, v: Any) -> Any:

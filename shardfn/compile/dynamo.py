@@ -91,6 +91,30 @@ def register() -> None:
     _never_trace(array.ShardedArray.__torch_dispatch__)
     if not hasattr(torch.Tensor, "__coerce_same_metadata_as_tangent__"):
         torch.Tensor.__coerce_same_metadata_as_tangent__ = _plain_tangent_as_array
+    _values_as_bytecode_constants()
+
+
+def _values_as_bytecode_constants() -> None:
+    """A sharding value built inside a compiled function and live at a graph break
+    (``p = P("dp"); ...; graph_break(); reshard(y, p)``) is handed to the resumed frame as
+    a bytecode constant, as Dynamo does for Enums (opaque values too). Otherwise Dynamo
+    returns it from the graph, and AOTAutograd wraps an opaque graph output in a
+    FakeScriptObject (torch 2.13; 2.11 fails storing it in a weak-keyed dict, which a tuple
+    subclass cannot enter): the resumed frame received the fake. The values are immutable,
+    so one object in the code's constants is safe."""
+    from torch._dynamo import bytecode_transformation, codegen, utils
+
+    base = utils.is_safe_constant
+    if getattr(base, "_sf_values", False):
+        return
+
+    def is_safe_constant(v: Any) -> bool:
+        return isinstance(v, _value_types()) or base(v)
+
+    is_safe_constant._sf_values = True  # type: ignore[attr-defined]
+    for mod in (utils, codegen, bytecode_transformation):  # each imported the name
+        if getattr(mod, "is_safe_constant", None) is base:
+            mod.is_safe_constant = is_safe_constant  # type: ignore[attr-defined]
 
 
 def _plain_tangent_as_array(self: torch.Tensor, flatten_spec: Any, expected_type: Any = None) -> Any:

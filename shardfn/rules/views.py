@@ -325,6 +325,25 @@ class SizedBackward:
 
 
 @attrs.frozen
+class DiagonalBackward:
+    """diagonal_backward(grad, input_sizes, offset, dim1, dim2): zeros of ``input_sizes`` with
+    ``grad`` (the diagonal, its last dim) written on the diagonal of dims ``dim1``/``dim2``:
+    the diagonal dim and those two whole, the grad's other dims sharded as the output's
+    others. Linear in the grad (zeros elsewhere): a pending reduction stays pending."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, g), = call.arrays
+        n = len(call.out_metas[0].shape)
+        b = bind(call.func, call.args, call.kwargs)
+        d1, d2 = b["dim1"] % n, b["dim2"] % n
+        batch = iter(g._layout.dims[:-1])
+        out_dims = tuple(() if i in (d1, d2) else next(batch) for i in range(n))
+        src = Layout(call.mesh, (*g._layout.dims[:-1], ()), g._layout.partial)
+        dst = Layout(call.mesh, out_dims, g._layout.partial)
+        return [Candidate((src,), (dst,), local_sizes=(("input_sizes", 0),))]
+
+
+@attrs.frozen
 class ViewScatter:
     """select_scatter / slice_scatter / diagonal_scatter(input, src, ...): ``src`` written
     into the view of ``input`` that ``mapping`` describes (torch's view inverses, which an
@@ -395,6 +414,7 @@ TABLE = {
     aten.triu: _whole(-2, -1),
     aten.slice_backward: SizedBackward(),
     aten.select_backward: SizedBackward(insert=True),
+    aten.diagonal_backward: DiagonalBackward(),
     aten.constant_pad_nd: PadLast(),
     aten.select_scatter: ViewScatter(_select_map),
     aten.slice_scatter: ViewScatter(_slice_map),
