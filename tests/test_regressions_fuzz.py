@@ -1071,6 +1071,16 @@ def test_compiled_view_output_keeps_its_storage_offset(dynamic):
     _close(a, x[:, 2:])
 
 
+def test_attention_with_a_head_dim_of_zero():
+    """torch's scale 1/sqrt(0) is inf in C++ and the products over the empty dim are empty; the
+    math path divided by zero in Python (fuzzer seed 91001567: empty float32 on a 2x2x2 mesh)."""
+    mesh = sf.Mesh((2, 2, 2), ("x", "y", "z"))
+    q = torch.randn(1, 8, 0, 0)
+    Q = sf.distribute(q, P("y"), mesh=mesh)
+    got = F.scaled_dot_product_attention(Q, Q * 0.5, Q)
+    ref = F.scaled_dot_product_attention(q, q * 0.5, q)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+
 @pytest.mark.parametrize("spec", [P(None, "x"), P("y", "x"), P()])
 def test_grad_of_sgn_is_an_array_laid_out_like_the_leaf(spec):
     """``sgn``'s backward of a real input makes its zeros from sizes and options (a plain
