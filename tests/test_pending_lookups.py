@@ -43,12 +43,15 @@ def test_recomputation_entry_goes_when_an_input_dies() -> None:
 
     torch.manual_seed(0)
     h = _pending(torch.randn(4, 6))
-    scale = sf.distribute(torch.randn(4, 6), P("dp"), mesh=MESH)
-    out = h * scale  # pending output of a pure op on two arrays: remembered
+    out = h * 2.0  # a pending output of a pure op on an array: remembered
+    assert out._layout.partial
     keys = [k for k, v in reduced._SAME.items() if v[0] is out]
     assert len(keys) == 1
     gone = weakref.ref(out)
-    del out, scale
+    del out
+    gc.collect()
+    assert keys[0] in reduced._SAME and gone() is not None  # kept while its input lives
+    del h
     gc.collect()
     assert keys[0] not in reduced._SAME and gone() is None
 
