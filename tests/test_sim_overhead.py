@@ -4,7 +4,6 @@ gives them."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import weakref
 
