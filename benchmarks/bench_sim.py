@@ -15,7 +15,7 @@ relative. Printed: unsharded ms, simulated ms, ratio (target <= 1.5), in wall ti
 CPU time (steadier on a shared machine); the runs are interleaved step by step and each
 time is the fastest step after the first.
 
-    python benchmarks/bench_sim.py [--steps 10] [--threads N] [--quick]
+    python benchmarks/bench_sim.py [--steps 10] [--threads N] [--quick] [--parts device|shares|both]
 
 ``--quick`` (or ``SHARDFN_BENCH_QUICK=1``) uses a small model and two steps, for a smoke test.
 """
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
+from shardfn.backends.local import set_pending_parts  # noqa: E402
 
 FULL = {"dim": 256, "heads": 8, "hidden": 1024, "seq": 64, "batch": 16}
 QUICK = {"dim": 32, "heads": 4, "hidden": 64, "seq": 8, "batch": 8}
@@ -222,12 +223,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true", help="small model, two steps (a smoke run)")
+    parser.add_argument("--parts", default="device", choices=("device", "shares", "both"),
+                        help="the local backend's pending parts (set_pending_parts); both: each, in turn")
     ns = parser.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
     quick = ns.quick or os.environ.get("SHARDFN_BENCH_QUICK") == "1"
     cfg = QUICK if quick else FULL
-    print(report(cfg, *measure(cfg, 2 if quick else ns.steps)))
+    for mode in (("device", "shares") if ns.parts == "both" else (ns.parts,)):
+        set_pending_parts(mode)
+        print(f"pending parts: {mode} (set_pending_parts)")
+        print(report(cfg, *measure(cfg, 2 if quick else ns.steps)))
+    set_pending_parts("device")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ default; on a meta tensor torch itself would choose the math path), or as a math
 ops (``--sdpa math``), which ``--check`` uses to confirm that the meta census equals a CPU run's.
 
     python benchmarks/census_sim.py [--size gpu|small|quick] [--sdpa efficient|math] [--ops CONFIG] [--check]
+                                    [--parts device|shares|both]
 
 ``SHARDFN_BENCH_QUICK=1``: the quick size and ``--check``. ``--ops CONFIG`` lists one configuration's
 kernels by op (calls, MB) and its gemm shapes.
@@ -46,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sim  # noqa: E402
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
+from shardfn.backends.local import set_pending_parts  # noqa: E402
+from shardfn.backends.local_values import shares  # noqa: E402
 
 aten = torch.ops.aten
 SIZES = {
@@ -218,7 +221,8 @@ def table(cfg: dict[str, int], device: str = "meta", sdpa: str = "efficient") ->
     res = {config: census(cfg, config, device, sdpa) for config in (None, *bench_sim.CONFIGS)}
     base = res[None].summary()
     lines = [f"one training step of bench_sim's block (dim {cfg['dim']}, heads {cfg['heads']}, hidden {cfg['hidden']}, "
-             f"seq {cfg['seq']}, batch {cfg['batch']}), {device} tensors, SDPA {sdpa}, torch {torch.__version__}",
+             f"seq {cfg['seq']}, batch {cfg['batch']}), {device} tensors, SDPA {sdpa}, torch {torch.__version__}, "
+             f"pending parts: {'shares' if shares() else 'device'}",
              f"{'configuration':16s}" + "".join(f"{c:>10s}" for c in COLUMNS) + f"{'est x':>8s}{'peak x':>8s}{'MB x':>7s}"]
     for config, c in res.items():
         s = c.summary()
@@ -258,8 +262,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sdpa", default="efficient", choices=("efficient", "math"))
     parser.add_argument("--ops", default=None, help="list the kernels and gemms of this configuration ('unsharded' too)")
     parser.add_argument("--check", action="store_true", help="first check meta == CPU at the quick size")
+    parser.add_argument("--parts", default="device", choices=("device", "shares", "both"),
+                        help="the local backend's pending parts (set_pending_parts); both: one table each")
     ns = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if ns.parts == "both":
+        for mode in ("device", "shares"):
+            main([a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--parts", "both")]
+                 + ["--parts", mode])
+        return
+    set_pending_parts(ns.parts)
     quick = os.environ.get("SHARDFN_BENCH_QUICK") == "1"
     size = ns.size or ("quick" if quick else "gpu")
     if ns.check or quick:

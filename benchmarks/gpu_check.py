@@ -6,7 +6,8 @@
 Needs torch (2.11+) and optree; uses transformers when installed. Sections, each in its own
 try/except (a failure prints its full traceback, chained causes included, and the next
 section runs; in section 3 each eager size and each compiled run is its own such part);
-``--sections 3,5`` runs only those sections:
+``--sections 3,5`` runs only those sections; ``--pending-parts shares`` runs them with the local
+backend holding pending sums of split contractions as equal shares (``set_pending_parts``):
 
 1. values and gradients of the bench_sim transformer block in its three configurations
    (TP and DP on simulated meshes of the device), float32 and bfloat16, against the same
@@ -47,6 +48,7 @@ import fallback_census  # noqa: E402
 
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
+from shardfn.backends.local import set_pending_parts  # noqa: E402
 
 GPU_SIZE = {"dim": 1024, "heads": 16, "hidden": 4096, "seq": 256, "batch": 32}
 SMALL_SIZE = dict(bench_sim.FULL)  # dim 256, heads 8, hidden 1024, seq 64, batch 16
@@ -345,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=200.0,
                     help="seconds after which the remaining compiled runs are skipped")
     ap.add_argument("--sections", default="1,2,3,4,5", help="the sections to run, e.g. 3 or 3,5 (default: all)")
+    ap.add_argument("--pending-parts", default="device", choices=("device", "shares"),
+                    help="the local backend's pending parts for the whole run (shardfn.backends.local.set_pending_parts)")
     ns = ap.parse_args(argv)
+    set_pending_parts(ns.pending_parts)
     try:
         wanted = {int(n) for n in ns.sections.split(",") if n.strip()}
     except ValueError:
@@ -358,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     say(f"shardfn gpu_check: torch {torch.__version__}, python {sys.version.split()[0]}, device {device}"
         + (f" ({torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda})" if device == "cuda" else "")
-        + (", quick" if quick else ""))
+        + (", quick" if quick else "") + f", pending parts: {ns.pending_parts}")
     if device == "cuda" and not torch.cuda.is_available():
         say("CUDA is not available: run with --device cpu --quick for a smoke run")
         return 2

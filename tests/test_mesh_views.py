@@ -87,3 +87,45 @@ def test_reshard_onto_view_forward_mode(mesh):
         y = sf.reshard(xs, NS(flat, P("dptp")))
         tangent = fwAD.unpack_dual(sf.gather(y)).tangent
     torch.testing.assert_close(tangent, t)
+
+
+# -- moves between meshes over the same devices (fuzzing, issue 25) ---------------------------------
+
+_VIEW_MESHES = [((2, 2), ("x", "y")), ((4,), ("x",)), ((4,), ("y",)), ((1, 4), ("x", "y")), ((4, 1), ("y", "x"))]
+
+
+def _view_specs(names):
+    ents = [None, *names, *[(a, b) for a in names for b in names if a != b]]
+    return [P(a, b) for a in ents for b in ents if not ({a} & {b} - {None}) and not (
+        isinstance(a, tuple) and set(a) & {b}) and not (isinstance(b, tuple) and set(b) & {a})
+        and not (isinstance(a, tuple) and isinstance(b, tuple))]
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (3, 5)])
+@pytest.mark.parametrize("src_mesh", _VIEW_MESHES, ids=str)
+@pytest.mark.parametrize("dst_mesh", _VIEW_MESHES, ids=str)
+def test_reshard_onto_a_mesh_of_the_same_devices_is_exact(shape, src_mesh, dst_mesh):
+    """Meshes that share axis names (2x2 ``("x", "y")`` and 4 ``("x",)``) had one fine-axis map:
+    the layouts were said wrongly (a reshard made an array whose shards did not fit it); and a dim
+    split unevenly over a coarse axis is not its nested split over the fine axes (6 over 4 is
+    2, 2, 2, 0; over 2 then 2 it is 2, 1, 2, 1)."""
+    m1, m2 = sf.Mesh(*src_mesh), sf.Mesh(*dst_mesh)
+    t = torch.arange(float(shape[0] * shape[1])).reshape(shape)
+    for s1 in _view_specs(m1.axis_names):
+        x = sf.distribute(t, s1, mesh=m1)
+        for s2 in _view_specs(m2.axis_names):
+            z = sf.reshard(x, sf.NamedSharding(m2, s2))
+            want = sf.distribute(t, s2, mesh=m2)
+            assert z.mesh == m2 and z._layout == want._layout, (s1, s2)
+            assert all(torch.equal(a, b) for a, b in zip(z.local_shards(), want.local_shards())), (s1, s2)
+
+
+def test_reshard_across_meshes_keeps_gradients_and_pending_sums():
+    m1, m2 = sf.Mesh((2, 2), ("x", "y")), sf.Mesh((4,), ("x",))
+    t = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    z = sf.reshard(sf.distribute(t, P(None, ("x", "y")), mesh=m1), sf.NamedSharding(m2, P(None, "x")))
+    (z.full_tensor() * torch.arange(18.0).reshape(3, 6)).sum().backward()
+    torch.testing.assert_close(t.grad, torch.arange(18.0, dtype=torch.float64).reshape(3, 6))
+    parts = [torch.full((3, 6), float(i)) for i in range(4)]  # pending over x: devices (i, j) hold i's part
+    x = sf.ShardedArray.from_local([parts[i // 2] for i in range(4)], P(partial="x"), mesh=m1, shape=(3, 6))
+    torch.testing.assert_close(sf.reshard(x, sf.NamedSharding(m2, P(None, "x"))).full_tensor(), torch.full((3, 6), 1.0))

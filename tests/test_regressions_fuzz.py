@@ -1071,6 +1071,16 @@ def test_compiled_view_output_keeps_its_storage_offset(dynamic):
     _close(a, x[:, 2:])
 
 
+def test_attention_with_a_head_dim_of_zero():
+    """torch's scale 1/sqrt(0) is inf in C++ and the products over the empty dim are empty; the
+    math path divided by zero in Python (fuzzer seed 91001567: empty float32 on a 2x2x2 mesh)."""
+    mesh = sf.Mesh((2, 2, 2), ("x", "y", "z"))
+    q = torch.randn(1, 8, 0, 0)
+    Q = sf.distribute(q, P("y"), mesh=mesh)
+    got = F.scaled_dot_product_attention(Q, Q * 0.5, Q)
+    ref = F.scaled_dot_product_attention(q, q * 0.5, q)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+
 @pytest.mark.parametrize("spec", [P(None, "x"), P("y", "x"), P()])
 def test_grad_of_sgn_is_an_array_laid_out_like_the_leaf(spec):
     """``sgn``'s backward of a real input makes its zeros from sizes and options (a plain
@@ -1170,3 +1180,33 @@ def test_gelu_on_stacked_values_with_replicated_size_one_mesh_dims(mesh_shape, s
         (gs,) = torch.autograd.grad((out * out).sum(), xs)
         _close(out, ref.detach())
         _close(gs, gr)
+
+
+@pytest.mark.parametrize("in_specs", [None, (P(partial="x"),)])
+def test_shard_map_pending_output_over_an_axis_of_size_one(in_specs):
+    """A pending input's parts vary over its axis, but over an axis of size 1 the inference calls
+    every value invariant, and the out_spec's partial='x' was refused ("would multiply it by 1")
+    where there is nothing to multiply (fuzzer seed 95002441, generator 3)."""
+    mesh = sf.Mesh((1,), ("x",))
+    t = torch.randn(6, 2, dtype=torch.float64)
+    x = sf.ShardedArray.from_local([t], P(partial="x"), mesh=mesh, shape=(6, 2))
+    out = sf.shard_map(lambda b: b * 3, mesh=mesh, in_specs=in_specs, out_specs=P(partial="x"))(x)
+    _close(out, t * 3)
+    two = sf.Mesh((2,), ("x",))
+    with pytest.raises(sf.ShardingError, match="multiply it by 2"):  # where copies would add up, still refused
+        sf.shard_map(lambda b: b * 3, mesh=two, in_specs=(P(),), out_specs=P(partial="x"))(t)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_shard_map_pending_input_varies_over_its_axis_on_uneven_layouts(n):
+    """The per-device path (uneven shards) tagged an input as varying over its sharded axes
+    only, so a pending input's partial out_spec was refused as "identical copies" (dist fuzzer
+    seed 96000314: 3 rows over 'x', partial over 'y'); the stacked path (even) was right."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    t = torch.randn(n, 1, 5, dtype=torch.float64)
+    parts = [s / 2 for s in sf.distribute(t, P("x"), mesh=mesh).local_shards()]
+    x = sf.ShardedArray.from_local(parts, P("x", partial="y"), mesh=mesh, shape=(n, 1, 5))
+    for kw in ({"in_specs": None}, {"in_specs": (x.spec,)}, {"in_specs": (x.spec,), "axis_names": {"y"}}):
+        _close(sf.shard_map(lambda b: b * 3, mesh=mesh, out_specs=x.spec, **kw)(x), t * 3)
+    with pytest.raises(sf.ShardingError, match="'y'"):  # it varies over y: an out_spec without y is refused
+        sf.shard_map(lambda b: b * 3, mesh=mesh, in_specs=(x.spec,), out_specs=P("x"))(x)

@@ -42,9 +42,13 @@ SIZES = [0, 1, 2, 3, 4, 5, 7, 8]
 # The generator's version: a seed replays the same program only under the version that drew it
 # (``--gen``); version 2 adds meshes with size-1 axes, dims of 6 and 9, the "extra" and "random"
 # op families and the vmap_grad / vmap_last modes.
-GEN = 2
+# Version 3 adds meshes larger than 8 devices and more uneven ones, dims of 12, the "wide" and
+# "smap3" op families and the jacrev / jacfwd / vmap_mid / hessian modes.
+GEN = 3
 MESH_SHAPES_2 = MESH_SHAPES + [(1, 8), (8, 1), (2, 1, 4), (4, 1, 2), (3, 2)]
 SIZES_2 = SIZES + [6, 9]
+MESH_SHAPES_3 = MESH_SHAPES_2 + [(3, 3), (16,), (2, 2, 3), (5,), (4, 4), (1, 1)]
+SIZES_3 = SIZES_2 + [12]
 FLOATS = [torch.float64, torch.float32, torch.complex128]
 DTYPES = FLOATS * 3 + [torch.complex64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.bool]
 
@@ -963,6 +967,303 @@ def random_ops(c: Ctx, x: torch.Tensor) -> Step | None:
     return Step("random_" + kind, fn, f"x + sf.random.{kind}(key, x.shape, {spec})")
 
 
+@op("wide", since=3)
+def wide(c: Ctx, x: torch.Tensor) -> Step | None:
+    """Generator 3: the rule table's ops the older families never reach (activations, padding
+    and upsampling modes, scatter-views, LU/triangular linalg, pooling in 2-d/3-d, unique
+    variants, like-factories, foreach lists, norms with weights, distances)."""
+    n = x.dim()
+    d = _dim(c, x)
+    dd = d if d is not None else 0
+    k = c.ch.integer(0, 3)
+    real, cplx, num = x.dtype.is_floating_point, x.dtype.is_complex, _num(x.dtype)
+    wide_ = x.dtype in (torch.float32, torch.float64, torch.complex64, torch.complex128)
+    intg = not real and not cplx and num
+    name = c.ch.choice(
+        ["argmin", "mode", "std_mean", "addbmm", "addmv", "addr", "bincount", "celu", "elu", "hardsigmoid", "hardswish",
+         "hardtanh", "leaky_relu", "relu6", "mish", "selu", "threshold", "logsigmoid", "hardshrink", "softshrink",
+         "logit", "glu", "index_copy", "put", "diagonal_scatter", "select_scatter", "slice_scatter", "pixel_shuffle",
+         "pixel_unshuffle", "replicate_pad", "reflect_pad2d", "upsample2d", "adaptive_max_pool2d", "adaptive_avg_pool2d",
+         "avg_pool3d", "max_pool3d", "unique_consecutive", "unique_dim", "lstsq", "lu_factor", "lu_solve",
+         "solve_triangular", "eigvals", "cholesky_solve", "cholesky_inverse", "logdet", "unbind", "view_as_complex",
+         "zeros_like", "full_like", "new_full", "rsub", "resolve", "foreach", "layer_norm_w", "group_norm_g",
+         "batch_norm", "instance_norm", "cosine_similarity", "pairwise_distance", "embedding_bag", "conv_transpose1d",
+         "f_unfold", "amax_neg", "min_dim", "nanquantile", "cumsum_rev", "var_unbiased_dim", "max_unpool", "gumbel0",
+         "xlogy", "clamp_int", "signbit", "frexp", "ldexp", "float_power", "lgamma", "erfinv", "i0", "sinc", "deg2rad",
+         "allclose", "equal", "isclose", "movedim_multi", "swapaxes", "narrow_copy", "as_strided_scatter", "block_diag",
+         "cartesian_prod", "tensor_split", "hsplit", "atleast_3d", "vander", "cummax_idx", "trapz", "kl_div_log",
+         "triplet", "margin_ranking", "multi_margin", "poisson_nll", "gaussian_nll", "soft_margin", "hinge", "ctc_free"]
+    )
+    y = c.aux(make_tensor(tuple(x.shape), x.dtype, c.gen), partial=c.ch.chance(0.2))
+    sq = min(x.shape[-2:]) if n >= 2 else 0
+    last = x.shape[-1] if n else 0
+    fl = real and x.dtype in (torch.float32, torch.float64)
+
+    def square(v: Any) -> Any:  # a well-conditioned square block
+        b = v[..., :sq, :sq]
+        return b @ b.mT.conj() + torch.eye(sq, dtype=v.dtype) * sq
+
+    w1 = c.aux(make_tensor((last,), x.dtype, c.gen)) if n else None
+    fns: dict[str, tuple[bool, Callable]] = {
+        "argmin": (n > 0 and not cplx and num, lambda v, A: v.argmin(dd, keepdim=k % 2 == 0)),
+        "mode": (n > 0 and (real or intg), lambda v, A: torch.mode(v, dd)[k % 2]),
+        "std_mean": (n > 0 and (real or cplx), lambda v, A: torch.std_mean(v, dd, correction=k % 2)[k % 2]),
+        "addbmm": (n == 3 and num and x.dtype != torch.bool, lambda v, A: torch.addbmm(v[0] @ v[0].mT, v, v.mT, beta=0.5)),
+        "addmv": (n == 2 and num and x.dtype != torch.bool, lambda v, A: torch.addmv(v[:, 0], v, A(y)[0], alpha=2)),
+        "addr": (n == 1 and num and x.dtype != torch.bool, lambda v, A: torch.addr(torch.outer(v, A(y)), v, A(y))),
+        "bincount": (n == 1 and x.dtype in (torch.int64, torch.int32, torch.int8),
+                     lambda v, A: torch.bincount(v.abs(), minlength=k)),
+        "celu": (real, lambda v, A: F.celu(v, 0.5)),
+        "elu": (real, lambda v, A: F.elu(v, 1.5)),
+        "hardsigmoid": (real, lambda v, A: F.hardsigmoid(v * 4)),
+        "hardswish": (real, lambda v, A: F.hardswish(v * 4)),
+        "hardtanh": (real or intg, lambda v, A: F.hardtanh(v, -0.5 if real else -1, 0.5 if real else 1)),
+        "leaky_relu": (real, lambda v, A: F.leaky_relu(v, 0.1)),
+        "relu6": (real or intg, lambda v, A: F.relu6(v * 4)),
+        "mish": (real, lambda v, A: F.mish(v)),
+        "selu": (real, lambda v, A: F.selu(v)),
+        "threshold": (real or intg, lambda v, A: F.threshold(v, 0.25 if real else 1, -7)),
+        "logsigmoid": (real, lambda v, A: F.logsigmoid(v)),
+        "hardshrink": (real, lambda v, A: F.hardshrink(v, 0.5)),
+        "softshrink": (real, lambda v, A: F.softshrink(v, 0.5)),
+        "logit": (real, lambda v, A: torch.logit(v.sigmoid(), eps=1e-3 if k % 2 else None)),
+        "glu": (n > 0 and real and x.shape[dd] % 2 == 0, lambda v, A: F.glu(v, dd)),
+        "index_copy": (n > 0, None),
+        "put": (num, None),
+        "diagonal_scatter": (n >= 2, lambda v, A: torch.diagonal_scatter(v, A(y).diagonal(), 0)),
+        "select_scatter": (n > 0 and x.shape[dd] > 0, lambda v, A: torch.select_scatter(v, A(y).select(dd, -1), dd, -1)),
+        "slice_scatter": (n > 0, lambda v, A: torch.slice_scatter(v, A(y)[(slice(None),) * (dd % n) + (slice(1, None, 2),)],
+                                                                  dd % n, 1, None, 2)),
+        "pixel_shuffle": (n in (3, 4) and x.shape[-3] % 4 == 0, lambda v, A: F.pixel_shuffle(v, 2)),
+        "pixel_unshuffle": (n in (3, 4) and x.shape[-1] % 2 == 0 and x.shape[-2] % 2 == 0, lambda v, A: F.pixel_unshuffle(v, 2)),
+        "replicate_pad": (n in (2, 3, 4) and real,
+                          lambda v, A: F.pad(v, (1, 2) if n < 4 or k % 2 else (1, 0, 2, 1), mode="replicate")),
+        "reflect_pad2d": (n in (3, 4) and real, lambda v, A: F.pad(v, (1, 1, 1, 0), mode="reflect")),
+        "upsample2d": (n == 4 and real, lambda v, A: F.interpolate(
+            v, scale_factor=2, mode=["bilinear", "bicubic", "nearest", "nearest-exact"][k],
+            **({"align_corners": True} if k < 2 else {}))),
+        "adaptive_max_pool2d": (n in (3, 4) and real, lambda v, A: F.adaptive_max_pool2d(v, (2, 1))),
+        "adaptive_avg_pool2d": (n in (3, 4) and real, lambda v, A: F.adaptive_avg_pool2d(v, (1, 2))),
+        "avg_pool3d": (n == 4 and real, lambda v, A: F.avg_pool3d(v, (1, 2, 2))),
+        "max_pool3d": (n == 4 and real, lambda v, A: F.max_pool3d(v, (2, 1, 2), ceil_mode=k % 2 == 1)),
+        "unique_consecutive": (not cplx and x.dtype not in (torch.float16, torch.bfloat16) and (intg or x.dtype == torch.bool),
+                               lambda v, A: torch.unique_consecutive(v)),
+        "unique_dim": ((intg or x.dtype == torch.bool) and n > 0, lambda v, A: torch.unique(v, dim=dd)),
+        "lstsq": (n >= 2 and wide_ and sq > 0, lambda v, A: torch.linalg.lstsq(square(v), A(y)[..., :sq, :]).solution),
+        "lu_factor": (n >= 2 and wide_, lambda v, A: torch.linalg.lu_factor(square(v))[0]),
+        "lu_solve": (n >= 2 and wide_, lambda v, A: torch.linalg.lu_solve(*torch.linalg.lu_factor(square(v)),
+                                                                        A(y)[..., :sq, :])),
+        "solve_triangular": (n >= 2 and wide_, lambda v, A: torch.linalg.solve_triangular(
+            square(v).triu(), A(y)[..., :sq, :], upper=True)),
+        "eigvals": (n >= 2 and wide_, lambda v, A: torch.linalg.eigvals(square(v)).abs().sort(-1)[0]),
+        "cholesky_solve": (n >= 2 and wide_,
+                           lambda v, A: torch.cholesky_solve(A(y)[..., :sq, :], torch.linalg.cholesky(square(v)))),
+        "cholesky_inverse": (n == 2 and wide_, lambda v, A: torch.cholesky_inverse(torch.linalg.cholesky(square(v)))),
+        "logdet": (n >= 2 and fl, lambda v, A: torch.logdet(square(v))),
+        "unbind": (n > 0 and x.shape[dd] > 0, lambda v, A: v.unbind(dd)[-1]),
+        "view_as_complex": (n > 0 and x.shape[-1] == 2 and x.dtype in (torch.float32, torch.float64),
+                            lambda v, A: torch.view_as_complex(v.contiguous() if k % 2 else v)),
+        "zeros_like": (True, lambda v, A: torch.zeros_like(v) + torch.ones_like(v)),
+        "full_like": (True, lambda v, A: torch.full_like(v, 3) if v.dtype != torch.bool else torch.full_like(v, True)),
+        "new_full": (True, lambda v, A: v + v.new_full(tuple(v.shape), 2) if num else v.new_ones(tuple(v.shape))),
+        "rsub": (num and x.dtype != torch.bool, lambda v, A: torch.rsub(v, 2)),
+        "resolve": (True, lambda v, A: (v.conj() if cplx else v.neg() if num and x.dtype != torch.bool else v)
+                    .resolve_conj().resolve_neg()),
+        "foreach": (num and x.dtype != torch.bool, lambda v, A: torch._foreach_add([v, A(y)], [A(y), v], alpha=2)[k % 2]),
+        "layer_norm_w": (n > 0 and real, lambda v, A: F.layer_norm(v, (last,), A(w1), A(w1) if k % 2 else None)),
+        "group_norm_g": (n >= 2 and real and x.shape[1] % 2 == 0 and x.shape[1] > 0, lambda v, A: F.group_norm(v, 2)),
+        "batch_norm": (n in (2, 3) and real, lambda v, A: F.batch_norm(v, None, None, training=True) if k % 2 else F.batch_norm(
+            v, torch.zeros(v.shape[1], dtype=v.dtype), torch.ones(v.shape[1], dtype=v.dtype), training=False)),
+        "instance_norm": (n == 3 and real, lambda v, A: F.instance_norm(v)),
+        "cosine_similarity": (n > 0 and real, lambda v, A: F.cosine_similarity(v, A(y), dim=dd)),
+        "pairwise_distance": (n > 0 and real, lambda v, A: F.pairwise_distance(v, A(y))),
+        "embedding_bag": (n == 2 and real and x.shape[0] > 0, None),
+        "conv_transpose1d": (n == 3 and real, None),
+        "f_unfold": (n == 4 and real, lambda v, A: F.unfold(v, (2, 1), stride=(1, 2) if k % 2 else 1)),
+        "amax_neg": (n >= 1 and not cplx and num, lambda v, A: v.amax(-1)),
+        "min_dim": (n > 0 and not cplx and num, lambda v, A: v.min(dd, keepdim=k % 2 == 0)[k // 2]),
+        "nanquantile": (n > 0 and fl, lambda v, A: torch.nanquantile(v, 0.25 * k, dd) if v.shape[dd] else v.sum(dd)),
+        "cumsum_rev": (n > 0 and num, lambda v, A: v.flip(dd).cumsum(dd).flip(dd)),
+        "var_unbiased_dim": (n >= 2 and (real or cplx), lambda v, A: v.var((0, 1), unbiased=k % 2 == 0)),
+        "max_unpool": (n == 3 and real and x.shape[-1] >= 2,
+                       lambda v, A: F.max_unpool1d(*F.max_pool1d(v, 2, return_indices=True), 2)),
+        "gumbel0": (real and x.dtype != torch.bfloat16 and n > 0, lambda v, A: F.softmax(v / 0.5, dd)),
+        "xlogy": (real, lambda v, A: torch.xlogy(v.abs(), A(y).abs() + 0.1)),
+        "clamp_int": (intg, lambda v, A: v.clamp(min=-2) if k % 2 else v.clamp(max=A(y))),
+        "signbit": (not cplx and num, lambda v, A: torch.signbit(v)),
+        "frexp": (fl, lambda v, A: torch.frexp(v)[k % 2]),
+        "ldexp": (fl, lambda v, A: torch.ldexp(v, torch.tensor(k))),
+        "float_power": (num and not cplx, lambda v, A: torch.float_power(v, 2)),
+        "lgamma": (fl, lambda v, A: torch.lgamma(v.abs() + 0.5)),
+        "erfinv": (fl, lambda v, A: torch.erfinv(v.tanh() * 0.9)),
+        "i0": (fl, lambda v, A: torch.i0(v)),
+        "sinc": (fl, lambda v, A: torch.sinc(v)),
+        "deg2rad": (real, lambda v, A: torch.deg2rad(v)),
+        "allclose": (real or cplx, lambda v, A: torch.tensor(torch.allclose(v, v + 0))),
+        "equal": (True, lambda v, A: torch.tensor(torch.equal(v, A(y)))),
+        "isclose": (num, lambda v, A: torch.isclose(v, A(y)) if not intg else v == A(y)),
+        "movedim_multi": (n >= 3, lambda v, A: torch.movedim(v, (0, 1), (-1, 0))),
+        "swapaxes": (n >= 2, lambda v, A: v.swapaxes(0, -1).contiguous()),
+        "narrow_copy": (n > 0, lambda v, A: v.narrow_copy(dd, min(1, v.shape[dd]), max(v.shape[dd] - 1, 0))),
+        "as_strided_scatter": (n == 2 and x.is_contiguous() and x.numel() >= 4,
+                               lambda v, A: torch.as_strided_scatter(v, torch.ones(2, 2, dtype=v.dtype), (2, 2), (1, 2))),
+        "block_diag": (n <= 2, lambda v, A: torch.block_diag(v, A(y))),
+        "cartesian_prod": (n == 1 and x.shape[0] <= 6, lambda v, A: torch.cartesian_prod(v, A(y))),
+        "tensor_split": (n > 0, lambda v, A: torch.tensor_split(v, 3, dd)[k % 3]),
+        "hsplit": (n >= 2 and x.shape[1] % 2 == 0, lambda v, A: torch.hsplit(v, 2)[k % 2]),
+        "atleast_3d": (True, lambda v, A: torch.atleast_3d(v)),
+        "vander": (n == 1 and num and x.dtype != torch.bool, lambda v, A: torch.linalg.vander(v, N=3)),
+        "cummax_idx": (n > 0 and not cplx and num, lambda v, A: v.cummax(dd)[1]),
+        "trapz": (n > 0 and real, lambda v, A: torch.trapezoid(v, dim=dd)),
+        "kl_div_log": (real, lambda v, A: F.kl_div(F.log_softmax(v.reshape(-1), 0), A(y).reshape(-1).log_softmax(0),
+                                                   reduction="batchmean", log_target=True)),
+        "triplet": (n == 2 and real, lambda v, A: F.triplet_margin_loss(v, A(y), v.flip(0))),
+        "margin_ranking": (n > 0 and real, lambda v, A: F.margin_ranking_loss(v, A(y), torch.sign(A(y)))),
+        "multi_margin": (n == 2 and fl and x.shape[1] > 0, None),
+        "poisson_nll": (real, lambda v, A: F.poisson_nll_loss(v, A(y).abs(), reduction=["mean", "sum", "none", "mean"][k])),
+        "gaussian_nll": (real and n > 0, lambda v, A: F.gaussian_nll_loss(v, A(y), v.abs() + 0.5)),
+        "soft_margin": (real, lambda v, A: F.soft_margin_loss(v, torch.sign(A(y)))),
+        "hinge": (real, lambda v, A: F.hinge_embedding_loss(v, torch.sign(A(y)))),
+        "ctc_free": (real and n > 0, lambda v, A: F.log_softmax(v, -1).logsumexp(-1)),
+    }
+    ok, f = fns[name]
+    if not ok:
+        return None
+    if f is not None:
+        return Step(name, f, f"{name}(d={d}, k={k}, y={y.desc}{'' if w1 is None else ', w=' + w1.desc})")
+    size = x.shape[dd] if n else 0
+    if name == "index_copy":
+        m = c.ch.integer(0, min(size, 3))
+        ii = c.aux(torch.randperm(max(size, 1), generator=c.gen)[:m])
+        src = c.aux(make_tensor([*x.shape[:dd], m, *x.shape[dd + 1:]], x.dtype, c.gen))
+        return Step(name, lambda v, A: v.index_copy(dd, A(ii), A(src)),
+                    f"index_copy(d={dd}, idx={ii.plain.tolist()} {ii.desc}, src={src.desc})")
+    if name == "put":
+        m = c.ch.integer(0, 3)
+        hi = max(x.numel(), 1) + (2 if c.ch.chance(0.15) else 0)
+        ii = c.aux(torch.randint(-max(x.numel(), 1) if k == 3 else 0, hi, (m,), generator=c.gen))
+        src = c.aux(make_tensor((m,), x.dtype, c.gen))
+        acc = k % 2 == 1
+        return Step(name, lambda v, A: v.put(A(ii), A(src), accumulate=acc),
+                    f"put(idx={ii.plain.tolist()} {ii.desc}, src={src.desc}, accumulate={acc})")
+    if name == "embedding_bag":
+        hi = x.shape[0] + (2 if c.ch.chance(0.15) else 0)
+        ii = c.aux(torch.randint(0, hi, (c.ch.integer(1, 3), 2), generator=c.gen))
+        mode = ["sum", "mean", "max", "sum"][k]
+        return Step(name, lambda v, A: F.embedding_bag(A(ii), v, mode=mode),
+                    f"embedding_bag(x as weight, idx={ii.plain.tolist()} {ii.desc}, mode={mode})")
+    if name == "conv_transpose1d":
+        w = c.aux(make_tensor((x.shape[1], 2, 3), x.dtype, c.gen))
+        st = c.ch.choice([1, 2])
+        return Step(name, lambda v, A: F.conv_transpose1d(v, A(w), stride=st), f"conv_transpose1d(w={w.desc}, stride={st})")
+    if name == "multi_margin":
+        t = c.aux(torch.randint(0, x.shape[1] + (2 if c.ch.chance(0.15) else 0), (x.shape[0],), generator=c.gen))
+        return Step(name, lambda v, A: F.multi_margin_loss(v, A(t)), f"multi_margin(target={t.plain.tolist()} {t.desc})")
+    return None
+
+
+@op("smap3", since=3)
+def smap3(c: Ctx, x: torch.Tensor) -> Step | None:
+    """Generator 3: shard_map in its other spellings (in_specs=None, axis_names subsets, smap,
+    local_map, check_vma=False, pcast, all_gather_invariant, nested bodies, axis_size, pmean/pmin,
+    untiled psum_scatter, all_to_all), each with its closed form on the plain tensor."""
+    mesh, n = c.mesh, x.dim()
+    if not n:
+        return None
+    d, a, size, even, spec_d, rep, smap = smap_draw(c, x)
+    name = c.ch.choice(["in_specs_none", "axis_names", "sf_smap", "local_map", "no_vma", "pcast", "ag_invariant",
+                        "nested", "axis_size", "pmean", "pmin", "psum_scatter_untiled", "all_to_all", "psum_tuple",
+                        "ppermute_partial", "gather_untiled"])
+    flt, cplx = x.dtype.is_floating_point, x.dtype.is_complex
+    desc = f"smap3_{name}(axis={a!r}, dim={d})"
+
+    def step(g: Callable, ref: Callable, extra: str = "") -> Step:
+        return Step("smap3_" + name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else ref(v), desc + extra)
+
+    if name == "in_specs_none" and (flt or cplx):
+        def g(v: Any) -> Any:
+            return sf.shard_map(lambda b: b * 3, mesh=mesh, in_specs=None, out_specs=v.spec)(v)
+        return step(g, lambda v: v * 3)
+    if name == "axis_names" and mesh.ndim >= 2 and _num(x.dtype) and x.dtype != torch.bool:
+        def g(v: Any) -> Any:  # manual over a only: the body sees arrays over the other axes
+            v = sf.reshard(v, spec_d)
+            return sf.shard_map(lambda b: sf.lax.psum(b.sum(d, keepdim=True), a), mesh=mesh, in_specs=spec_d,
+                                out_specs=rep, axis_names={a})(v)
+        return step(g, lambda v: v.sum(d, keepdim=True))
+    if name == "sf_smap" and even and (flt or cplx):
+        def g(v: Any) -> Any:
+            return sf.smap(lambda b: b.sin() if flt else b * 2, in_axes=d, out_axes=d, axis_name=a, mesh=mesh)(v)
+        return step(g, lambda v: v.sin() if flt else v * 2)
+    if name == "local_map" and flt:
+        def g(v: Any) -> Any:
+            return sf.local_map(lambda b: b.exp(), v.spec, in_specs=(v.spec,), mesh=mesh)(v) if not getattr(
+                v.spec, "partial", None) else v.exp()
+        return step(g, lambda v: v.exp())
+    if name == "no_vma" and even and _num(x.dtype):
+        g = smap(lambda b: b * 2 if x.dtype != torch.bool else b, spec_d)
+
+        def g2(v: Any) -> Any:
+            v = sf.reshard(v, spec_d)
+            return sf.shard_map(lambda b: b.flip(d), mesh=mesh, in_specs=(spec_d,), out_specs=spec_d, check_vma=False)(v)
+        blk = x.shape[d] // size
+        return step(g2, lambda v: torch.cat([t.flip(d) for t in torch.split(v, blk, d)], d) if blk else v.clone())
+    if name == "pcast" and (flt or cplx):
+        def body(b: Any) -> Any:
+            return sf.lax.pcast(b.sum(d, keepdim=True), a, to="varying")
+        g = smap(body, P(*[a if i == d else None for i in range(n)]), rep)
+        return step(g, lambda v: torch.cat([v.sum(d, keepdim=True)] * size, d))
+    if name == "ag_invariant" and even:
+        g = smap(lambda b: sf.lax.all_gather_invariant(b, a, axis=d, tiled=True), rep)
+        return step(g, lambda v: v.clone())
+    if name == "nested" and mesh.ndim >= 2 and (flt or cplx):
+        other = [o for o in mesh.axis_names if o != a][0]
+
+        def g(v: Any) -> Any:
+            v = sf.reshard(v, spec_d)
+            inner = lambda b: sf.shard_map(lambda t: t * 2, mesh=mesh, in_specs=(P(),), out_specs=P(),  # noqa: E731
+                                           axis_names={other})(b)
+            return sf.shard_map(inner, mesh=mesh, in_specs=(spec_d,), out_specs=spec_d, axis_names={a})(v)
+        return step(g, lambda v: v * 2)
+    if name == "axis_size" and _num(x.dtype) and x.dtype != torch.bool:
+        g = smap(lambda b: b * sf.lax.axis_size(a), spec_d)
+        return step(g, lambda v: v * size)
+    if name == "pmean" and (flt or cplx) and x.shape[d] > 0 and even:
+        g = smap(lambda b: sf.lax.pmean(b.mean(d, keepdim=True), a), rep)
+        return step(g, lambda v: v.mean(d, keepdim=True))
+    if name == "pmin" and flt and x.shape[d] > 0 and even:
+        g = smap(lambda b: sf.lax.pmin(b.amin(d, keepdim=True), a), rep)
+        return step(g, lambda v: v.amin(d, keepdim=True))
+    if name == "psum_scatter_untiled" and _num(x.dtype) and x.dtype != torch.bool and x.shape[d] == size:
+        g = smap(lambda b: sf.lax.psum_scatter(b, a, scatter_dimension=d, tiled=False).unsqueeze(d), spec_d, rep)
+        return step(g, lambda v: _copies_sum(v, size))
+    if name == "all_to_all" and n >= 2 and even:
+        e = c.ch.choice([i for i in range(n) if i != d])
+        if x.shape[e] % size:
+            return None
+        out = P(*[a if i == e else None for i in range(n)])
+        g = smap(lambda b: sf.lax.all_to_all(b, a, split_axis=e, concat_axis=d, tiled=True), out)
+        return step(g, lambda v: v.clone(), f" split={e}")
+    if name == "psum_tuple" and mesh.ndim >= 2 and _num(x.dtype) and x.dtype != torch.bool:
+        both = P(*[tuple(mesh.axis_names) if i == d else None for i in range(n)])
+        g = smap(lambda b: sf.lax.psum(b.sum(d, keepdim=True), tuple(mesh.axis_names)), rep, both)
+        return step(g, lambda v: v.sum(d, keepdim=True))
+    if name == "ppermute_partial" and even and size >= 2 and _num(x.dtype):
+        perm = [(0, size - 1)]  # devices no one sends to get zeros
+        blk = x.shape[d] // size
+
+        def ref(v: torch.Tensor) -> torch.Tensor:
+            parts = [torch.zeros_like(t) for t in torch.split(v, blk, d)] if blk else [v.clone()]
+            if blk:
+                parts[size - 1] = torch.split(v, blk, d)[0].clone()
+            return torch.cat(parts, d)
+        return step(smap(lambda b: sf.lax.ppermute(b, a, perm), spec_d), ref)
+    if name == "gather_untiled" and even and x.shape[d] > 0:
+        blk = x.shape[d] // size
+        g = smap(lambda b: sf.lax.all_gather(b, a, axis=0), P(*([None] * (n + 1))))
+        return step(g, lambda v: torch.stack(torch.split(v, blk, d)))
+    return None
+
+
 # -- cases ----------------------------------------------------------------------------------------
 
 
@@ -982,22 +1283,24 @@ class Case:
         return "\n".join([head] + [f"  {i}. {s.desc}" for i, s in enumerate(self.steps)])
 
 
-MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad", "compile", "compile_dynamic")
+MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad", "compile", "compile_dynamic",
+         "vmap_mid", "jacrev", "jacfwd", "hessian")
 
 
 def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0,
               mesh_shapes: Sequence[tuple] | None = None, backend: str = "local",
-              modes: Sequence[str] | None = None, version: int = GEN) -> Case:
+              modes: Sequence[str] | None = None, version: int = GEN,
+              families: Sequence[str] | None = None) -> Case:
     """A random program; ``mesh_shapes`` and ``backend`` pick its mesh (``tools/fuzz_dist.py``
     draws the same program on a 4-rank dist mesh and on its local twin); ``modes`` (default:
     all, compiled ones at ``compile_rate``) restricts how it runs to those of them the program
     allows ("value" where none does); ``version`` is the generator's (``GEN``: older seeds
     replay under the version that found them)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else ch.integer(0, 2**31))
-    mshape = ch.choice(mesh_shapes or (MESH_SHAPES_2 if version >= 2 else MESH_SHAPES))
+    mshape = ch.choice(mesh_shapes or (MESH_SHAPES_3 if version >= 3 else MESH_SHAPES_2 if version >= 2 else MESH_SHAPES))
     mesh = sf.Mesh(mshape, NAMES[: len(mshape)], backend=backend)
     ndim = ch.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])
-    shape = tuple(ch.choice(SIZES_2 if version >= 2 else SIZES) for _ in range(ndim))
+    shape = tuple(ch.choice(SIZES_3 if version >= 3 else SIZES_2 if version >= 2 else SIZES) for _ in range(ndim))
     dtype = ch.choice(DTYPES)
     x = make_tensor(shape, dtype, gen)
     # pending sums of random parts: in 16-bit floats the parts' rounding alone exceeds any tolerance
@@ -1009,7 +1312,8 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     meta = x
     loosest = x.dtype  # the least precise dtype the program computes in: its rounding bounds the agreement
     for _ in range(ch.integer(1, 4)):
-        family = ch.choice(sorted({f for f, _ in OPS.values() if SINCE.get(f, 1) <= version}))
+        family = ch.choice(sorted({f for f, _ in OPS.values() if SINCE.get(f, 1) <= version
+                                   and (families is None or f in families)}))
         makers = [m for f, m in OPS.values() if f == family]
         st = ch.choice(makers)(ctx, meta)
         if st is None:
@@ -1032,6 +1336,8 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     choices += ["vmap"] if not getattr(spec, "partial", None) else []
     if version >= 2 and backend == "local" and not getattr(spec, "partial", None):
         choices += ["vmap_last"] + (["vmap_grad"] if grads else [])
+    if version >= 3 and backend == "local" and not getattr(spec, "partial", None):
+        choices += ["vmap_mid"] + (["jacrev", "jacfwd", "hessian"] if grads else [])
     modes_here = set(choices)
     mode = ch.choice(choices)
     if compile_rate and ch.chance(compile_rate):
@@ -1170,13 +1476,21 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             or not (ref.dtype.is_floating_point or ref.dtype.is_complex)
             and run in ("jvp", "vjp")
         ):
-            run = "value" if run in ("grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad") else run
+            run = "value" if run in ("grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad", "vmap_mid",
+                                     "jacrev", "jacfwd", "hessian") else run
+        if run in ("jacrev", "jacfwd", "hessian") and (
+            not ref.dtype.is_floating_point or x.numel() > 48 or ref.numel() > 48 or x.dim() == 0 and run == "hessian"
+        ):
+            run = "func_grad" if ref.dtype.is_floating_point else "value"  # a Jacobian of that size: its gradient
+        if run == "vmap_mid" and x.dim() == 0:
+            run = "vmap"
         rg = None
         tan = make_tensor(tuple(x.shape), x.dtype, gen) if run in ("jvp", "vjp") else None
         ct = make_tensor(tuple(ref.shape), ref.dtype, gen) if run == "vjp" else None
         xb = None
         if run.startswith("vmap"):  # a batch of two: vmap_last batches the last dim (a dim behind the sharded ones)
-            xb = torch.stack([x, x * 2 if x.dtype != torch.bool else ~x], -1 if run == "vmap_last" else 0)
+            at = -1 if run == "vmap_last" else 1 if run == "vmap_mid" else 0
+            xb = torch.stack([x, x * 2 if x.dtype != torch.bool else ~x], at)
         loss_of = lambda lift: lambda v: _scalar_loss(_chain(case.steps, v, lift))  # noqa: E731
         try:  # torch's transform first: where torch cannot transform the program, compare values only
             if run == "jvp":
@@ -1190,6 +1504,14 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 rg = torch.func.vmap(lambda v: _chain(case.steps, v, plain), in_dims=-1)(xb)
             elif run == "vmap_grad":
                 rg = torch.func.vmap(torch.func.grad(loss_of(plain)))(xb)
+            elif run == "vmap_mid":
+                rg = torch.func.vmap(lambda v: _chain(case.steps, v, plain), in_dims=1)(xb)
+            elif run == "jacrev":
+                rg = torch.func.jacrev(lambda v: _chain(case.steps, v, plain))(x)
+            elif run == "jacfwd":
+                rg = torch.func.jacfwd(lambda v: _chain(case.steps, v, plain))(x)
+            elif run == "hessian":
+                rg = torch.func.hessian(loss_of(plain))(x)
             elif run == "grad":
                 xl = x.clone().requires_grad_()
                 (rg,) = torch.autograd.grad(_scalar_loss(_chain(case.steps, xl, plain)), xl, allow_unused=True)
@@ -1235,6 +1557,17 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 XB = sf.distribute(xb, P(*tuple(case.spec), *([None] * (x.dim() - len(case.spec))), None), mesh=mesh)
                 got = torch.func.vmap(lambda v: _chain(case.steps, v, shard), in_dims=-1)(XB)
                 _compare(*_undone_pair(case, got, rg, "vmap(in_dims=-1)"), "vmap(in_dims=-1)", prec)
+                got = _chain(case.steps, X, shard)
+            elif run == "vmap_mid":
+                ents = list(case.spec) + [None] * (x.dim() - len(case.spec))
+                XB = sf.distribute(xb, P(ents[0], None, *ents[1:]), mesh=mesh)
+                got = torch.func.vmap(lambda v: _chain(case.steps, v, shard), in_dims=1)(XB)
+                _compare(*_undone_pair(case, got, rg, "vmap(in_dims=1)"), "vmap(in_dims=1)", prec)
+                got = _chain(case.steps, X, shard)
+            elif run in ("jacrev", "jacfwd", "hessian"):
+                jf = {"jacrev": torch.func.jacrev, "jacfwd": torch.func.jacfwd}.get(run)
+                jac = jf(lambda v: _chain(case.steps, v, shard))(X) if jf else torch.func.hessian(loss_of(shard))(X)
+                _compare(jac, rg, run, prec)
                 got = _chain(case.steps, X, shard)
             elif run == "vmap_grad":
                 XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
@@ -1360,8 +1693,9 @@ def _where(e: BaseException) -> str:
 
 
 def case_for_seed(seed: int, compile_rate: float = 0.0, modes: Sequence[str] | None = None,
-                  version: int = GEN) -> Case:
-    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes, version=version)
+                  version: int = GEN, families: Sequence[str] | None = None) -> Case:
+    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes, version=version,
+                     families=families)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1374,6 +1708,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated run modes to keep (of {','.join(MODES)}; default: all); "
                          "a replay needs the run's --modes")
+    ap.add_argument("--families", default=None,
+                    help="comma-separated op families to draw from (default: all); a replay needs the run's --families")
     ap.add_argument("--max-print", type=int, default=40)
     ap.add_argument("--dist", action="store_true", help="4 gloo processes against the simulated mesh (tools/fuzz_dist.py)")
     ap.add_argument("--threads", type=int, default=0, help="programs in N threads at once (tools/fuzz_threads.py)")
@@ -1388,9 +1724,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes or () if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown mode(s) {bad}; known: {', '.join(MODES)}")
+    fams = None if a.families is None else tuple(f.strip() for f in a.families.split(",") if f.strip())
+    known = sorted({f for f, _ in OPS.values()})
+    if fams is not None and (not fams or any(f not in known for f in fams)):
+        ap.error(f"--families: unknown or no family in {a.families!r}; known: {', '.join(known)}")
     again = (f" --modes {','.join(modes)}" if modes else "") + ("" if a.gen == GEN else f" --gen {a.gen}")
+    again += f" --families {','.join(fams)}" if fams else ""
     if a.replay is not None:
-        case = case_for_seed(a.replay, a.compile, modes, a.gen)
+        case = case_for_seed(a.replay, a.compile, modes, a.gen, fams)
         print(case.describe())
         res = run_case(case)
         print(res or "ok")
@@ -1400,7 +1741,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, fails, kinds = 0, 0, {}
     while time.time() < end:
         try:
-            case = case_for_seed(seed, a.compile, modes, a.gen)
+            case = case_for_seed(seed, a.compile, modes, a.gen, fams)
             res = run_case(case)
         except Exception as e:  # noqa: BLE001 - the harness itself must not stop the run
             res = f"harness error {type(e).__name__}: {e}"

@@ -104,9 +104,11 @@ def collective(c: fuzz.Ctx, x: torch.Tensor) -> fuzz.Step | None:
 # -- one program: its reference, its run on a mesh, the verdict --------------------------------------
 
 
-def draw(seed: int, backend: str) -> fuzz.Case:
-    """The program of ``seed`` on a 4-device mesh of ``backend`` (the same program on either)."""
-    return fuzz.draw_case(fuzz.Chooser(random.Random(seed)), seed, mesh_shapes=DIST_MESHES, backend=backend)
+def draw(seed: int, backend: str, version: int = fuzz.GEN) -> fuzz.Case:
+    """The program of ``seed`` on a 4-device mesh of ``backend`` (the same program on either),
+    under the generator ``version`` (older seeds: theirs)."""
+    return fuzz.draw_case(fuzz.Chooser(random.Random(seed)), seed, mesh_shapes=DIST_MESHES, backend=backend,
+                          version=version)
 
 
 def mesh_of(case: fuzz.Case, backend: str) -> sf.Mesh:

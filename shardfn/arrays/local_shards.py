@@ -100,6 +100,12 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
     shards = _to_mesh_devices(shards, layout.mesh)  # the mesh owns the device
     backend = backend_for(layout.mesh)
     shape = backend.global_shape(shards, layout, shape, check_ranks=run_check)
+    if stride is not None and (
+        isinstance(stride, (str, bytes)) or len(tuple(stride)) != len(shape)
+        or not all(isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) and n >= 0 for n in stride)
+    ):
+        raise ShardingError(f"from_local: stride={stride!r} is not a stride for the global shape {tuple(shape)}; "
+                            f"give {len(shape)} non-negative ints (or stride=None: contiguous)")
     checked = _replicas.checking()
     if run_check or checked:
         _check_replicas_agree(shards, layout)

@@ -14,7 +14,7 @@ from ..backends.registry import backend_for, execute
 from ..plans.planner import plan_layouts
 from ..values import replica_checks as _replicas
 from ..values.errors import ShardingError
-from ..values.layout import Layout
+from ..values.layout import Layout, all_boxes
 from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from ..values.mesh_views import not_a_view, refinement, to_fine
 from . import functorch as _ft
@@ -333,13 +333,30 @@ def _move(x: Any, dst: Layout) -> Any:
     src_mesh = x._layout.mesh
     if backend_for(src_mesh) is not backend_for(dst.mesh):
         raise not_a_view(src_mesh, dst.mesh)
-    fine, owner = refinement(src_mesh, dst.mesh)
-    src_f = to_fine(x._layout, fine, owner)
-    dst_f = to_fine(dst, fine, owner)
-    value = relabel(x._local, src_mesh, fine)
-    on_fine = ShardedArray(value, src_f, tuple(x.shape), x.dtype)
+    fine, own_src, own_dst = refinement(src_mesh, dst.mesh)
+    shape = tuple(x.shape)
+    src, src_f = _said_alike(x._layout, fine, own_src, shape)
+    local = raw_reshard(x, src)  # (x's own value unless a dim's split is one the fine mesh cannot say)
+    dst_c, dst_f = _said_alike(dst, fine, own_dst, shape)
+    value = relabel(local, src_mesh, fine)
+    on_fine = ShardedArray(value, src_f, shape, x.dtype)
     value = raw_reshard(on_fine, dst_f)
-    return wrap(relabel(value, fine, dst.mesh), dst, tuple(x.shape), x.dtype)
+    out = wrap(relabel(value, fine, dst.mesh), dst_c, shape, x.dtype)
+    return out if dst_c == dst else wrap(raw_reshard(out, dst), dst, shape, x.dtype)
+
+
+def _said_alike(layout: Layout, fine: Mesh, owner: dict, shape: tuple) -> tuple[Layout, Layout]:
+    """``layout``, with the dims whose pieces the fine mesh would cut otherwise replicated
+    (an uneven split over a coarse axis is not the nested split over its fine axes: 6 over 4
+    is 2, 2, 2, 0, over 2 then 2 it is 2, 1, 2, 1), and that layout said on the fine mesh."""
+    f = to_fine(layout, fine, owner)
+    shape = _ft.hint_shape(shape)  # (symbolic sizes under compile: their hints)
+    a, b = all_boxes(layout, shape), all_boxes(f, shape)
+    bad = {i for i in range(len(shape)) if any(p[i] != q[i] for p, q in zip(a, b))}
+    if not bad:
+        return layout, f
+    kept = Layout(layout.mesh, tuple(() if i in bad else axes for i, axes in enumerate(layout.dims)), layout.partial)
+    return kept, to_fine(kept, fine, owner)
 
 
 class _Across(torch.autograd.Function):

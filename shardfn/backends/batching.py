@@ -34,6 +34,7 @@ from ..values.sharded import Sharded
 from ..values.layout import local_shapes
 from . import device_call as dc
 from . import stacked_matmul
+from .local_values import SHARES
 
 aten = torch.ops.aten
 
@@ -358,6 +359,40 @@ def _product(product: Callable) -> Callable[[Info], "_Call"]:
     return build
 
 
+def _matrix_product(info: Info) -> _Call:
+    """mm / bmm. In ``local_values.set_pending_parts("shares")`` mode, an output pending a sum
+    over mesh axes on which both operands vary (their shards split the contraction: a
+    row-parallel product, a weight gradient over dp-split rows) is computed as
+    :func:`stacked_matmul.summed`: one GEMM over the whole contraction, its result held as
+    equal shares (each ``1/n`` of the sum, one stored part expanded over the axes), parts
+    of the pending sum that later calls run on once (``local_calls._copies``) and whose
+    reduction adds nothing up. Otherwise, and where the fold would copy, :func:`_mm`: each
+    device's own part."""
+    out = info.cand.out_layouts[0]
+    dtype = info.out_dtypes[0]
+    if out is None or not out.partial or dtype is None or not (dtype.is_floating_point or dtype.is_complex):
+        return _Call(info, _mm, (), ())
+    ops = out.partial_ops
+    names = out.mesh.axis_names
+    if any(ops[a] != "sum" for a in ops):
+        return _Call(info, _mm, (), ())
+    dims = [names.index(a) for a in ops if out.mesh.axis_size(a) > 1]
+    sizes = out.mesh.shape
+    n = math.prod(sizes[d] for d in dims)
+    if not dims:
+        return _Call(info, _mm, (), ())
+
+    def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if SHARES[0] and all(a.shape[d] == sizes[d] and b.shape[d] == sizes[d] for d in dims):
+            s = stacked_matmul.summed(a, b, dims, 1.0 / n)
+            if s is not None:
+                return s.expand(*[sizes[d] if d in dims else k for d, k in enumerate(s.shape[:len(sizes)])],
+                                *s.shape[len(sizes):])
+        return _mm(a, b)
+
+    return _Call(info, run, (), ())
+
+
 def _addend(product: Callable) -> Callable[[Info], "_Call"]:
     """``beta * self + alpha * product(a, b)`` with ``self`` broadcast against the product."""
     def build(info: Info) -> _Call:
@@ -659,8 +694,8 @@ def _convolution(info: Info) -> "_Call | None":
 
 
 _FORMS: dict[Any, Callable[[Info], Any]] = {
-    aten.mm: _product(_mm),
-    aten.bmm: _product(_mm),
+    aten.mm: _matrix_product,
+    aten.bmm: _matrix_product,
     aten.mv: _product(_mv),
     aten.dot: _product(_dot),
     aten.vdot: _product(_vdot),

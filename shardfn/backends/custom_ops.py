@@ -290,7 +290,8 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
         groups = q.size(-3) // k.size(-3)
         k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
     neg = scale is not None and scale < 0
-    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)))
+    # a head dim of 0: torch's 1/sqrt(0) is inf in C++ (the products over it are empty, never inf)
+    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)) if q.size(-1) else math.inf)
     scores = torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
     if bound.get("is_causal"):
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()

@@ -21,6 +21,7 @@ from ..values.sharded import Sharded
 from .hooks import SHARD_MAP_RUNNERS
 from .local_calls import compile_call
 from .local_steps import run_step, run_steps
+from .local_values import set_pending_parts as set_pending_parts  # noqa: F401  (the local backend's one setting)
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, is_canonical, parts, replicated,
                            replica_of, settle, varying)
 

@@ -13,7 +13,7 @@ from ..values.errors import ShardingError
 from ..values.layout import is_even, local_shapes
 from ..values.mesh import Mesh
 from .device_call import DeviceCall, call_is_complex, raw_op, substitute
-from .local_values import batch_consistent, canonical_sizes, device_view, from_parts, full, settle
+from .local_values import SHARES, batch_consistent, canonical_sizes, device_view, from_parts, full, settle
 
 
 # -- running an op's local call -------------------------------------------------------------
@@ -33,7 +33,21 @@ def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], pos
     batched = _batching.batched_call(func, cand, call, out_shapes) if even else None
     if batched is None:
         return per_device
-    return StackedCall(batched, per_device, call.mesh, cand.out_layouts, positional, canon)
+    return StackedCall(batched, per_device, call.mesh, cand.out_layouts, positional, canon,
+                       _copy_dims(func, call.mesh, cand.in_layouts))
+
+
+def _copy_dims(func: Any, mesh: Mesh, layouts: Sequence[Any]) -> tuple[int, ...]:
+    """The mesh dims on which this call's inputs may all be equal shares of pending sums
+    (``local_values.set_pending_parts``): dims an input is pending over and no input shards.
+    Where every input holds one part expanded there, every device computes the same thing,
+    so the call runs once (a seeded random op draws per device: never)."""
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return ()
+    names = mesh.axis_names
+    pending = {a for l in layouts if l is not None for a in l.partial_ops}
+    sharded = {a for l in layouts if l is not None for a in l.axis_dim}
+    return tuple(k for k, a in enumerate(names) if a in pending and a not in sharded and mesh.shape[k] > 1)
 
 
 def _flat(out: Any) -> list:
@@ -49,8 +63,9 @@ class StackedCall:
     keeps_symbolic = True
 
     def __init__(self, fn: Any, per_device: "PerDeviceCall", mesh: Mesh, layouts: tuple, positional: tuple | None,
-                 canon: tuple) -> None:
+                 canon: tuple, copy_dims: tuple[int, ...] = ()) -> None:
         self.fn, self.per_device, self.mesh, self.layouts, self.positional = fn, per_device, mesh, layouts, positional
+        self.copy_dims = copy_dims  # where inputs that are equal parts everywhere are cut to one (``_copies``)
         self.mode = "batched"  # -> "full" -> "per_device" as calls show what the op supports
         self.verified: dict = {}
         batched_direct = getattr(fn, "direct", None)  # the op itself when no argument needs adapting
@@ -73,7 +88,8 @@ class StackedCall:
         move (dispatch's fast path), or None until such a call has been verified."""
         if self.once is not None:
             return self._once(args, kwargs)
-        if not self.ready:
+        if not self.ready or self.copy_dims and SHARES[0] and _copies(
+                {p: args[p]._local for p in self.positional}, self.copy_dims) is not None:
             return None
         a = list(args)  # (``with_locals``, inlined: one Python call less on every warm op)
         for p in self.positional:
@@ -99,6 +115,8 @@ class StackedCall:
         return res
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
+        if self.copy_dims and SHARES[0] and not symbolic:
+            values = _copies(values, self.copy_dims) or values
         if self.mode == "batched":
             m = self.m
             sig = tuple([v.shape[:m] for v in values.values()])
@@ -140,6 +158,33 @@ class StackedCall:
                 return [settle(o, l) if isinstance(o, torch.Tensor) and l is not None else o
                         for o, l in zip(outs, layouts)]
         return self.per_device(args, kwargs, values)
+
+
+def _copies(values: dict, dims: tuple[int, ...]) -> dict | None:
+    """``values`` cut to size 1 on each of ``dims`` on which every stacked value is one part
+    expanded (stride 0) or size 1, with at least one expanded; None where there is none."""
+    cut = []
+    for k in dims:
+        expanded = False
+        for v in values.values():
+            if not isinstance(v, torch.Tensor) or v.dim() <= k:
+                return None
+            if v.shape[k] != 1:
+                if v.stride(k) != 0:
+                    break
+                expanded = True
+        else:
+            if expanded:
+                cut.append(k)
+    if not cut:
+        return None
+    out = {}
+    for p, v in values.items():
+        for k in cut:
+            if v.shape[k] != 1:
+                v = v.narrow(k, 0, 1)
+        out[p] = v
+    return out
 
 
 def _is_sharding_error(e: Exception) -> bool:

@@ -17,10 +17,44 @@ from typing import Sequence, Union
 
 import torch
 
+from ..values.errors import ShardingError
 from ..values.layout import Layout, is_even
 from ..values.mesh import Mesh
 
 Value = Union[torch.Tensor, tuple]
+
+
+# -- what a device's part of a pending sum holds ---------------------------------------------
+
+PENDING_PARTS = ("device", "shares")
+SHARES = [False]  # the mode, read on every pending product and every call on pending parts (one list lookup)
+
+
+def set_pending_parts(mode: str) -> str:
+    """How the local backend stores a value pending a sum that a product over a contraction
+    split across the pending axes made (a row-parallel product, a weight gradient of
+    dp-split rows); returns the previous mode.
+
+    - ``"device"`` (the default): each simulated device holds its own part, what a real
+      device (and the dist backend) holds: one GEMM per device's block and, when the sum is
+      needed, a sum of the parts.
+    - ``"shares"``: the sum is computed by one GEMM over the whole contraction and every
+      device holds an equal share of it (``sum / n``, one stored part expanded over the
+      pending axes); calls on such parts run once, and a reduction adds nothing up. Sums,
+      values, layouts and collectives are those of ``"device"``; ``local_shards()`` of a
+      pending value shows the shares, not the parts a real device would hold.
+
+    A compiled function keeps the mode it was traced in."""
+    if mode not in PENDING_PARTS:
+        raise ShardingError(f"set_pending_parts: mode {mode!r} is not one of {PENDING_PARTS}")
+    old = PENDING_PARTS[SHARES[0]]
+    SHARES[0] = mode == "shares"
+    return old
+
+
+def shares() -> bool:
+    """Whether pending sums of split contractions are stored as equal shares (:func:`set_pending_parts`)."""
+    return SHARES[0]
 
 
 # -- conversions between the two forms ----------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """``torch.matmul(a, b)`` of stacked operands (both at least 2-d, leading dims
     broadcasting), without materialising a broadcast operand where that can be avoided.
 
@@ -17,30 +17,79 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     activation replicated over 'tp' times a column-split weight) into ``b``'s columns, and
     the product runs as one mm / bmm over the dims both vary on. ``torch.matmul`` would
     instead copy each broadcast operand once per replica and run many small GEMMs. The
-    result is a view of the folded product (not contiguous where a fold interleaves)."""
+    result is a view of the folded product (not contiguous where a fold interleaves).
+    ``alpha`` scales the product inside the GEMM (no kernel of its own where a plan folds)."""
     ra, rb = a.dim(), b.dim()
     if ra < 2 or rb < 2 or (ra < 3 and rb < 3):
-        return torch.matmul(a, b)
+        return _scaled(torch.matmul(a, b), alpha)
     if ra < rb:
         a = a.view((1,) * (rb - ra) + tuple(a.shape))
     elif rb < ra:
         b = b.view((1,) * (ra - rb) + tuple(b.shape))
     plan = _cached_plan(a, b)
     if plan is None:
-        return torch.matmul(a, b)
+        if alpha != 1 and all(n == 1 for n in (*a.shape[:-2], *b.shape[:-2])):  # one GEMM, scaled by it
+            out = _mm(a.view(a.shape[-2:]), b.view(b.shape[-2:]), alpha)
+            return out.view(*a.shape[:-2], *out.shape)
+        return _scaled(torch.matmul(a, b), alpha)
     a_order, a_shape, b_order, b_shape, out_shape, out_order, direct = plan  # orders: None where no permute is needed
     if direct:  # ``a``'s rows only: torch.matmul folds them itself (the same mm, in C++)
-        return torch.matmul(a, b.reshape(b_shape[1:]))
+        if alpha == 1:
+            return torch.matmul(a, b.reshape(b_shape[1:]))
+        rows = a.reshape(-1, a.shape[-1])  # a view: ``direct`` says the leading dims chain
+        return _mm(rows, b.reshape(b_shape[1:]), alpha).view(*a.shape[:-1], b.shape[-1])
     if a_order is not None:
         a = a.permute(a_order)
     if b_order is not None:
         b = b.permute(b_order)
     if a_shape[0] != 1:
-        out = torch.bmm(a.reshape(a_shape), b.reshape(b_shape))
+        a, b = a.reshape(a_shape), b.reshape(b_shape)
+        out = torch.bmm(a, b) if alpha == 1 else torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
     else:  # one GEMM: no batch dim to add and take off again
-        out = torch.mm(a.reshape(a_shape[1:]), b.reshape(b_shape[1:]))
+        out = _mm(a.reshape(a_shape[1:]), b.reshape(b_shape[1:]), alpha)
     out = out.view(out_shape)
     return out if out_order is None else out.permute(out_order)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * (a @ b)``, the scale applied by the GEMM (``beta=0``: the empty addend is never read)."""
+    return torch.mm(a, b) if alpha == 1 else torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+
+
+def _scaled(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    return x if alpha == 1 else x * alpha
+
+
+def summed(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int], scale: float = 1.0) -> torch.Tensor | None:
+    """``matmul(a, b)`` summed over the leading dims ``dims`` (kept, size 1), as one product
+    with those dims folded into the contraction (K): the parts' sum computed by the GEMM
+    itself, as a real device's product over the whole K would, with no part written out
+    and none added up. Both operands must vary on ``dims``. ``scale`` multiplies the result
+    (inside the GEMM). None where the fold is
+    not a view of either operand (a copy would cost what the parts do)."""
+    ra, rb = a.dim(), b.dim()
+    if ra < 3 or rb < 3:
+        return None
+    if ra < rb:
+        a = a.view((1,) * (rb - ra) + tuple(a.shape))
+    elif rb < ra:
+        b = b.view((1,) * (ra - rb) + tuple(b.shape))
+    r = a.dim()
+    dims = sorted(dims)
+    if not dims or any(d >= r - 2 or a.shape[d] != b.shape[d] for d in dims):
+        return None
+    for n in (*a.shape, *b.shape):
+        if type(n) is not int:
+            return None
+    if not (_mergeable(a, [*dims, r - 1]) and _mergeable(b, [*dims, r - 2])):
+        return None
+    rest = [i for i in range(r - 2) if i not in dims]
+    n = _prod_sizes(a.shape, dims)
+    af = a.permute(*rest, r - 2, *dims, r - 1).reshape(*[a.shape[i] for i in rest], a.shape[-2], n * a.shape[-1])
+    bf = b.permute(*rest, *dims, r - 2, r - 1).reshape(*[b.shape[i] for i in rest], n * b.shape[-2], b.shape[-1])
+    for d in dims:
+        af, bf = af.unsqueeze(d), bf.unsqueeze(d)
+    return matmul(af, bf, scale)
 
 
 _PLANS: dict[tuple, tuple | None] = {}

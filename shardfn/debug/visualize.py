@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..values.errors import ShardingError
 from ..values.layout import all_boxes, describe
 
 
 def visualize_sharding(x: Any, *, file: Any = None, show: bool = True) -> str:
     """A table of which device holds which global index ranges of ``x`` (also printed)."""
-    layout = x._layout
+    layout = getattr(x, "_layout", None)
+    if layout is None:
+        raise ShardingError(f"visualize_sharding(x): x is a {type(x).__name__}, not a ShardedArray (sf.distribute makes one)")
     shape = tuple(x.shape)
     mesh = layout.mesh
     rows = [f"{describe(shape, x.dtype, layout)} on {mesh!r}"]

@@ -25,12 +25,15 @@ def not_a_view(a: Mesh, b: Mesh) -> ShardingError:
     )
 
 
-def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
-    """The fine mesh of ``a`` and ``b`` and, per axis of either, its fine axes (major first)."""
+def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """The fine mesh of ``a`` and ``b`` and, per axis of ``a`` and per axis of ``b`` (two maps:
+    the meshes may share axis names, e.g. ``("x", "y")`` of 2x2 and ``("x",)`` of 4), its fine
+    axes (major first)."""
     if a.size != b.size:
         raise not_a_view(a, b)
     sizes: list[int] = []
-    owner: dict[str, list[str]] = {n: [] for n in (*a.axis_names, *b.axis_names)}
+    own_a: dict[str, list[str]] = {n: [] for n in a.axis_names}
+    own_b: dict[str, list[str]] = {n: [] for n in b.axis_names}
     ia = ib = 0
     ra, rb = _rest(a, 0), _rest(b, 0)
     while ia < a.ndim or ib < b.ndim:
@@ -49,12 +52,12 @@ def refinement(a: Mesh, b: Mesh) -> tuple[Mesh, dict[str, tuple[str, ...]]]:
             )
         name = f"_f{len(sizes)}"
         sizes.append(f)
-        owner[a.axis_names[ia]].append(name)
-        owner[b.axis_names[ib]].append(name)
+        own_a[a.axis_names[ia]].append(name)
+        own_b[b.axis_names[ib]].append(name)
         ra, rb = ra // f, rb // f
     fine = Mesh(tuple(sizes) or (1,), tuple(f"_f{i}" for i in range(len(sizes))) or ("_f0",), backend=a.backend,
                 device_type=a.device_type)
-    return fine, {n: tuple(v) for n, v in owner.items()}
+    return fine, {n: tuple(v) for n, v in own_a.items()}, {n: tuple(v) for n, v in own_b.items()}
 
 
 def _rest(m: Mesh, i: int) -> int:

@@ -142,4 +142,22 @@ def mesh_view_reshard_moves_nothing(mesh: sf.Mesh) -> None:
         _close(z.full_tensor(), x, "back with movement")
 
 
+@scenario(meshes=("2x2",))
+def mesh_view_reshard_uneven_and_shared_names(mesh: sf.Mesh) -> None:
+    """6 over the flat 4 is 2, 2, 2, 0, nested over 2 then 2 it is 2, 1, 2, 1: the move is not a
+    relabelling there; and a 4-device mesh that reuses the name 'x' is a view too."""
+    flat = mesh.flatten(("x", "y"), "xy")
+    other = sf.Mesh((4,), ("x",), backend=mesh.backend)
+    x = _data(6, 3)
+    xs = sf.distribute(x, P(("x", "y")), mesh=mesh).requires_grad_()
+    for dst in (sf.NamedSharding(flat, P("xy")), sf.NamedSharding(other, P("x")), sf.NamedSharding(other, P(None, "x"))):
+        y = sf.reshard(xs, dst)
+        want = sf.distribute(x, dst)
+        assert y._layout == want._layout
+        _close(y.to_local(), want.to_local(), f"local shard on {dst}")
+        _close(y.full_tensor(), x, f"value on {dst}")
+    (sf.reshard(xs, sf.NamedSharding(other, P("x"))).full_tensor() * 3).sum().backward()
+    _close(xs.grad.full_tensor(), torch.full_like(x, 3.0), "grad across meshes")
+
+
 test_local, test_dist = collect(globals())
