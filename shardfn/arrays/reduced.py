@@ -5,6 +5,8 @@ them on the array; dispatch keys and costs strategies with them."""
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import weakref
 from typing import Any
 
@@ -79,8 +81,13 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
             return
     while len(_SAME) >= _SAME_MAX:
         del _SAME[next(iter(_SAME))]
-    drop = lambda _, k=key, same=_SAME: same.pop(k, None)  # noqa: E731  an input died: the key can never match again
-    _SAME[key] = (out, [(weakref.ref(v, drop), v._local) for v in arrays])
+    # an input died: the key can never match again (``_SAME.pop(key, the dead reference)``:
+    # a C-level callback, no Python call at each input's death)
+    drop = functools.partial(_SAME.pop, key)
+    _SAME[key] = (out, list(zip(map(weakref.ref, arrays, itertools.repeat(drop)), map(_LOCAL, arrays))))
+
+
+_LOCAL = operator.attrgetter("_local")
 
 
 _RANDOM: dict[int, tuple] = {}  # id(op) -> (op, whether it is random)
