@@ -1164,6 +1164,24 @@ def test_compiled_view_inputs_read_their_storage_offset(dynamic):
         _close(out, view(x) * 2)
 
 
+@pytest.mark.parametrize("mesh_shape,spec", [((2, 1, 4), P("x", None, None)), ((2, 1, 4), P()), ((1, 2, 2), P(None, "y"))])
+def test_gelu_on_stacked_values_with_replicated_size_one_mesh_dims(mesh_shape, spec):
+    """torch's CPU gelu / gelu_backward (exact) corrupted memory on a stacked value whose
+    replicated mesh dims are size 1 with stride 0 (fuzzer seed 7200001366 with the func modes:
+    a wrong shape, then a crash); values and gradients as torch's."""
+    mesh = sf.Mesh(mesh_shape, ("x", "y", "z"))
+    x = torch.randn(4, 9, 7)  # float32: the kernel's oneDNN path
+    xr = x.clone().requires_grad_()
+    ref = F.gelu(xr)
+    (gr,) = torch.autograd.grad((ref * ref).sum(), xr)
+    xs = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+    for _ in range(3):  # the corruption showed at later allocations
+        out = F.gelu(xs)
+        (gs,) = torch.autograd.grad((out * out).sum(), xs)
+        _close(out, ref.detach())
+        _close(gs, gr)
+
+
 @pytest.mark.parametrize("in_specs", [None, (P(partial="x"),)])
 def test_shard_map_pending_output_over_an_axis_of_size_one(in_specs):
     """A pending input's parts vary over its axis, but over an axis of size 1 the inference calls
