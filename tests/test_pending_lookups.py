@@ -33,6 +33,27 @@ def test_recomputed_expression_reduces_once() -> None:
     torch.testing.assert_close(y.full_tensor(), torch.tanh(c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5)).sum(-1))
 
 
+def test_recomputation_does_not_keep_the_parts_alive() -> None:
+    """The earlier pending output dies with its last reader (its n-fold parts are not held
+    for a recomputation); its reduction still serves one that comes, with the same value."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    h = _pending(torch.randn(4, 6))
+    mean = h.mean(-1, keepdim=True)
+    d = h - mean
+    first = d.pow(2)  # reduces d
+    gone = weakref.ref(d)
+    del d
+    gc.collect()
+    assert gone() is None
+    with sf.debug.CommCounter() as cc:
+        again = (h - mean).pow(2)
+    assert cc.total == 0, cc
+    torch.testing.assert_close(again.full_tensor(), first.full_tensor())
+
+
 def test_lookup_by_split_ids_stays_split() -> None:
     w = torch.randn(5, 3, 2)
     ids = torch.randint(0, 5, (8,))
