@@ -107,14 +107,17 @@ def run_case(family: str, mode: str, mesh: sf.Mesh) -> tuple[sf.debug.CommCounte
         _loss(ref_logits, labels).backward()
 
     with sf.nn.shard_activations(model, acts, mesh=mesh), sf.debug.CommCounter() as cc:
+        # the parameters are differentiated (``requires_grad``), buffers (RoPE's ``inv_freq``) are constants
         if mode.endswith("func"):
+            consts = {k: v for k, v in params.items() if not v.requires_grad}
+
             def loss_of(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
-                logits = torch.func.functional_call(model, p, (x,)).logits
+                logits = torch.func.functional_call(model, {**consts, **p}, (x,)).logits
                 return _loss(logits, y), logits
 
-            grads, logits = torch.func.grad(loss_of, has_aux=True)(params)
+            grads, logits = torch.func.grad(loss_of, has_aux=True)({k: v for k, v in params.items() if v.requires_grad})
         else:
-            params = {k: v.detach().requires_grad_(backward) for k, v in params.items()}
+            params = {k: v.detach().requires_grad_(backward and v.requires_grad) for k, v in params.items()}
             logits = torch.func.functional_call(model, params, (x,)).logits
             if backward:
                 _loss(logits, y).backward()

@@ -25,14 +25,25 @@ def make_loss(model: torch.nn.Module):
 
 def sharded_loss_and_grads(loss_fn, params: dict, ids: torch.Tensor, labels: torch.Tensor, mode: str) -> tuple:
     """``(loss, grads)`` by ``loss.backward()`` on detached leaves (``mode="autograd"``) or by
-    ``torch.func.grad_and_value``."""
+    ``torch.func.grad_and_value``, of the parameters (``requires_grad``), as the unsharded
+    reference differentiates them: buffers (RoPE's ``inv_freq``) stay constants."""
+    trainable = {n for n, p in params.items() if p.requires_grad}
     if mode == "autograd":
-        leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
+        leaves = {n: p.detach().requires_grad_(n in trainable) for n, p in params.items()}
         loss = loss_fn(leaves, ids, labels)
         loss.backward()
-        return loss, {n: p.grad for n, p in leaves.items()}
-    grads, loss = torch.func.grad_and_value(loss_fn)(params, ids, labels)
+        return loss, {n: p.grad for n, p in leaves.items() if n in trainable}
+    grads, loss = parameters_grad_and_value(loss_fn, params, ids, labels)
     return loss, grads
+
+
+def parameters_grad_and_value(loss_fn, params: dict, *args) -> tuple[dict, torch.Tensor]:
+    """``torch.func.grad_and_value(loss_fn)(params, *args)`` w.r.t. the parameters of the sharded
+    ``params`` (``requires_grad``: what ``sf.nn.shard_params`` gives a model's parameters); its
+    buffers stay constants, as the unsharded reference's ``plain`` holds parameters only."""
+    consts = {n: p for n, p in params.items() if not p.requires_grad}
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    return torch.func.grad_and_value(lambda tr: loss_fn({**consts, **tr}, *args))(trainable)
 
 
 def full(x: torch.Tensor) -> torch.Tensor:

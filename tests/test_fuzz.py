@@ -50,6 +50,8 @@ FOUND = [
     (5729103494, 2),  # jvp: a plain ZeroTensor tangent reported as the primal's storage, then updated in place
     (5728950627, 2), (5728950823, 2),  # vmap_last view(dtype) of a float reduction: compared as its source (oracle)
     (5728956073, 2),  # matrix_power(x, 0) of a pending sum: torch's composite copy_s into its fresh clone
+    (95002441, 3),  # shard_map of a pending input on an axis of size 1: its partial out_spec refused
+    (5727497451, 2),  # a pending sum times a factor holding inf (tests/test_pending_factors.py)
     (5738218702, 2),  # compiled grad of std(min()): torch.compile of the plain program takes the nan branch (oracle)
     (5738221152, 2),  # o / x of a pending zero: its parts add to +0, torch's input held -0 (oracle: no -0 on the grid)
     (5738230791, 2),  # float32 eigvalsh of an unscaled B B^T + nI: eps * |A| = 0.08 (oracle: scaled, as it says)

@@ -46,7 +46,7 @@ import torch
 import shardfn as sf
 from shardfn import P
 
-from _hf_common import close, logits, make_loss, sharded_loss_and_grads
+from _hf_common import close, logits, make_loss, parameters_grad_and_value, sharded_loss_and_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,9 +204,14 @@ def test_moe_tp_attention_replicated_experts(name: str) -> None:
         assert set(cc.counts) == {"all_reduce"}, cc
 
 
-@pytest.mark.xfail(strict=True, reason="the routed experts' backward reduces the pending residual gradient "
-                   "at several small tensors (router, routing weights, expert inputs) instead of once at the MoE output")
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+_MOE_XFAIL = pytest.mark.xfail(strict=True, reason="the routed experts' backward reduces the pending residual "
+                               "gradient at several small tensors (router, routing weights, expert inputs) instead "
+                               "of once at the MoE output")
+
+
+# Mixtral: the pending residual gradient is reduced at the norm's ``grad * weight`` (a factor not known
+# finite: issue 25), Megatron's placement, before it reaches the experts
+@pytest.mark.parametrize("name", ["mixtral", pytest.param("qwen2moe", marks=_MOE_XFAIL)])
 def test_moe_backward_megatron_counts(name: str) -> None:
     cc = _backward(name, "func")
     fwd = {"mixtral": 1, "qwen2moe": 2}[name]
@@ -273,7 +278,7 @@ def test_sequence_parallel_counts(name: str) -> None:
             with sf.debug.CommCounter() as fwd:
                 out = logits(model, params, sids)
             with sf.debug.CommCounter() as both:
-                grads = torch.func.grad(loss_fn)(params, sids, slabels)
+                grads = parameters_grad_and_value(loss_fn, params, sids, slabels)[0]
     assert dict(fwd.counts) == {"all_gather": ag * LAYERS + 1, "reduce_scatter": rs * LAYERS}, fwd
     assert both.total == 2 * fwd.total + 1 and both.counts["all_reduce"] == 1, both
     close(out, logits(model, plain, ids))
@@ -297,7 +302,7 @@ def test_vocab_parallel_loss_counts(name: str) -> None:
         warnings.simplefilter("error")
         with sf.nn.shard_activations(model, [(r"lm_head$", None, P("dp", None, "tp"))], mesh=mesh):
             with sf.debug.CommCounter() as cc:
-                loss, grads = torch.func.grad_and_value(loss_fn)(params, sids, slabels)[::-1]
+                loss, grads = parameters_grad_and_value(loss_fn, params, sids, slabels)[::-1]
     assert dict(cc.counts) == {"all_reduce": MEGATRON[name][1] * LAYERS + 1 + 6}, cc
     want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
     close(loss, want)

@@ -54,6 +54,29 @@ def test_recomputation_does_not_keep_the_parts_alive() -> None:
     torch.testing.assert_close(again.full_tensor(), first.full_tensor())
 
 
+def test_recomputation_entry_goes_when_an_input_dies() -> None:
+    """The table of recomputable calls (``reduced._SAME``) drops a call's entry as soon as one
+    of its input arrays dies; the pending output itself it never keeps alive."""
+    import gc
+    import weakref
+
+    from shardfn.arrays import reduced
+
+    torch.manual_seed(0)
+    h = _pending(torch.randn(4, 6))
+    out = h * 2.0  # a pending output of a pure op on an array: remembered
+    assert out._layout.partial
+    keys = [k for k, v in reduced._SAME.items() if v[0]() is out]
+    assert len(keys) == 1
+    gone = weakref.ref(out)
+    del out
+    gc.collect()
+    assert keys[0] in reduced._SAME and gone() is None  # the entry stays while its input lives
+    del h
+    gc.collect()
+    assert keys[0] not in reduced._SAME
+
+
 def test_lookup_by_split_ids_stays_split() -> None:
     w = torch.randn(5, 3, 2)
     ids = torch.randint(0, 5, (8,))

@@ -1162,3 +1162,33 @@ def test_compiled_view_inputs_read_their_storage_offset(dynamic):
         out, off = f(view(X))
         assert off == view(x).storage_offset()
         _close(out, view(x) * 2)
+
+
+@pytest.mark.parametrize("in_specs", [None, (P(partial="x"),)])
+def test_shard_map_pending_output_over_an_axis_of_size_one(in_specs):
+    """A pending input's parts vary over its axis, but over an axis of size 1 the inference calls
+    every value invariant, and the out_spec's partial='x' was refused ("would multiply it by 1")
+    where there is nothing to multiply (fuzzer seed 95002441, generator 3)."""
+    mesh = sf.Mesh((1,), ("x",))
+    t = torch.randn(6, 2, dtype=torch.float64)
+    x = sf.ShardedArray.from_local([t], P(partial="x"), mesh=mesh, shape=(6, 2))
+    out = sf.shard_map(lambda b: b * 3, mesh=mesh, in_specs=in_specs, out_specs=P(partial="x"))(x)
+    _close(out, t * 3)
+    two = sf.Mesh((2,), ("x",))
+    with pytest.raises(sf.ShardingError, match="multiply it by 2"):  # where copies would add up, still refused
+        sf.shard_map(lambda b: b * 3, mesh=two, in_specs=(P(),), out_specs=P(partial="x"))(t)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_shard_map_pending_input_varies_over_its_axis_on_uneven_layouts(n):
+    """The per-device path (uneven shards) tagged an input as varying over its sharded axes
+    only, so a pending input's partial out_spec was refused as "identical copies" (dist fuzzer
+    seed 96000314: 3 rows over 'x', partial over 'y'); the stacked path (even) was right."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    t = torch.randn(n, 1, 5, dtype=torch.float64)
+    parts = [s / 2 for s in sf.distribute(t, P("x"), mesh=mesh).local_shards()]
+    x = sf.ShardedArray.from_local(parts, P("x", partial="y"), mesh=mesh, shape=(n, 1, 5))
+    for kw in ({"in_specs": None}, {"in_specs": (x.spec,)}, {"in_specs": (x.spec,), "axis_names": {"y"}}):
+        _close(sf.shard_map(lambda b: b * 3, mesh=mesh, out_specs=x.spec, **kw)(x), t * 3)
+    with pytest.raises(sf.ShardingError, match="'y'"):  # it varies over y: an out_spec without y is refused
+        sf.shard_map(lambda b: b * 3, mesh=mesh, in_specs=(x.spec,), out_specs=P("x"))(x)

@@ -4,7 +4,6 @@ gives them."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import weakref
 
@@ -150,26 +149,42 @@ def test_fast_key_of_int_lists():
     assert key(view, (x, []), {}) == key(view, (x, ()), {})
 
 
-def test_a_bases_view_set_forgets_dead_views():
-    """A private base's live views: weak references by id (``inplace._Views``) that drops a view when it
-    dies and keeps no reference cycle with its base."""
-    views = _inplace._Views()
-    views.drop = functools.partial(_inplace._drop, weakref.ref(views))
+def test_a_bases_view_list_forgets_dead_views():
+    """A private base's live views: weak references without callbacks (``inplace._live_count``,
+    ``_live_views`` skip the dead ones; the list is pruned as it grows) and no reference cycle with
+    its base."""
     a, b = torch.zeros(1), torch.zeros(2)
-    for t in (a, b):
-        r = weakref.ref(t, views.drop)
-        views[id(r)] = r
-    assert len(views) == 2
+    views = [weakref.ref(a), weakref.ref(b)]
+    assert _inplace._live_count(views) == 2 and _inplace._live_count(None) == 0
     del a
     gc.collect()
-    assert len(views) == 1
+    assert _inplace._live_count(views) == 1
     holder = torch.zeros(3)
     holder._views = views
     live = _inplace._live_views(holder)
     assert len(live) == 1 and live[0] is b
-    gone = weakref.ref(views)
-    del views, holder
-    assert gone() is None  # no cycle through the drop callbacks
+    gone = weakref.ref(holder)
+    del holder, live
+    assert gone() is None  # no cycle through the list
+
+
+def test_private_base_view_list_is_pruned(monkeypatch):
+    """Views of one private base that died are dropped from its list as it grows (a base viewed
+    many times over its life keeps a short list), and the live ones are still found."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    base = sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh) * 2
+    monkeypatch.setattr(_inplace, "_observed", lambda *a: False)  # as if only C++ held the base
+    keep = []
+    for i in range(100):
+        out = base * 1  # (a stand-in for a view's output)
+        _inplace.note_views(aten.view.default, (base, [24]), {}, out)
+        if i % 25 == 0:
+            keep.append(out)
+        del out
+    views = base.__dict__["_views"]
+    assert len(views) <= 16 and _inplace._live_count(views) == 4
+    assert {id(v) for v in _inplace._live_views(base)} == {id(v) for v in keep}
+    assert all(v._view_of[0] is base for v in keep)
 
 
 def test_equal_meshes_stay_equal_and_hash_alike():

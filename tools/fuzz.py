@@ -1289,7 +1289,8 @@ MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_
 
 def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0,
               mesh_shapes: Sequence[tuple] | None = None, backend: str = "local",
-              modes: Sequence[str] | None = None, version: int = GEN) -> Case:
+              modes: Sequence[str] | None = None, version: int = GEN,
+              families: Sequence[str] | None = None) -> Case:
     """A random program; ``mesh_shapes`` and ``backend`` pick its mesh (``tools/fuzz_dist.py``
     draws the same program on a 4-rank dist mesh and on its local twin); ``modes`` (default:
     all, compiled ones at ``compile_rate``) restricts how it runs to those of them the program
@@ -1311,7 +1312,8 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     meta = x
     loosest = x.dtype  # the least precise dtype the program computes in: its rounding bounds the agreement
     for _ in range(ch.integer(1, 4)):
-        family = ch.choice(sorted({f for f, _ in OPS.values() if SINCE.get(f, 1) <= version}))
+        family = ch.choice(sorted({f for f, _ in OPS.values() if SINCE.get(f, 1) <= version
+                                   and (families is None or f in families)}))
         makers = [m for f, m in OPS.values() if f == family]
         st = ch.choice(makers)(ctx, meta)
         if st is None:
@@ -1691,8 +1693,9 @@ def _where(e: BaseException) -> str:
 
 
 def case_for_seed(seed: int, compile_rate: float = 0.0, modes: Sequence[str] | None = None,
-                  version: int = GEN) -> Case:
-    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes, version=version)
+                  version: int = GEN, families: Sequence[str] | None = None) -> Case:
+    return draw_case(Chooser(random.Random(seed)), seed, compile_rate=compile_rate, modes=modes, version=version,
+                     families=families)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1705,6 +1708,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=None,
                     help=f"comma-separated run modes to keep (of {','.join(MODES)}; default: all); "
                          "a replay needs the run's --modes")
+    ap.add_argument("--families", default=None,
+                    help="comma-separated op families to draw from (default: all); a replay needs the run's --families")
     ap.add_argument("--max-print", type=int, default=40)
     ap.add_argument("--dist", action="store_true", help="4 gloo processes against the simulated mesh (tools/fuzz_dist.py)")
     ap.add_argument("--threads", type=int, default=0, help="programs in N threads at once (tools/fuzz_threads.py)")
@@ -1719,9 +1724,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in modes or () if m not in MODES]
     if bad:
         ap.error(f"--modes: unknown mode(s) {bad}; known: {', '.join(MODES)}")
+    fams = None if a.families is None else tuple(f.strip() for f in a.families.split(",") if f.strip())
+    known = sorted({f for f, _ in OPS.values()})
+    if fams is not None and (not fams or any(f not in known for f in fams)):
+        ap.error(f"--families: unknown or no family in {a.families!r}; known: {', '.join(known)}")
     again = (f" --modes {','.join(modes)}" if modes else "") + ("" if a.gen == GEN else f" --gen {a.gen}")
+    again += f" --families {','.join(fams)}" if fams else ""
     if a.replay is not None:
-        case = case_for_seed(a.replay, a.compile, modes, a.gen)
+        case = case_for_seed(a.replay, a.compile, modes, a.gen, fams)
         print(case.describe())
         res = run_case(case)
         print(res or "ok")
@@ -1731,7 +1741,7 @@ def main(argv: list[str] | None = None) -> int:
     runs, fails, kinds = 0, 0, {}
     while time.time() < end:
         try:
-            case = case_for_seed(seed, a.compile, modes, a.gen)
+            case = case_for_seed(seed, a.compile, modes, a.gen, fams)
             res = run_case(case)
         except Exception as e:  # noqa: BLE001 - the harness itself must not stop the run
             res = f"harness error {type(e).__name__}: {e}"

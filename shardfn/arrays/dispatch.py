@@ -26,7 +26,7 @@ from ..plans.planner import PLAN_CACHES
 from ..values.mesh import check_mesh_device
 from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, _BatchedArray
 from .redistribute import note_derived
-from .fragments import _fragment
+from .fragments import _fragment, known_finite
 from .fresh import mark_fresh, note_reads
 from .reduced import note_recomputed, reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
@@ -284,7 +284,7 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
         elif t is int or a is None:
             parts.append(a)
         elif t is float:
-            parts.append(float)
+            parts.append(float if a - a == 0.0 and a != 0.0 else _number_class(a))
         else:
             k = _fast_part(a, t)
             if k is _MISS:
@@ -309,7 +309,7 @@ def _fast_part(a: Any, t: type) -> Any:
     if t in _AS_IS:
         return a
     if t is float:
-        return float
+        return float if a - a == 0.0 and a != 0.0 else _number_class(a)
     if t is bool:
         return _TRUE if a else _FALSE
     if t is list or t is tuple:
@@ -318,8 +318,23 @@ def _fast_part(a: Any, t: type) -> Any:
         out = tuple(_fast_part(b, type(b)) for b in a)
         return _MISS if _MISS in out else out
     if t is complex:
-        return complex
+        return complex if a - a == 0.0 and a != 0.0 else _number_class(a)
     return _MISS
+
+
+_ZERO, _NONFINITE = object(), object()
+
+
+def _number_class(a: float | complex) -> Any:
+    """A float's or complex's part of a cache key: only its type where it is finite and
+    nonzero (a new scalar each step still hits); zero and non-finite numbers apart, as
+    rules decide on them (a pending sum passes ``* c`` and ``/ c`` only for a finite
+    nonzero ``c``)."""
+    if a == 0:
+        return (type(a), _ZERO)
+    if a - a != 0:  # inf or nan (in either component)
+        return (type(a), _NONFINITE)
+    return type(a)
 
 
 def _key(func: Any, leaves: list) -> tuple:
@@ -327,13 +342,11 @@ def _key(func: Any, leaves: list) -> tuple:
     for path, v in leaves:
         if isinstance(v, ShardedArray):
             parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset(),
-                          reduced_forms(v) if v._layout.partial else None))
+                          reduced_forms(v) if v._layout.partial else None, known_finite(v)))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
-        elif isinstance(v, float):
-            parts.append((path, "f"))
-        elif isinstance(v, complex):
-            parts.append((path, "c"))
+        elif isinstance(v, (float, complex)):
+            parts.append((path, _number_class(v)))
         elif v is True or v is False:  # True == 1 as a dict key, but promotes differently
             parts.append((path, "b", v))
         else:

@@ -22,6 +22,7 @@ from ..values.torch_compat import settle_guards
 from . import functorch as _ft
 from . import rule_table as _rules
 from .array import _BATCHED_NDIM, ShardedArray, _BatchedArray, _make_wrapper, _wrap_output, check_partial_dtype
+from .bounds import output_marks
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _replace, _to_meta, host_slots
 from .reduced import reduced_forms
@@ -265,9 +266,10 @@ class _Entry:
         for l, d in zip(self.cand.out_layouts, self.out_dtypes):
             if l is not None and l.partial:
                 check_partial_dtype(l, d)  # what ShardedArray() checks; outputs skip it
+        finite = output_marks(self.func, self.call, self.cand.out_layouts, self.out_dtypes)
         self.out_fragments = [
-            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d, st)
-            for l, s, d, st in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_strides)
+            None if s is None or l is None or _ft.is_symbolic(s) else fragment_of(l, s, d, st, u)
+            for l, s, d, st, u in zip(self.cand.out_layouts, self.out_shapes, self.out_dtypes, self.out_strides, finite)
         ]
         single = not isinstance(self.call.out_meta, (tuple, list)) and self.cand.out_layouts[0] is not None
         self.single = (self.cand.out_layouts[0], self.out_shapes[0], self.out_dtypes[0],

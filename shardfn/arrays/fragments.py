@@ -43,17 +43,32 @@ def _fragment(x: Any) -> Any:
     return k
 
 
-def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype, stride: tuple | None = None) -> Any:
+def fragment_of(layout: Layout | tuple, shape: tuple, dtype: torch.dtype, stride: tuple | None = None,
+                finite: bool = False) -> Any:
     """A unique object per (layout (with the reductions at hand, if any), shape, dtype, stride;
-    None: contiguous): fast keys hash it by identity. Never reused for another tuple (dropping
-    the table only makes new objects)."""
+    None: contiguous; ``finite``: see ``known_finite``): fast keys hash it by identity. Never
+    reused for another tuple (dropping the table only makes new objects)."""
     key = (layout, shape, dtype) if stride is None else (layout, shape, dtype, stride)
+    if finite:
+        key += (_FINITE,)
     k = _fragments.get(key)
     if k is None:
         if len(_fragments) >= _FRAGMENTS_MAX:
             _fragments.clear()
         k = _fragments[key] = _Fragment()
+        k.finite = finite
     return k
+
+
+_FINITE = object()  # marks a known-finite fragment's key
+
+
+def known_finite(x: Any) -> bool:
+    """Whether no element of array ``x`` can be ±inf (nan may be), known from the op that made
+    it (``bounds.py``) without reading it: a pending sum may be multiplied by it part by part.
+    The mark is the fragment's: an in-place write, which drops the fragment, drops it too."""
+    k = x.__dict__.get("_kf")
+    return k is not None and k.finite
 
 
 _CONTIGUOUS: dict[tuple, tuple] = {}  # shape -> its contiguous strides
@@ -92,7 +107,7 @@ def _odd_stride(shape: tuple, stride: tuple, offset: int = 0) -> tuple | None:
 class _Fragment:
     """An identity-hashed stand-in for one (layout, shape, dtype) in fast keys."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "finite")
 
     def __copy__(self) -> _Fragment:
         return self  # a copied array keeps hitting its original's entries

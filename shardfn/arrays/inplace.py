@@ -115,36 +115,33 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
                 o._aliases_observable = True
         return
     rest = args[1:]
-    views = base.__dict__.get("_views")
+    views = d.get("_views")
     if views is None:
-        views = base._views = _Views()
-        views.drop = functools.partial(_drop, weakref.ref(views))
+        views = base._views = []
+    elif len(views) >= _PRUNE_AT and not len(views) & (len(views) - 1):  # at 8, 16, 32, ...: amortised O(1)
+        views[:] = [r for r in views if r() is not None]
     for i, o in enumerate(outs):
         if isinstance(o, ShardedArray) and o is not base:
             o._view_of = (base, func, rest, kwargs, i if outs is out else None)
-            r = weakref.ref(o, views.drop)
-            views[id(r)] = r
+            views.append(weakref.ref(o))
             if fresh:  # no fast-key fragment while its root is fresh (``fresh.py``)
                 o._kf = None
 
 
-class _Views(dict):
-    """A base's live views as weak references (keyed by the reference's id: hashing a weak
-    reference hashes its tensor, a Python-level call), each dropped when its view dies (what
-    ``weakref.WeakSet`` does, made and filled by C-level calls: a view op on a private base
-    runs no Python-level code here). ``len`` counts the live views."""
-
-    __slots__ = ("drop", "__weakref__")
+# A base's live views: a plain list of weak references without callbacks (made and read by
+# C-level calls only; a callback dropping each dead view was a Python call at every view's
+# death). Dead references are pruned as the list grows (``_PRUNE_AT``) and skipped when read.
+_PRUNE_AT = 8
+_deref = weakref.ref.__call__
 
 
-def _drop(views_ref: Any, view_ref: Any) -> None:
-    views = views_ref()
-    if views is not None:
-        views.pop(id(view_ref), None)
+def _live_count(views: list | None) -> int:
+    """How many of ``views`` are alive (each holds a reference to its base: ``_observed``)."""
+    return len(views) - list(map(_deref, views)).count(None) if views else 0
 
 
 def _live_views(base: Any) -> list:
-    return [v for v in (r() for r in list((base.__dict__.get("_views") or {}).values())) if v is not None]
+    return [v for v in map(_deref, list(base.__dict__.get("_views") or ())) if v is not None]
 
 
 def _replay(link: tuple, base: Any) -> Any:
@@ -168,20 +165,7 @@ def _observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bool
     own frames bound it to names: how many references those frames add depends on the
     interpreter's state (it grows by two after a torch.compile failed on a dynamic dim,
     whose frames change how CPython specialises calls), not on who holds ``x``."""
-    refs = count - _occurrences(x, args, kwargs) - len(x.__dict__.get("_views") or ())
-    tf = getattr(_tf_call, "args", None)
-    if tf is not None and tf == id(x):  # in the argument tuple of _BatchedArray.__torch_function__
-        refs -= 1
-    if _calibrating:
-        _BASE[point] = min(_BASE.get(point, refs), refs)
-        return False
-    return refs > _BASE[point] + _SLACK
-
-
-def _occurrences(x: Any, args: tuple, kwargs: dict) -> int:
-    """How often ``x`` is an argument (itself or in a list) of this call (plain loops: every
-    view op on a private base asks)."""
-    n = 0
+    n = 0  # how often ``x`` is an argument (itself or in a list) of this call: plain loops, inline
     for a in (*args, *kwargs.values()) if kwargs else args:
         if a is x:
             n += 1
@@ -189,7 +173,15 @@ def _occurrences(x: Any, args: tuple, kwargs: dict) -> int:
             for b in a:
                 if b is x:
                     n += 1
-    return n
+    views = x.__dict__.get("_views")  # each live view holds a reference to ``x`` (``_live_count``, inline)
+    refs = count - n - (len(views) - list(map(_deref, views)).count(None) if views else 0)
+    tf = getattr(_tf_call, "args", None)
+    if tf is not None and tf == id(x):  # in the argument tuple of _BatchedArray.__torch_function__
+        refs -= 1
+    if _calibrating:
+        _BASE[point] = min(_BASE.get(point, refs), refs)
+        return False
+    return refs > _BASE[point] + _SLACK
 
 
 _calibrating = False

@@ -11,7 +11,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from ..backends.registry import backend_for, execute
-from ..plans.planner import plan_layouts
+from ..plans.planner import PLAN_CACHES, plan_layouts
 from ..values import replica_checks as _replicas
 from ..values.errors import ShardingError
 from ..values.layout import Layout, all_boxes
@@ -20,7 +20,7 @@ from ..values.mesh_views import not_a_view, refinement, to_fine
 from . import functorch as _ft
 from .fresh import end_fresh
 from .reduced import base_reduced, keep_reduction, link_of
-from ..values.spec import Sharding, check_mesh, to_layout
+from ..values.spec import NamedSharding, P, Sharding, check_mesh, to_layout
 from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
 from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, wrap
 
@@ -99,7 +99,7 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     target = _sharding_mesh(sharding)
     if target is not None and target is not base.mesh and target != base.mesh and isinstance(x, ShardedArray):
         return reshard_across(x, to_layout(sharding, x.ndim, target))
-    dst = to_layout(sharding, x.ndim, base.mesh)
+    dst = _to_layout(sharding, x.ndim, base.mesh)
     if dst == (x._layout if base is x else _ft.layout_of(x)):
         return x
     return _Reshard.forward(x, dst) if base is x and _untracked(x) else _Reshard.apply(x, dst)
@@ -185,10 +185,48 @@ def _via_base(x: ShardedArray, dst: Layout) -> Any:
 def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
     shape = tuple(x.shape)
     try:
-        plan = plan_layouts(x._layout, dst, shape, x.dtype)
+        plan = _plan(x._layout, dst, shape, x.dtype)
     except TypeError:  # symbolic sizes (SymInts do not hash): planned on their hints
         plan = plan_layouts(x._layout, dst, _ft.hint_shape(shape), x.dtype)
     return execute(plan, x._local, shape)
+
+
+# Identity-keyed fronts of ``to_layout`` and ``plan_layouts`` for the moves a training step
+# repeats (its gradients resharded to their parameters' shardings: the same sharding, layout
+# and shape objects every step): a dict lookup by ids instead of hashing and comparing layouts
+# and specs (Python-level ``__hash__``/``__eq__`` calls). Each entry keeps its key objects
+# alive (their ids stay unique) and is checked by identity.
+_DST: dict[tuple, tuple] = {}  # (id(sharding), ndim, id(mesh)) -> (sharding, mesh, layout)
+_PLANS: dict[tuple, tuple] = {}  # (id(src), id(dst), shape, dtype) -> (src, dst, plan)
+_FRONT_MAX = 4096
+PLAN_CACHES.append(_PLANS.clear)  # plans follow the cost model (``set_cost_model``)
+
+
+def _to_layout(sharding: Sharding, ndim: int, mesh: Mesh) -> Layout:
+    """``to_layout(sharding, ndim, mesh)``, remembered for immutable shardings."""
+    key = (id(sharding), ndim, id(mesh))
+    hit = _DST.get(key)
+    if hit is not None and hit[0] is sharding and hit[1] is mesh:
+        return hit[2]
+    dst = to_layout(sharding, ndim, mesh)
+    if type(sharding) in (NamedSharding, P, Layout):
+        if len(_DST) >= _FRONT_MAX:
+            _DST.clear()
+        _DST[key] = (sharding, mesh, dst)
+    return dst
+
+
+def _plan(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Any:
+    """``plan_layouts(src, dst, shape, dtype)`` through the identity-keyed front."""
+    key = (id(src), id(dst), shape, dtype)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    plan = plan_layouts(src, dst, shape, dtype)
+    if len(_PLANS) >= _FRONT_MAX:
+        _PLANS.clear()
+    _PLANS[key] = (src, dst, plan)
+    return plan
 
 
 def raw_full(x: ShardedArray) -> torch.Tensor:

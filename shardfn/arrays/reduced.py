@@ -5,6 +5,8 @@ them on the array; dispatch keys and costs strategies with them."""
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import weakref
 from typing import Any
 
@@ -90,10 +92,16 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
             return
     while len(_SAME) >= _SAME_MAX:
         del _SAME[next(iter(_SAME))]
-    drop = lambda _, k=key, same=_SAME: same.pop(k, None)  # noqa: E731  an input died: the key can never match again
+    # an input died: the key can never match again (``_SAME.pop(key, the dead reference)``:
+    # a C-level callback, no Python call at each input's death)
+    drop = functools.partial(_SAME.pop, key)
     reductions: dict = {}
     out._same = (reductions, out._local, out._layout)
-    _SAME[key] = (weakref.ref(out), form, reductions, [(weakref.ref(v, drop), v._local) for v in arrays])
+    _SAME[key] = (weakref.ref(out), form, reductions,
+                  list(zip(map(weakref.ref, arrays, itertools.repeat(drop)), map(_LOCAL, arrays))))
+
+
+_LOCAL = operator.attrgetter("_local")
 
 
 def keep_reduction(x: Any, dst: Any, value: Any) -> None:

@@ -156,7 +156,19 @@ class _Call:
         """Argument ``name`` of the local op: (position or -1 if keyword-only, name)."""
         return (-1 if name in self.kw_only else self.names.index(name)), name
 
+    @property
+    def static(self) -> bool:
+        """Whether ``adapt`` changes only dim and size arguments (no rebinding, no operand
+        reshapes, no dense copies): for canonical stacked inputs, whose mesh-dim sizes are
+        fixed, and static other arguments, its result is fixed but for the operands."""
+        return self.rebind is None and not self.align and not self.dense
+
     def __call__(self, args: tuple, kwargs: dict, symbolic: bool = False) -> Any:
+        args, kwargs = self.adapt(args, kwargs, symbolic)
+        return self.fn(*args, **kwargs)
+
+    def adapt(self, args: tuple, kwargs: dict, symbolic: bool = False) -> tuple[Any, dict]:
+        """The arguments ``fn`` is called with."""
         if self.rebind is not None:
             args, kwargs = self.rebind(args, kwargs)
         if self.fixes or self.sized or self.align or self.dense:
@@ -174,7 +186,7 @@ class _Call:
             if self.dense:
                 args = [dc.dense(a, self.dense) for a in args]
                 kwargs = {k: dc.dense(v, self.dense) for k, v in kwargs.items()}
-        return self.fn(*args, **kwargs)
+        return args, kwargs
 
 
 def _get(args: list, kwargs: dict, where: tuple[int, str]) -> Any:

@@ -303,15 +303,17 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
 
 def _stand_in(t: Any) -> Any:
     """A plain tensor with ``t``'s global shape, dtype, device and requires_grad, holding one
-    row of memory (the other dims expanded: the kernels' choice reads metadata and the last
-    dim's stride, never values); ``t`` itself if it is plain. The same on every rank."""
+    row of memory (strides 0 but the last dim's 1: the kernels' choice reads metadata and the
+    last dim's stride, never values); ``t`` itself if it is plain. The same on every rank.
+    Called with torch functions disabled (an array's metadata reads skip its hook), and made by
+    one factory call (``empty_strided``, a leaf: no ``expand`` and no autograd node)."""
     if not hasattr(t, "_layout"):
         return t
-    if t.dim() == 0:
-        return torch.empty((), dtype=t.dtype, device=t.device)
-    row = torch.empty(t.shape[-1], dtype=t.dtype, device=t.device,
-                      requires_grad=t.requires_grad and (t.dtype.is_floating_point or t.dtype.is_complex))
-    return row.expand(t.shape)
+    shape, dtype, device = t.shape, t.dtype, t.device
+    if not shape:
+        return torch.empty((), dtype=dtype, device=device)
+    return torch.empty_strided(shape, (0,) * (len(shape) - 1) + (1,), dtype=dtype, device=device,
+                               requires_grad=t.requires_grad and (dtype.is_floating_point or dtype.is_complex))
 
 
 def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
@@ -319,12 +321,14 @@ def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bo
     (torch has no fused meta choice), elsewhere where its own choice for the unsharded call
     is math (a disabled fused backend, an unsupported head dim or mask). Asked of the global
     shapes, so that every rank of the dist backend decides alike."""
-    if q.device.type == "meta":
-        return True
-    try:
-        choice = torch.ops.aten._fused_sdp_choice(
-            *(_stand_in(t) for t in (q, k, v, mask)), bound.get("dropout_p", 0.0),
-            bool(bound.get("is_causal", False)), scale=bound.get("scale"), enable_gqa=bool(bound.get("enable_gqa", False)))
-    except (RuntimeError, TypeError, ValueError):
-        return False  # torch's own call raises its own error
+    with torch._C.DisableTorchFunctionSubclass():  # metadata reads of 3+-d arrays: no hook call each
+        if q.device.type == "meta":
+            return True
+        try:
+            choice = torch.ops.aten._fused_sdp_choice(
+                _stand_in(q), _stand_in(k), _stand_in(v), _stand_in(mask), bound.get("dropout_p", 0.0),
+                bool(bound.get("is_causal", False)), scale=bound.get("scale"),
+                enable_gqa=bool(bound.get("enable_gqa", False)))
+        except (RuntimeError, TypeError, ValueError):
+            return False  # torch's own call raises its own error
     return int(choice) == int(SDPBackend.MATH)

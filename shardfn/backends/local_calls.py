@@ -12,7 +12,7 @@ import torch
 from ..values.errors import ShardingError
 from ..values.layout import is_even, local_shapes
 from ..values.mesh import Mesh
-from .device_call import DeviceCall, call_is_complex, raw_op, substitute
+from .device_call import DeviceCall, _reshape, call_is_complex, raw_op, substitute
 from .local_values import SHARES, batch_consistent, canonical_sizes, device_view, from_parts, full, settle
 
 
@@ -73,6 +73,10 @@ class StackedCall:
         self.m = mesh.ndim
         self.canon = canon  # the inputs' mesh-dim sizes when the arrays are stored canonically
         self.ready = False  # that call verified: ``lean`` may run it without looking at shapes
+        # ``lean``'s call of a batched form whose adaptation (dims, sizes) is fixed for canonical
+        # inputs and static arguments: (fn, adapted positional arguments, keywords), made once
+        self.bound: tuple | None = None
+        self.fn_static = bool(getattr(fn, "static", False))
         # canonical inputs and outputs the same on every device (a 1-device mesh, a fully
         # replicated computation), and a batched form that is more than the aten op itself:
         # ``lean`` runs device 0's call on the squeezed values instead
@@ -91,6 +95,16 @@ class StackedCall:
         if not self.ready or self.copy_dims and SHARES[0] and _copies(
                 {p: args[p]._local for p in self.positional}, self.copy_dims) is not None:
             return None
+        bound = self.bound
+        if bound is None and self.fn_static:
+            self.fn_static = False  # (asked once)
+            if _static_args(args, kwargs, self.positional):
+                bound = self.bound = _bind(self.fn, args, kwargs, self.positional)
+        if bound is not None:  # the adapted call, its operands filled in
+            a = [*bound[1]]
+            for p in self.positional:
+                a[p] = args[p]._local
+            return bound[0](*a, **bound[2])
         a = list(args)  # (``with_locals``, inlined: one Python call less on every warm op)
         for p in self.positional:
             a[p] = args[p]._local
@@ -189,6 +203,41 @@ def _copies(values: dict, dims: tuple[int, ...]) -> dict | None:
 
 def _is_sharding_error(e: Exception) -> bool:
     return isinstance(e, ShardingError)
+
+
+# argument types a fast key holds by value (``dispatch._fast_key``): calls hitting one cache entry
+# pass equal such arguments (floats and complex numbers are keyed by type only)
+_BY_VALUE = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+
+
+def _static(v: Any) -> bool:
+    t = type(v)
+    return t in _BY_VALUE or ((t is list or t is tuple) and all(_static(x) for x in v))
+
+
+def _static_args(args: tuple, kwargs: dict, positional: tuple) -> bool:
+    """Whether every argument but the arrays (at ``positional``) is keyed by value."""
+    return all(_static(a) for i, a in enumerate(args) if i not in positional) and all(
+        _static(v) for v in kwargs.values())
+
+
+def _bind(fn: Any, args: tuple, kwargs: dict, positional: tuple) -> tuple | None:
+    """``fn``'s adapted call for this call's operands (at ``positional``, stored canonically)
+    with the operand slots emptied (the template keeps no shards alive); None if the
+    adaptation left a tensor elsewhere. A view as a reshape is ``Tensor.reshape`` itself."""
+    a = list(args)
+    for p in positional:
+        a[p] = args[p]._local
+    args, kw = fn.adapt(tuple(a), kwargs)
+    args = list(args)
+    for p in positional:
+        args[p] = None
+    if any(isinstance(v, torch.Tensor) for v in (*args, *kw.values())):
+        return None
+    op = fn.fn
+    if op is _reshape and len(args) == 2 and not kw:
+        op = torch.Tensor.reshape
+    return op, args, kw
 
 
 class PerDeviceCall:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from ..arrays.fragments import known_finite
 from ..backends import custom_ops as _contract  # noqa: F401  (registers torch.ops.shardfn.*)
 from .base import Candidate, OpCall, letters
 from .dims import LINEAR_OPS, Dims, compile_dims, einsum_dims, parse_einsum
@@ -50,7 +51,12 @@ class RmsNorm:
         lx = letters(n) + (None,) * k
         lw = (None,) * k
         if self.backward:
-            spec = Dims((lx, lx, lw), (lx, lw), tuple((L, "sum") for L in letters(n)), LINEAR_OPS, partial_ins=(0,))
+            # linear in the gradient, times the weight: a pending gradient passes only where the weight
+            # is known finite (``pointwise._finite_factors``: ``sum(parts) * inf`` is not ``sum(parts * inf)``)
+            w = call.arrays[2][1]
+            finite = not (w.dtype.is_floating_point or w.dtype.is_complex) or known_finite(w)
+            spec = Dims((lx, lx, lw), (lx, lw), tuple((L, "sum") for L in letters(n)), LINEAR_OPS,
+                        partial_ins=(0,) if finite else ())
         else:
             spec = Dims((lx, lw), (lx,))
         return compile_dims(call, spec)

@@ -8,12 +8,12 @@ reduces first.
 from __future__ import annotations
 
 import cmath
-import math
 from typing import Any
 
 import attrs
 import torch
 
+from ..arrays.fragments import known_finite
 from ..values.layout import Layout
 from ..values.mesh import check_mesh_device
 from .base import Candidate, OpCall, sum_passes
@@ -66,9 +66,8 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
         return set()
     if func in (aten.div.Tensor, aten.div.Scalar) and not _nonzero_number(call.args[1]):
         return set()  # parts / 0 are ±inf or nan, whose sum need not be the total's ±inf
-    if func in (aten.mul.Tensor, aten.mul.Scalar) and any(
-            isinstance(a, float) and not math.isfinite(a) for a in call.args[:2]):
-        return set()  # parts * inf have mixed signs where the total's does not
+    if func in (aten.mul.Tensor, aten.mul.Scalar) and not _finite_factors(call, call.arrays[base][0]):
+        return set()  # parts * inf have mixed signs (or are 0 * inf) where the total's is one signed inf
     n = len(call.arrays)
     if func in _CASTS:
         return set(range(n)) if _float_cast(call) else set()
@@ -80,6 +79,25 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
         only = _MULTILINEAR[func]
         return {base} if only is None or call.arrays[base][0] == only else set()
     return set()
+
+
+def _finite_factors(call: OpCall, base_path: Any) -> bool:
+    """Whether the factors of a product (every operand but ``base_path``'s) are known finite
+    without reading them: numbers that are, integer or bool tensors, arrays that their op
+    bounds (``arrays/bounds.py``: ``cos``, ``-sin``, ...). Another floating tensor may hold
+    inf, and ``sum(parts) * inf`` is not ``sum(parts * inf)`` (``0 * inf`` is nan in a part,
+    and parts of both signs give nan where the total's sign gives ±inf); knowing it is finite
+    would take a device-to-host sync, so the pending operand is reduced first (nan factors
+    need nothing: nan in every part is the total's nan)."""
+    for i, a in enumerate(call.args[:2]):
+        if i == base_path:
+            continue
+        if isinstance(a, torch.Tensor):
+            if (a.dtype.is_floating_point or a.dtype.is_complex) and not (hasattr(a, "_layout") and known_finite(a)):
+                return False
+        elif isinstance(a, (float, complex)) and not cmath.isfinite(a):
+            return False
+    return True
 
 
 def _nonzero_number(v: Any) -> bool:

@@ -81,4 +81,23 @@ def local_call_facts(mesh: sf.Mesh) -> None:
                                  what="amax over an empty shard")
 
 
+
+@scenario
+def pending_sum_times_non_finite_factor(mesh: sf.Mesh) -> None:
+    """A pending sum (the contraction split) times a factor holding inf is ``total * f`` on both
+    backends (the pending operand reduced first), and times a bounded factor (``cos``) stays
+    exact with no reduction first."""
+    a, b = _axes(mesh)
+    inf = float("inf")
+    for m, k, n in ((4, 8, 4), (3, 7, 4)):
+        x, w = torch.randn(m, k, dtype=torch.float64), torch.randn(k, n, dtype=torch.float64)
+        f = torch.tensor([inf, -inf, 2.0, 0.0], dtype=torch.float64)
+        for sf_ in (P(), P(b)):
+            check_against_twin_and_torch(lambda x, w, f: (x @ w) * f, mesh, [(x, P(None, a)), (w, P(a)), (f, sf_)],
+                                         grad=False, exact=False, what=f"{(m, k, n)} f {sf_}")
+        t = torch.randn(n, dtype=torch.float64)
+        check_against_twin_and_torch(lambda x, w, t: (x @ w) * torch.cos(t), mesh, [(x, P(None, a)), (w, P(a)), (t, P())],
+                                     grad=True, exact=False, what=f"{(m, k, n)} cos")
+
+
 test_local, test_dist = collect(globals())

@@ -102,7 +102,9 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
             f"{a}=0's value"
         )
     for a in mesh.axis_names:
-        if a in layout.partial_ops and a not in varying:
+        # (over an axis of size 1 the one copy is the value: nothing to multiply, and the
+        # inference treats every value as invariant there, a pending input's parts included)
+        if a in layout.partial_ops and a not in varying and mesh.axis_size(a) > 1:
             raise ShardingError(
                 f"shard_map {path} has out_spec {spec!r} with partial over mesh axis {a!r}, but it does "
                 f"not vary over {a!r}: summing its identical copies would multiply it by "

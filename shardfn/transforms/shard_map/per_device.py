@@ -332,7 +332,7 @@ def _per_device_flat(f: Callable, inputs: _Inputs, leaves: list, out_specs: Any,
         if l is None:
             columns.append([v] * mesh.size)
             continue
-        vma = frozenset(l.axis_dim)
+        vma = frozenset(l.axis_dim) | frozenset(l.partial_ops)  # a pending value's parts vary too
         columns.append([tag(p, vma) for p in _device_pieces(v, l)])
     per_device = [inputs.rebuild([col[d] for col in columns]) for d in range(mesh.size)]
     outs = run(mesh, f, per_device, kwargs, traced_closures)

@@ -197,7 +197,8 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
             continue
         _order_check(layout, manual, f"shard_map in_specs for {path}")
         arr = reshard(v, layout) if isinstance(v, ShardedArray) else distribute(v, layout)
-        leaves.append(_per_device.tag(_Enter.apply(arr, sub, manual), frozenset(a for a in layout.axis_dim if a in manual)))
+        vma = frozenset(a for a in (*layout.axis_dim, *layout.partial_ops) if a in manual)  # pending parts vary too
+        leaves.append(_per_device.tag(_Enter.apply(arr, sub, manual), vma))
     closures = _SubClosures(mesh, sub, manual, leaves) if torch.is_grad_enabled() else contextlib.nullcontext()
     with _running(sub), lax._manual_axes(manual), lax._entered(_SubBody(mesh)), sub, closures:
         with _per_device._VmaMode():

@@ -164,7 +164,7 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
             continue
         _order_check(layout, manual, f"shard_map in_specs for {path}")
         arr = reshard(v, layout) if isinstance(v, ShardedArray) else distribute(v, layout)
-        vma = frozenset(a for a in layout.axis_dim if a in manual)
+        vma = frozenset(a for a in (*layout.axis_dim, *layout.partial_ops) if a in manual)  # pending parts vary too
         columns.append([_per_device.tag(p, vma) for p in _Pick.apply(arr, grid, manual)])
     per_run = [inputs.rebuild([col[c] for col in columns]) for c in range(n)]
     grad = torch.is_grad_enabled()
