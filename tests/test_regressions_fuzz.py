@@ -1164,6 +1164,24 @@ def test_compiled_view_inputs_read_their_storage_offset(dynamic):
         _close(out, view(x) * 2)
 
 
+@pytest.mark.parametrize("mesh_shape,spec", [((2, 1, 4), P("x", None, None)), ((2, 1, 4), P()), ((1, 2, 2), P(None, "y"))])
+def test_gelu_on_stacked_values_with_replicated_size_one_mesh_dims(mesh_shape, spec):
+    """torch's CPU gelu / gelu_backward (exact) corrupted memory on a stacked value whose
+    replicated mesh dims are size 1 with stride 0 (fuzzer seed 7200001366 with the func modes:
+    a wrong shape, then a crash); values and gradients as torch's."""
+    mesh = sf.Mesh(mesh_shape, ("x", "y", "z"))
+    x = torch.randn(4, 9, 7)  # float32: the kernel's oneDNN path
+    xr = x.clone().requires_grad_()
+    ref = F.gelu(xr)
+    (gr,) = torch.autograd.grad((ref * ref).sum(), xr)
+    xs = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+    for _ in range(3):  # the corruption showed at later allocations
+        out = F.gelu(xs)
+        (gs,) = torch.autograd.grad((out * out).sum(), xs)
+        _close(out, ref.detach())
+        _close(gs, gr)
+
+
 @pytest.mark.parametrize("in_specs", [None, (P(partial="x"),)])
 def test_shard_map_pending_output_over_an_axis_of_size_one(in_specs):
     """A pending input's parts vary over its axis, but over an axis of size 1 the inference calls
@@ -1192,3 +1210,12 @@ def test_shard_map_pending_input_varies_over_its_axis_on_uneven_layouts(n):
         _close(sf.shard_map(lambda b: b * 3, mesh=mesh, out_specs=x.spec, **kw)(x), t * 3)
     with pytest.raises(sf.ShardingError, match="'y'"):  # it varies over y: an out_spec without y is refused
         sf.shard_map(lambda b: b * 3, mesh=mesh, in_specs=(x.spec,), out_specs=P("x"))(x)
+
+
+@pytest.mark.parametrize("shape,spec", [((6, 0, 0), P()), ((6, 0, 0), P("x")), ((2, 0, 2), P("x")), ((1, 4, 2, 2), P(None, "x"))])
+def test_pixel_unshuffle_of_an_empty_input_has_torchs_shape(shape, spec):
+    """torch's CPU kernel returns an empty input's clone ((6, 0, 0) stays (6, 0, 0)); its meta
+    kernel says (24, 0, 0), which the array took (fuzzer seed 98001660, --families wide,smap3)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(shape, dtype=torch.float64)
+    _close(F.pixel_unshuffle(sf.distribute(x, spec, mesh=mesh), 2), F.pixel_unshuffle(x, 2))

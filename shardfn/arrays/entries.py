@@ -37,6 +37,9 @@ aten = torch.ops.aten
 # reductions whose meta kernels accept an empty input that torch's kernels reject (only these:
 # shardfn's own compositions call amax on empty shards torch's ops never see)
 _EMPTY_CHECKED = frozenset({aten.max.default, aten.min.default, aten.argmax.default, aten.argmin.default})
+# ops whose eager kernel gives empty inputs another shape than their meta kernel: the kernel's
+# (torch's CPU pixel_unshuffle returns an empty input's clone, (6, 0, 0) -> (6, 0, 0); meta: (24, 0, 0))
+_EMPTY_BY_KERNEL = frozenset({aten.pixel_unshuffle.default})
 
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -73,7 +76,10 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     if func in _EMPTY_CHECKED and all(v.numel() == 0 for _, v in arrays):
         _check_empty(func, args, kwargs)
     try:
-        out_meta = _meta_run(func, args, kwargs)
+        if func in _EMPTY_BY_KERNEL and arrays and all(v.numel() == 0 for _, v in arrays):
+            out_meta = _empty_meta(func, args, kwargs)
+        else:
+            out_meta = _meta_run(func, args, kwargs)
     except ZeroDivisionError:  # a Python meta kernel dividing by numel() of empty inputs
         out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
