@@ -33,9 +33,30 @@ def test_recomputed_expression_reduces_once() -> None:
     torch.testing.assert_close(y.full_tensor(), torch.tanh(c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5)).sum(-1))
 
 
+def test_recomputation_does_not_keep_the_parts_alive() -> None:
+    """The earlier pending output dies with its last reader (its n-fold parts are not held
+    for a recomputation); its reduction still serves one that comes, with the same value."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    h = _pending(torch.randn(4, 6))
+    mean = h.mean(-1, keepdim=True)
+    d = h - mean
+    first = d.pow(2)  # reduces d
+    gone = weakref.ref(d)
+    del d
+    gc.collect()
+    assert gone() is None
+    with sf.debug.CommCounter() as cc:
+        again = (h - mean).pow(2)
+    assert cc.total == 0, cc
+    torch.testing.assert_close(again.full_tensor(), first.full_tensor())
+
+
 def test_recomputation_entry_goes_when_an_input_dies() -> None:
-    """The table of recomputable calls (``reduced._SAME``) drops a call's entry, and with it
-    the pending output it keeps, as soon as one of its input arrays dies."""
+    """The table of recomputable calls (``reduced._SAME``) drops a call's entry as soon as one
+    of its input arrays dies; the pending output itself it never keeps alive."""
     import gc
     import weakref
 
@@ -45,15 +66,15 @@ def test_recomputation_entry_goes_when_an_input_dies() -> None:
     h = _pending(torch.randn(4, 6))
     out = h * 2.0  # a pending output of a pure op on an array: remembered
     assert out._layout.partial
-    keys = [k for k, v in reduced._SAME.items() if v[0] is out]
+    keys = [k for k, v in reduced._SAME.items() if v[0]() is out]
     assert len(keys) == 1
     gone = weakref.ref(out)
     del out
     gc.collect()
-    assert keys[0] in reduced._SAME and gone() is not None  # kept while its input lives
+    assert keys[0] in reduced._SAME and gone() is None  # the entry stays while its input lives
     del h
     gc.collect()
-    assert keys[0] not in reduced._SAME and gone() is None
+    assert keys[0] not in reduced._SAME
 
 
 def test_lookup_by_split_ids_stays_split() -> None:

@@ -19,7 +19,7 @@ from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from ..values.mesh_views import not_a_view, refinement, to_fine
 from . import functorch as _ft
 from .fresh import end_fresh
-from .reduced import base_reduced, link_of
+from .reduced import base_reduced, keep_reduction, link_of
 from ..values.spec import NamedSharding, P, Sharding, check_mesh, to_layout
 from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
 from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, wrap
@@ -146,6 +146,8 @@ def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
         value = _execute_reshard(x, dst)
     cache[dst] = (x._local, x._layout, value)
     x._kf = None  # its dispatch key fragment names the reduced forms it has (dispatch._fragment)
+    if "_same" in x.__dict__:
+        keep_reduction(x, dst, value)
     return value
 
 

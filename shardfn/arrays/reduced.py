@@ -47,17 +47,21 @@ def base_reduced(x: Any) -> bool:
 
 # -- recomputations: the same pure op on the same arrays is the same value -----------------
 
-_SAME: dict[tuple, tuple] = {}  # key of a call -> (its pending output, the input arrays' weakrefs and shards)
-_SAME_MAX = 8  # recomputations come within a few ops; each entry may keep an activation alive
+_SAME: dict[tuple, tuple] = {}  # key of a call -> (weakref to its pending output, its (layout, shape, dtype),
+# its reductions {layout: value}, the input arrays' weakrefs and shards)
+_SAME_MAX = 8  # recomputations come within a few ops
 
 
 def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -> None:
     """Link a pending output to the output of an earlier call of the same deterministic op
     on the same (immutable) arrays and arguments, so one reduction serves both: code that
     writes an expression twice (``(h - mean).pow(2)`` then ``(h - mean) * r`` in a layer
-    norm) reads a pending sum once. The earlier output is kept while its inputs live (at
-    most the ``_SAME_MAX`` latest). ``view``: the op re-viewing the earlier output
-    (``aten.view.default``), so the link has ``note_derived``'s form."""
+    norm) reads a pending sum once. The earlier output is held weakly and its reductions
+    strongly (``keep_reduction``): a pending value's parts (every device's own, a row-parallel
+    product's n-fold size) are not kept alive past their last reader for a recomputation
+    that may never come, while the reduced value (its size once) serves one that does
+    (at most the ``_SAME_MAX`` latest, while their inputs live). ``view``: the op re-viewing
+    a live earlier output (``aten.view.default``), so the link has ``note_derived``'s form."""
     fid = id(func)  # ops keyed by id (``OpOverload`` hashes in Python); ``_RANDOM`` keeps each alive
     random = _RANDOM.get(fid)
     if random is None:
@@ -72,22 +76,40 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
         return
     if not arrays:
         return
-    if hit is not None:
-        prev = hit[0]
-        if (prev is not out and prev._layout == out._layout and prev.shape == out.shape and prev.dtype == out.dtype
-                and all(w() is v and v._local is loc for (w, loc), v in zip(hit[1], arrays))):
+    form = (out._layout, out.shape, out.dtype)
+    if hit is not None and hit[1] == form and all(w() is v and v._local is loc for (w, loc), v in zip(hit[3], arrays)):
+        prev = hit[0]()
+        if prev is not None and prev is not out:
             out._derived = (prev, view, (list(out.shape),), {}, None, out._local)
             out._kf = None
+            return
+        if prev is None and hit[2]:
+            # the earlier output is gone, its reductions are at hand: ``out`` has them too
+            cache = out.__dict__.setdefault("_reduced", {})
+            for dst, value in hit[2].items():
+                cache[dst] = (out._local, out._layout, value)
+            out._kf = None  # its dispatch key fragment names the reduced forms it has
             return
     while len(_SAME) >= _SAME_MAX:
         del _SAME[next(iter(_SAME))]
     # an input died: the key can never match again (``_SAME.pop(key, the dead reference)``:
     # a C-level callback, no Python call at each input's death)
     drop = functools.partial(_SAME.pop, key)
-    _SAME[key] = (out, list(zip(map(weakref.ref, arrays, itertools.repeat(drop)), map(_LOCAL, arrays))))
+    reductions: dict = {}
+    out._same = (reductions, out._local, out._layout)
+    _SAME[key] = (weakref.ref(out), form, reductions,
+                  list(zip(map(weakref.ref, arrays, itertools.repeat(drop)), map(_LOCAL, arrays))))
 
 
 _LOCAL = operator.attrgetter("_local")
+
+
+def keep_reduction(x: Any, dst: Any, value: Any) -> None:
+    """Remember ``x`` reduced to ``dst`` (``value``) for a recomputation of ``x`` that comes
+    after ``x`` is gone (``note_recomputed``), while ``x`` holds the shards it was noted with."""
+    same = x.__dict__.get("_same")
+    if same is not None and same[1] is x._local and same[2] == x._layout:
+        same[0][dst] = value
 
 
 _RANDOM: dict[int, tuple] = {}  # id(op) -> (op, whether it is random)
