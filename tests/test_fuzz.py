@@ -55,6 +55,8 @@ FOUND = [
     (5738218702, 2),  # compiled grad of std(min()): torch.compile of the plain program takes the nan branch (oracle)
     (5738221152, 2),  # o / x of a pending zero: its parts add to +0, torch's input held -0 (oracle: no -0 on the grid)
     (5738230791, 2),  # float32 eigvalsh of an unscaled B B^T + nI: eps * |A| = 0.08 (oracle: scaled, as it says)
+    (5746703728, 3),  # sf.smap under compile(dynamic): its threads ran under the tracer's per-thread modes (graph break)
+    (5741001570, 3),  # the same after a recompile: symbolic sizes reached the partial-manual run's setup
 ]
 
 

@@ -172,3 +172,29 @@ def test_partial_manual_body_propagates_over_the_automatic_axes(mesh):
     assert dict(c.counts) == {"all_reduce": 1}
     assert specs == [(P(None, "tp"), P(partial="tp"))] * 2
     _close(out.full_tensor(), x.full_tensor() @ w.full_tensor())
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_partial_manual_shard_map_and_smap_under_compile(dynamic: bool) -> None:
+    """A body run a thread per manual coordinate cannot be traced (the tracer's modes are
+    per-thread): under torch.compile the call leaves the graph and runs eagerly, with the
+    values and gradients of eager torch, also after a recompile for a new shape and layout."""
+    mesh = sf.Mesh((2, 3), ("x", "y"), backend="local")
+    sm = sf.shard_map(lambda b: b.sin() * lax.axis_size("y"), mesh=mesh, in_specs=P(None, "y"), out_specs=P(None, "y"),
+                      axis_names={"y"})
+    sp = sf.smap(lambda b: b.cos(), in_axes=0, out_axes=0, axis_name="y", mesh=mesh)
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return sm(v) + sp(v)
+
+    cf = torch.compile(f, dynamic=dynamic, backend="aot_eager", fullgraph=False)
+    for shape, spec in [((6, 6), P("x", None)), ((9, 12), P(None, None))]:
+        t = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        x = sf.distribute(t.detach(), spec, mesh=mesh).requires_grad_()
+        out = cf(x)
+        want = t.sin() * 3 + t.cos()
+        torch.testing.assert_close(out.full_tensor(), want)
+        out.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(sf.gather(x.grad), t.grad)
+    torch._dynamo.reset()

@@ -117,14 +117,8 @@ def _run_local(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kw
 
 
 def _per_device(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, kwargs: dict) -> Any:
-    """The body once per device, a thread each. Threads cannot be traced (torch.compile's fake
-    and functional modes are per-thread): while Dynamo traces, the graph breaks here and the call
-    runs eagerly."""
-    if torch._guards.detect_fake_mode() is not None:
-        from torch._dynamo.exc import Unsupported
-
-        raise Unsupported("shard_map run per device (a thread each): not traced, run eagerly",
-                          gb_type="shardfn: shard_map per device")
+    """The body once per device, a thread each (under torch.compile: a graph break, see
+    ``per_device.run_threads``)."""
     return per_device._run_per_device(f, inputs, out_specs, check_vma, kwargs)
 
 

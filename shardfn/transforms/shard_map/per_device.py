@@ -214,10 +214,22 @@ class DeviceBody:
         return tag(torch.tensor(rank, device=mesh.device_type), frozenset(axes))
 
 
+def untraced(name: str) -> None:
+    """Break torch.compile's graph where a body runs a thread per device: threads cannot be
+    traced (the fake and functional modes are per-thread), so while Dynamo traces, the call
+    leaves the graph and runs eagerly."""
+    if torch._guards.detect_fake_mode() is not None:
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported(f"shard_map run a thread per device ({name}): not traced, run eagerly",
+                          gb_type="shardfn: shard_map per device")
+
+
 def run_threads(n: int, body: Callable[[int, _Rendezvous], Any], name: str) -> list[Any]:
     """``body(i, rv)`` for every ``i < n`` concurrently, each in its own thread, meeting
     the others at ``rv`` (its collectives, and once more at the end); the results in order.
     A failure in one thread aborts the others' barrier and is raised here."""
+    untraced(name)
     rv = _Rendezvous(n)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n

@@ -151,6 +151,7 @@ class _RunBody(_per_device.DeviceBody):
 def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_specs: Any, check_vma: bool,
         kwargs: dict) -> Any:
     """A partial-manual shard_map call on the simulated mesh (see the module docstring)."""
+    _per_device.untraced("shard_map-manual")  # before the setup: symbolic sizes do not hash
     mesh = inputs.mesh
     sub = Mesh(tuple(mesh.axis_size(a) for a in auto), auto, backend=mesh.backend, device_type=mesh.device_type)
     names = tuple(a for a in mesh.axis_names if a in manual)
