@@ -174,25 +174,31 @@ def test_partial_manual_body_propagates_over_the_automatic_axes(mesh):
     _close(out.full_tensor(), x.full_tensor() @ w.full_tensor())
 
 
+_MESH_XY = sf.Mesh((2, 3), ("x", "y"), backend="local")
+# module-level, as user code keeps them (Dynamo reads globals and closures differently)
+_SM = sf.shard_map(lambda b: b.sin() * lax.axis_size("y"), mesh=_MESH_XY, in_specs=P(None, "y"), out_specs=P(None, "y"),
+                   axis_names={"y"})
+_SP = sf.smap(lambda b: b.cos(), in_axes=0, out_axes=0, axis_name="y", mesh=_MESH_XY)
+
+
+def _manual_pair(v: torch.Tensor) -> torch.Tensor:
+    return _SM(v) + _SP(v)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_partial_manual_shard_map_and_smap_under_compile(dynamic: bool) -> None:
     """A body run a thread per manual coordinate cannot be traced (the tracer's modes are
     per-thread): under torch.compile the call leaves the graph and runs eagerly, with the
     values and gradients of eager torch, also after a recompile for a new shape and layout."""
-    mesh = sf.Mesh((2, 3), ("x", "y"), backend="local")
-    sm = sf.shard_map(lambda b: b.sin() * lax.axis_size("y"), mesh=mesh, in_specs=P(None, "y"), out_specs=P(None, "y"),
-                      axis_names={"y"})
-    sp = sf.smap(lambda b: b.cos(), in_axes=0, out_axes=0, axis_name="y", mesh=mesh)
-
-    def f(v: torch.Tensor) -> torch.Tensor:
-        return sm(v) + sp(v)
-
-    cf = torch.compile(f, dynamic=dynamic, backend="aot_eager", fullgraph=False)
+    torch._dynamo.reset()
+    cf = torch.compile(_manual_pair, dynamic=dynamic, backend="aot_eager")
     for shape, spec in [((6, 6), P("x", None)), ((9, 12), P(None, None))]:
-        t = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-        x = sf.distribute(t.detach(), spec, mesh=mesh).requires_grad_()
-        out = cf(x)
-        want = t.sin() * 3 + t.cos()
+        t = torch.randn(*shape, dtype=torch.float64)
+        x = sf.distribute(t, spec, mesh=_MESH_XY)
+        torch.testing.assert_close(cf(x).full_tensor(), t.sin() * 3 + t.cos())  # no gradient
+        t.requires_grad_()
+        x = x.detach().requires_grad_()
+        out, want = cf(x), t.sin() * 3 + t.cos()
         torch.testing.assert_close(out.full_tensor(), want)
         out.sum().backward()
         want.sum().backward()
