@@ -15,7 +15,6 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-
 from ...backends.hooks import SHARD_MAP, SHARD_MAP_RUNNERS
 from ...values.graph_calls import in_graph
 from ...values.mesh import Mesh
