@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
+from _shard_ops import TorchCalls
 from shardfn import P
 from shardfn.backends.local import set_pending_parts
 
@@ -32,22 +32,6 @@ def shares():
         set_pending_parts(old)
 
 
-class _Calls(TorchDispatchMode):
-    """The aten ops run on plain tensors (a ShardedArray op's work on its shards)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, sf.ShardedArray) for t in types):
-            with self:
-                return sf.ShardedArray.__torch_dispatch__(func, types, args, kwargs)
-        self.calls.append(func)
-        return func(*args, **kwargs)
-
-
 def test_set_pending_parts_names_the_modes() -> None:
     with pytest.raises(sf.ShardingError, match="'device', 'shares'"):
         set_pending_parts("equal")
@@ -60,7 +44,7 @@ def test_a_weight_gradient_is_one_gemm_held_as_equal_shares(shares, n: int) -> N
     x, g = torch.randn(24, 16, dtype=torch.float64), torch.randn(24, 8, dtype=torch.float64)
     xs, gs = sf.distribute(x, P("dp"), mesh=mesh), sf.distribute(g, P("dp"), mesh=mesh)
     sf.reshard(xs.t() @ gs, P())  # the first call of each op also runs it on empty tensors (its metadata)
-    with _Calls() as mode:
+    with TorchCalls() as mode:
         dw = xs.t() @ gs
     assert dw.spec == P(partial="dp")
     assert sum(f in GEMMS for f in mode.calls) == 1, mode.calls
@@ -68,7 +52,7 @@ def test_a_weight_gradient_is_one_gemm_held_as_equal_shares(shares, n: int) -> N
     for part in shares_:
         torch.testing.assert_close(part, shares_[0], rtol=0, atol=0)
     torch.testing.assert_close(sum(shares_), x.t() @ g)
-    with _Calls() as mode:
+    with TorchCalls() as mode:
         full = sf.reshard(dw, P())
     assert aten.sum.dim_IntList not in mode.calls, mode.calls  # nothing added up: the shares' sum is n times one
     torch.testing.assert_close(full.full_tensor(), x.t() @ g)
@@ -84,7 +68,7 @@ def test_a_megatron_row_parallel_product_is_one_gemm_and_no_sum(shares) -> None:
     hs = sf.distribute(h, P("dp"), mesh=mesh)
     w1s, w2s = sf.distribute(w1, P(None, "tp"), mesh=mesh), sf.distribute(w2, P("tp", None), mesh=mesh)
     sf.reshard((hs @ w1s) @ w2s, P("dp"))  # warm: a first call also runs on empty tensors
-    with _Calls() as mode:
+    with TorchCalls() as mode:
         y = sf.reshard((hs @ w1s) @ w2s, P("dp"))
     assert sum(f in GEMMS for f in mode.calls) == 2, mode.calls
     assert aten.sum.dim_IntList not in mode.calls, mode.calls

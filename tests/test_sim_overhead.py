@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardfn as sf
+from _shard_ops import TorchCalls
 from shardfn import P
 from shardfn.arrays import dispatch as _dispatch
 from shardfn.arrays import inplace as _inplace
@@ -22,23 +22,6 @@ from shardfn.backends import stacked_matmul
 from shardfn.values.spec import to_layout
 
 aten = torch.ops.aten
-
-
-class _TorchCalls(TorchDispatchMode):
-    """Records the aten ops run on plain tensors; a ShardedArray op runs its dispatch with
-    the mode still on, so what it computes on the shards is recorded, not the op itself."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(issubclass(t, sf.ShardedArray) for t in types):
-            with self:
-                return sf.ShardedArray.__torch_dispatch__(func, types, args, kwargs)
-        self.calls.append(func)
-        return func(*args, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64])
@@ -53,7 +36,7 @@ def test_a_replicated_value_made_pending_is_one_pad(dtype):
     x = sf.distribute(t, P("dp"), mesh=mesh)
     dst = to_layout(P("dp", partial="tp"), 2, mesh)
     raw_reshard(sf.distribute(t, P("dp"), mesh=mesh), dst)  # the plan made and remembered
-    with _TorchCalls() as mode:
+    with TorchCalls() as mode:
         value = raw_reshard(x, dst)
     assert mode.calls == [aten.constant_pad_nd.default]
     assert tuple(value.shape) == (2, 4, 2, 3)
@@ -77,7 +60,7 @@ def test_distributed_inputs_run_once_without_indexing():
     xs, ws, bs = (sf.distribute(v, P("x"), mesh=mesh) for v in (x, w, b))
     for _ in range(2):
         torch.addmm(bs, xs, ws), xs.sum()
-    with _TorchCalls() as mode:
+    with TorchCalls() as mode:
         y = torch.addmm(bs, xs, ws)
         s = xs.sum()
     assert mode.calls == [aten.addmm.default, aten.unsqueeze.default, aten.sum.default, aten.unsqueeze.default]
@@ -99,7 +82,7 @@ def test_stacked_matmul_folds_like_torch(lead, m, k, n, b_varies, transpose):
     b_lead = [n_ if b_varies and i == 0 else 1 for i, n_ in enumerate(lead)]
     b = torch.randn(*b_lead, k, n, generator=g)
     stacked_matmul._PLANS.clear()
-    with _TorchCalls() as mode:
+    with TorchCalls() as mode:
         got = stacked_matmul.matmul(a, b)
     assert torch.equal(got, torch.matmul(a, b))
     plan = stacked_matmul._cached_plan(a, b)
@@ -129,7 +112,7 @@ def test_stacked_matmul_permutes_no_size_one_dims():
     for a, b, permutes in ((torch.randn(2, 1, 8, 4), torch.randn(1, 4, 4, 3), 2),
                            (torch.randn(4, 2, 8, 4).transpose(0, 1), torch.randn(1, 4, 4, 3), 2)):
         stacked_matmul._PLANS.clear()
-        with _TorchCalls() as mode:
+        with TorchCalls() as mode:
             got = stacked_matmul.matmul(a, b)
         torch.testing.assert_close(got, torch.matmul(a, b))
         assert mode.calls.count(aten.permute.default) == permutes, mode.calls
