@@ -742,6 +742,18 @@ def _copies_sum(v: torch.Tensor, n: int) -> torch.Tensor:
     return v.unsqueeze(0).expand(n, *v.shape).sum(0, dtype=v.dtype)
 
 
+def all_to_all_body(c: Ctx, smap: Callable, a: str, d: int, shape: tuple, size: int) -> tuple[Any, int]:
+    """A shard_map of ``all_to_all`` over axis ``a`` (split over ``a`` along ``d`` in, along a
+    drawn other dim ``e`` out: the value is unchanged), and ``e``; None where ``e``'s size
+    does not split over the axis."""
+    n = len(shape)
+    e = c.ch.choice([i for i in range(n) if i != d])
+    if shape[e] % size:
+        return None, e
+    out = P(*[a if i == e else None for i in range(n)])
+    return smap(lambda b: sf.lax.all_to_all(b, a, split_axis=e, concat_axis=d, tiled=True), out), e
+
+
 @op("transform")
 def transform(c: Ctx, x: torch.Tensor) -> Step | None:
     """Layout changes mid-program (reshard, constraints) and shard_map bodies with collectives,
@@ -1237,12 +1249,8 @@ def smap3(c: Ctx, x: torch.Tensor) -> Step | None:
         g = smap(lambda b: sf.lax.psum_scatter(b, a, scatter_dimension=d, tiled=False).unsqueeze(d), spec_d, rep)
         return step(g, lambda v: _copies_sum(v, size))
     if name == "all_to_all" and n >= 2 and even:
-        e = c.ch.choice([i for i in range(n) if i != d])
-        if x.shape[e] % size:
-            return None
-        out = P(*[a if i == e else None for i in range(n)])
-        g = smap(lambda b: sf.lax.all_to_all(b, a, split_axis=e, concat_axis=d, tiled=True), out)
-        return step(g, lambda v: v.clone(), f" split={e}")
+        g, e = all_to_all_body(c, smap, a, d, tuple(x.shape), size)
+        return None if g is None else step(g, lambda v: v.clone(), f" split={e}")
     if name == "psum_tuple" and mesh.ndim >= 2 and _num(x.dtype) and x.dtype != torch.bool:
         both = P(*[tuple(mesh.axis_names) if i == d else None for i in range(n)])
         g = smap(lambda b: sf.lax.psum(b.sum(d, keepdim=True), tuple(mesh.axis_names)), rep, both)

@@ -72,12 +72,8 @@ def collective(c: fuzz.Ctx, x: torch.Tensor) -> fuzz.Step | None:
     if name == "pmean" and (flt or x.dtype.is_complex) and even and x.shape[d] > 0:
         return step(smap(lambda b: sf.lax.pmean(b.mean(d, keepdim=True), a), rep), lambda v: v.mean(d, keepdim=True), desc)
     if name == "all_to_all" and n >= 2 and even:
-        e = c.ch.choice([i for i in range(n) if i != d])
-        if x.shape[e] % size:
-            return None
-        out = P(*[a if i == e else None for i in range(n)])
-        g = smap(lambda b: sf.lax.all_to_all(b, a, split_axis=e, concat_axis=d, tiled=True), out)
-        return step(g, lambda v: v.clone(), f"{desc[:-1]}, split={e})")
+        g, e = fuzz.all_to_all_body(c, smap, a, d, tuple(x.shape), size)
+        return None if g is None else step(g, lambda v: v.clone(), f"{desc[:-1]}, split={e})")
     if name == "gather_stack" and even and x.shape[d] > 0:
         blk = x.shape[d] // size
         g = smap(lambda b: sf.lax.all_gather(b, a, axis=0), P(*([None] * (n + 1))))
