@@ -1,20 +1,74 @@
 """Functions torch.compile records as one call: shard_map/local_map make them at run time,
-before or after Dynamo is loaded; ``shardfn.compile`` installs the marker once it is."""
+before or after Dynamo is loaded; ``shardfn.compile`` installs the marker once it is.
+
+Dynamo guards a plain function it records by its code object alone, so two functions made
+by one ``shard_map`` call site (other bodies, specs or closed-over values) would share a
+compiled graph built around the first. Each is therefore a :class:`GraphCall`, an object
+Dynamo guards by identity, and equal calls share one object (``graph_call``): a body
+rebuilt on every call of a compiled function (a lambda in it) keeps its cached graph."""
 
 from __future__ import annotations
 
+import functools
+import types
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any
 
-F = TypeVar("F", bound=Callable)
+import torch
+
+from .torch_compat import ValueMeta
 
 _pending: weakref.WeakSet = weakref.WeakSet()  # made before the marker was installed
 _mark: Callable[[Callable], object] | None = None
+_interned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def in_graph(fn: F) -> F:
-    """Mark a function made at run time (e.g. by shard_map) as one graph call."""
+class GraphCall:
+    """``fn`` as one call in a compiled graph, guarded by this object's identity (its
+    behaviour is fixed at creation: ``key`` names what it computes)."""
+
+    def __init__(self, fn: Callable, key: Any) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn, self._key = fn, key
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # as a class attribute: a method, like a function
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __repr__(self) -> str:
+        return f"<shardfn graph call {getattr(self, '__qualname__', '?')}>"
+
+
+def graph_call(fn: Callable, kind: str, body: Any, params: Any) -> GraphCall:
+    """``fn`` (made by ``kind`` from the function ``body`` and the other arguments
+    ``params``) as a :class:`GraphCall`: the one made before for an equal body and params
+    (:func:`value_key`) while it lives, else a new one. Under torch.compile this runs
+    eagerly (a graph break): Dynamo does not trace the keys."""
+    return _make(fn, kind, body, params)
+
+
+def _graph_call(fn: Callable, kind: str, body: Any, params: Any) -> GraphCall:
+    key = (kind, value_key(body), value_key(params))
+    try:
+        hash(key)
+    except TypeError:
+        return in_graph(GraphCall(fn, _Ident(object())))
+    old = _interned.get(key)
+    if old is not None and old._key == key:
+        return old
+    call = in_graph(GraphCall(fn, key))
+    _interned[key] = call
+    return call
+
+
+_make: Callable[..., GraphCall] = _graph_call
+
+
+def in_graph(fn: Any) -> Any:
+    """Mark a function made at run time as one graph call."""
     if _mark is not None:
         _mark(fn)
     else:
@@ -22,10 +76,68 @@ def in_graph(fn: F) -> F:
     return fn
 
 
-def install(mark: Callable[[Callable], object]) -> None:
-    """Use ``mark`` (Dynamo's ``allow_in_graph``) from now on, and on every function made so far."""
-    global _mark
+def install(mark: Callable[[Callable], object], eager: Callable[[Callable], Callable]) -> None:
+    """Use ``mark`` (Dynamo's ``allow_in_graph``) from now on, and on every function made so
+    far; ``eager(f)`` (``torch.compiler.disable``): ``f`` run untraced."""
+    global _mark, _make
     _mark = mark
+    _make = eager(_graph_call)
     for fn in list(_pending):
         mark(fn)
     _pending.clear()
+
+
+class _Ident:
+    """A key part equal only to the very same object (held while the key lives)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Ident) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+_BY_VALUE = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout,
+             torch.memory_format)
+
+
+def value_key(v: Any, depth: int = 4) -> Any:
+    """A hashable key equal for two values only where a function of them computes the same:
+    constants and sharding values by value (floats by ``repr``: -0.0 is not 0.0), containers
+    by their items, functions by code, defaults and closure, anything else by identity."""
+    t = type(v)
+    if t in _BY_VALUE:
+        return (t, v)
+    if t in (float, complex):
+        return (t, repr(v))
+    if isinstance(t, ValueMeta):
+        return (t, v)
+    if depth <= 0:
+        return _Ident(v)
+    if t in (tuple, list):
+        return (t, tuple(value_key(e, depth - 1) for e in v))
+    if t is dict:
+        return (t, tuple((value_key(k, depth - 1), value_key(e, depth - 1)) for k, e in v.items()))
+    if t in (set, frozenset):
+        return (t, frozenset(value_key(e, depth - 1) for e in v))
+    if t is types.FunctionType:
+        cells = []
+        for c in v.__closure__ or ():
+            try:
+                cells.append(value_key(c.cell_contents, depth - 1))
+            except ValueError:  # an empty cell
+                cells.append(_Ident(c))
+        return (t, v.__code__, _Ident(v.__globals__), value_key(v.__defaults__, depth - 1),
+                value_key(v.__kwdefaults__, depth - 1), tuple(cells), value_key(v.__dict__, depth - 1))
+    if t is functools.partial:
+        return (t, value_key(v.func, depth - 1), value_key(v.args, depth - 1), value_key(v.keywords, depth - 1))
+    if t is types.MethodType:
+        return (t, _Ident(v.__self__), value_key(v.__func__, depth - 1))
+    if t is GraphCall:
+        return (t, v._key)
+    return _Ident(v)
