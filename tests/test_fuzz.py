@@ -57,6 +57,7 @@ FOUND = [
     (5738230791, 2),  # float32 eigvalsh of an unscaled B B^T + nI: eps * |A| = 0.08 (oracle: scaled, as it says)
     (5746703728, 3),  # sf.smap under compile(dynamic): its threads ran under the tracer's per-thread modes (graph break)
     (5741001570, 3),  # the same after a recompile: symbolic sizes reached the partial-manual run's setup
+    (993, 3, "smap3"),  # compile: a shard_map of one call site ran an earlier body's graph (Dynamo guarded its code only)
 ]
 
 
@@ -74,10 +75,11 @@ NEEDS_2_13 = {5715727986: "torch 2.11's AOTAutograd still disagrees on a pinned 
 
 @pytest.mark.parametrize("entry", FOUND, ids=str)
 def test_found_seeds_replay_clean(entry):
-    seed, version = entry if isinstance(entry, tuple) else (entry, 1)
+    seed, version, families = (*entry, None)[:3] if isinstance(entry, tuple) else (entry, 1, None)
     if seed in NEEDS_2_13 and not TORCH_2_13:
         pytest.skip(NEEDS_2_13[seed])
-    case = fuzz.case_for_seed(seed, 0.02, version=version)  # the long run's default share of compiled cases
+    # the long run's default share of compiled cases; a third entry: the run's --families
+    case = fuzz.case_for_seed(seed, 0.02, version=version, families=families and families.split(","))
     assert fuzz.run_case(case) is None, f"seed {seed}: {case.describe()}"
 
 

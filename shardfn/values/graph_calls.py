@@ -30,6 +30,7 @@ class GraphCall:
 
     def __init__(self, fn: Callable, key: Any) -> None:
         functools.update_wrapper(self, fn)
+        self.__wrapped__ = getattr(fn, "__wrapped__", fn)  # the user's function, as fn's own wraps says
         self._fn, self._key = fn, key
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
