@@ -27,7 +27,7 @@ def mesh2():
     return sf.Mesh((2,), ("x",), backend="local")
 
 
-def _smap(mesh, body, out_specs, in_specs=P("x")):
+def _smap(mesh, body, out_specs, in_specs=P("x")):  # noqa: B008
     """One call site making every shard_map (as a user's helper would)."""
     def run(v):
         v = sf.reshard(v, in_specs)
