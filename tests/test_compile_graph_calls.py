@@ -117,5 +117,29 @@ def test_value_key_tells_apart_what_computes_differently():
         assert value_key(_closing(a)) != value_key(_closing(b)), (a, b)
     t = torch.ones(1)
     assert value_key(_closing(t)) == value_key(_closing(t))  # the same tensor object
-    assert value_key([P("x"), {"a": 1}]) == value_key([P("x"), {"a": 1}]) != value_key((P("x"), {"a": 1}))
+    assert value_key((P("x"), 1, "a")) == value_key((P("x"), 1, "a")) != value_key((P("x"), 1, "b"))
+    lst = [P("x")]
+    assert value_key(lst) == value_key(lst) != value_key([P("x")])  # mutable: by identity
+
+
+def test_a_cell_changed_after_making_is_not_shared(mesh2):
+    """An earlier function whose closed-over value has changed since is not handed out for a
+    new body holding the value it had."""
+    x = torch.arange(4.0)
+    X = sf.distribute(x, P("x"), mesh=mesh2)
+
+    def make(k):
+        g = sf.shard_map(lambda b: b * k, mesh=mesh2, in_specs=P("x"), out_specs=P("x"))
+
+        def rebind(new):
+            nonlocal k
+            k = new
+        return g, rebind
+
+    g2, rebind = make(2)
+    rebind(7)
+    h2, _ = make(2)
+    assert h2 is not g2
+    torch.testing.assert_close(h2(X).full_tensor(), x * 2)
+    torch.testing.assert_close(g2(X).full_tensor(), x * 7)
     assert value_key(P("x")) != value_key(P("x", None))

@@ -25,13 +25,18 @@ _interned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class GraphCall:
-    """``fn`` as one call in a compiled graph, guarded by this object's identity (its
-    behaviour is fixed at creation: ``key`` names what it computes)."""
+    """``fn``, made by ``kind`` from ``body`` and ``params``, as one call in a compiled graph,
+    guarded by this object's identity."""
 
-    def __init__(self, fn: Callable, key: Any) -> None:
+    def __init__(self, fn: Callable, kind: str, body: Any, params: Any) -> None:
         functools.update_wrapper(self, fn)
         self.__wrapped__ = getattr(fn, "__wrapped__", fn)  # the user's function, as fn's own wraps says
-        self._fn, self._key = fn, key
+        self._fn, self._made = fn, (kind, body, params)
+
+    def _key(self) -> Any:
+        """What it computes, from its body and params as they are now (a cell may change)."""
+        kind, body, params = self._made
+        return (kind, value_key(body), value_key(params))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn(*args, **kwargs)
@@ -52,16 +57,15 @@ def graph_call(fn: Callable, kind: str, body: Any, params: Any) -> GraphCall:
 
 
 def _graph_call(fn: Callable, kind: str, body: Any, params: Any) -> GraphCall:
-    key = (kind, value_key(body), value_key(params))
+    call = GraphCall(fn, kind, body, params)
+    key = call._key()
     try:
-        hash(key)
-    except TypeError:
-        return in_graph(GraphCall(fn, _Ident(object())))
-    old = _interned.get(key)
-    if old is not None and old._key == key:
+        old = _interned.get(key)
+    except TypeError:  # unhashable
+        return in_graph(call)
+    if old is not None and old._key() == key:
         return old
-    call = in_graph(GraphCall(fn, key))
-    _interned[key] = call
+    _interned[key] = in_graph(call)
     return call
 
 
@@ -109,8 +113,10 @@ _BY_VALUE = (int, bool, str, bytes, type(None), type(Ellipsis), torch.dtype, tor
 
 def value_key(v: Any, depth: int = 4) -> Any:
     """A hashable key equal for two values only where a function of them computes the same:
-    constants and sharding values by value (floats by ``repr``: -0.0 is not 0.0), containers
-    by their items, functions by code, defaults and closure, anything else by identity."""
+    constants and sharding values by value (floats by ``repr``: -0.0 is not 0.0), tuples by
+    their items, functions by code, defaults and closure (by the cells' contents now: a body
+    rebuilt by each call of a compiled function shares its key), anything else (lists, dicts,
+    tensors) by identity."""
     t = type(v)
     if t in _BY_VALUE:
         return (t, v)
@@ -120,25 +126,22 @@ def value_key(v: Any, depth: int = 4) -> Any:
         return (t, v)
     if depth <= 0:
         return _Ident(v)
-    if t in (tuple, list):
+    if t is tuple:
         return (t, tuple(value_key(e, depth - 1) for e in v))
-    if t is dict:
-        return (t, tuple((value_key(k, depth - 1), value_key(e, depth - 1)) for k, e in v.items()))
-    if t in (set, frozenset):
+    if t is frozenset:
         return (t, frozenset(value_key(e, depth - 1) for e in v))
-    if t is types.FunctionType:
+    if t is types.FunctionType and not v.__dict__ and not v.__kwdefaults__:
         cells = []
         for c in v.__closure__ or ():
             try:
                 cells.append(value_key(c.cell_contents, depth - 1))
             except ValueError:  # an empty cell
                 cells.append(_Ident(c))
-        return (t, v.__code__, _Ident(v.__globals__), value_key(v.__defaults__, depth - 1),
-                value_key(v.__kwdefaults__, depth - 1), tuple(cells), value_key(v.__dict__, depth - 1))
-    if t is functools.partial:
-        return (t, value_key(v.func, depth - 1), value_key(v.args, depth - 1), value_key(v.keywords, depth - 1))
+        return (t, v.__code__, _Ident(v.__globals__), value_key(v.__defaults__, depth - 1), tuple(cells))
+    if t is functools.partial and not v.keywords:
+        return (t, value_key(v.func, depth - 1), value_key(v.args, depth - 1))
     if t is types.MethodType:
         return (t, _Ident(v.__self__), value_key(v.__func__, depth - 1))
     if t is GraphCall:
-        return (t, v._key)
-    return _Ident(v)
+        return (t, v._key())
+    return _Ident(v)  # mutable containers too: a later change to one must not reach another
