@@ -143,3 +143,18 @@ def test_a_cell_changed_after_making_is_not_shared(mesh2):
     torch.testing.assert_close(h2(X).full_tensor(), x * 2)
     torch.testing.assert_close(g2(X).full_tensor(), x * 7)
     assert value_key(P("x")) != value_key(P("x", None))
+
+
+@pytest.mark.parametrize("axis_names", [None, {"x"}])
+def test_compiled_shard_map_raises_the_sharding_error_eager_raises(axis_names):
+    """An out_spec claiming replication of a varying output, and an unknown axis: the
+    ShardingError itself (Dynamo would wrap one raised in its fake run in a TorchRuntimeError)."""
+    mesh = sf.Mesh((2, 2), ("x", "y"), backend="local")
+    X = sf.distribute(torch.arange(8.0).reshape(4, 2), P(), mesh=mesh)
+    bad_rep = sf.shard_map(lambda b: b * 2, mesh=mesh, in_specs=P("x"), out_specs=P(), axis_names=axis_names)
+    bad_axis = sf.shard_map(lambda b: b + sf.lax.axis_index("z"), mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                            axis_names=axis_names)
+    for f, match in [(bad_rep, "leaves 'x' out"), (bad_axis, "'z'")]:
+        for run in (f, torch.compile(lambda v: f(v) + 1, backend="aot_eager")):
+            with pytest.raises(sf.ShardingError, match=match):
+                run(X)

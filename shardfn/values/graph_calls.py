@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .errors import ShardingError
 from .torch_compat import ValueMeta
 
 _pending: weakref.WeakSet = weakref.WeakSet()  # made before the marker was installed
@@ -39,13 +40,26 @@ class GraphCall:
         return (kind, value_key(body), value_key(params))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn(*args, **kwargs)
+        try:
+            return self._fn(*args, **kwargs)
+        except ShardingError as e:
+            _untraced_error(e)
+            raise
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:  # as a class attribute: a method, like a function
         return self if obj is None else types.MethodType(self, obj)
 
     def __repr__(self) -> str:
         return f"<shardfn graph call {getattr(self, '__qualname__', '?')}>"
+
+
+def _untraced_error(e: ShardingError) -> None:
+    """A ShardingError while Dynamo runs the call on fake tensors breaks the graph instead, so
+    the call runs eagerly and raises it as itself (Dynamo would wrap it in a TorchRuntimeError)."""
+    if torch._guards.detect_fake_mode() is not None:
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported(f"shardfn raised ShardingError: {e}", gb_type="shardfn: ShardingError") from e
 
 
 def graph_call(fn: Callable, kind: str, body: Any, params: Any) -> GraphCall:
