@@ -155,6 +155,6 @@ def test_compiled_shard_map_raises_the_sharding_error_eager_raises(axis_names):
     bad_axis = sf.shard_map(lambda b: b + sf.lax.axis_index("z"), mesh=mesh, in_specs=P("x"), out_specs=P("x"),
                             axis_names=axis_names)
     for f, match in [(bad_rep, "leaves 'x' out"), (bad_axis, "'z'")]:
-        for run in (f, torch.compile(lambda v: f(v) + 1, backend="aot_eager")):
+        for run in (f, torch.compile(lambda v, f=f: f(v) + 1, backend="aot_eager")):
             with pytest.raises(sf.ShardingError, match=match):
                 run(X)
