@@ -189,6 +189,29 @@ def test_pending_sum_divided_by_zero_is_signed_inf(div):
         _close(p * float("inf"), full * float("inf"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.complex128])
+@pytest.mark.parametrize("shape,spec", [((8, 3), P("x")), ((7, 3), P("x")), ((8, 3), P(("x", "y")))])
+def test_negated_sum_of_zeros_keeps_torchs_negative_zero(dtype, shape, spec):
+    """``-(x.sum(0))`` of zeros is -0 in torch; each device's part is -0, and the parts added
+    up (as a collective adds them: -0 + -0 = -0) are -0, where torch's sum kernel (its
+    accumulator starts at +0) made the simulated total +0 (fuzzer seed 5749641775: a one-class
+    cross entropy, then ``o / loss``: inf against -inf). Parts with a +0 still total +0."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.zeros(shape, dtype=dtype)
+    fns = (lambda v: 1 / -(v.sum(0)), lambda v: 1 / -(v.mean(0)), lambda v: 1 / (-(v.sum(0)) * 2 + 0.0), lambda v: 1 / v.sum(),
+           lambda v: 1 / (-(v.sum(0)) + torch.zeros(3, dtype=v.dtype).neg()))  # -0 + -0: pending plus replicated
+    for f in fns:
+        want = f(x)
+        got = f(sf.distribute(x, spec, mesh=mesh)).full_tensor()
+        _close(got, want, equal_nan=True)  # 1 / complex 0 is nan
+        assert torch.equal(torch.signbit(torch.view_as_real(got) if got.is_complex() else got),
+                           torch.signbit(torch.view_as_real(want) if want.is_complex() else want))
+    parts = [torch.tensor([-0.0, -0.0, -1.0, 1.0]), torch.tensor([-0.0, 0.0, -0.0, -1.0])] * 2
+    p = sf.ShardedArray.from_local(parts, P(partial=("x", "y")), mesh=mesh)
+    assert torch.signbit(p.full_tensor()).tolist() == [True, False, True, False]
+    assert torch.signbit(sf.reshard(p, P("x")).full_tensor()).tolist() == [True, False, True, False]
+
+
 # -- empty arrays: torch's shape errors -------------------------------------------------------
 
 
