@@ -119,6 +119,30 @@ def test_class_sharded_loss_out_of_range_target_raises(loss, bad, reduction):
     _close(loss(X, sf.distribute(ok, P(), mesh=mesh), reduction=reduction), loss(x, ok, reduction=reduction))
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("sspec", [P(None, "x"), P("x", None)])
+@pytest.mark.parametrize("wspec", [None, P()])
+def test_nll_loss_backward_of_a_pending_gradient_by_a_weight_holding_inf(reduction, sspec, wspec):
+    """nll_loss_backward multiplies the gradient by the class weight: a pending gradient (here the
+    sum over a split dim of ``loss[:, None] * s``) passed part by part gave ``0 * inf = nan`` in a
+    part where torch's total times inf is ±inf; it is reduced first unless the weight is known finite."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    t, w = torch.tensor([0, 1, 2]), torch.tensor([float("inf"), 1.0, -float("inf"), 3.0], dtype=torch.float64)
+    s = torch.tensor([[1.0, -1.0, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0], [1.0, 2.0, -3.0, 0.0]], dtype=torch.float64)
+
+    def grad(x, s, w, t):
+        x = x.requires_grad_()
+        loss = F.nll_loss(x, t, weight=w, reduction=reduction)
+        ((loss[:, None] if reduction == "none" else loss) * s).sum().backward()
+        return x.grad
+
+    want = grad(x.clone(), s, w, t)
+    W = w if wspec is None else sf.distribute(w, wspec, mesh=mesh)
+    got = grad(sf.distribute(x, P(), mesh=mesh), sf.distribute(s, sspec, mesh=mesh), W, sf.distribute(t, P(), mesh=mesh))
+    _close(got, want, equal_nan=True)
+
+
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_vocab_sharded_embedding_of_non_finite_rows(n):
     """Each device looked up row 0 in place of the indices it does not hold and multiplied by
