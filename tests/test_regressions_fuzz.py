@@ -323,6 +323,23 @@ def test_compile_dynamic_and_recompile_on_a_sharding_change():
             _close(f(sf.distribute(x, spec, mesh=mesh), p), torch.maximum(x, p).sum(0) * 2)
 
 
+@pytest.mark.parametrize("shape", [(4, 3), (3, 3)])  # even (stacked) and uneven (per-device parts)
+def test_compiled_function_reads_its_input_arrays_mesh_and_spec(shape):
+    """``sf.NamedSharding(x.mesh, ...)`` of a compiled function's input under ``fullgraph``: the
+    array's ``__getattr__`` (its per-device parts' names) made Dynamo give up on every attribute of
+    an input ("TensorVariable() is not a constant"); the parts are properties now."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(shape)
+
+    def f(v):
+        return sf.reshard(v * 2, sf.NamedSharding(v.mesh, P())) + v.mesh.shape[0], sf.reshard(v, v.sharding).spec
+
+    torch._dynamo.reset()
+    out, spec = torch.compile(f, backend="aot_eager", fullgraph=True)(sf.distribute(x, P("x"), mesh=mesh))
+    assert out.spec == P() and spec == P("x")
+    _close(out, x * 2 + 2)
+
+
 @pytest.mark.parametrize("fn", [torch.cov, torch.corrcoef])
 def test_compile_after_a_graph_break_runs_dispatch_eagerly(fn):
     # torch.cov breaks the graph (a data-dependent aten.equal); the ops then run eagerly under
