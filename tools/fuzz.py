@@ -53,6 +53,13 @@ FLOATS = [torch.float64, torch.float32, torch.complex128]
 DTYPES = FLOATS * 3 + [torch.complex64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.bool]
 
 
+# ops whose CPU kernel is not bit-reproducible run to run on the same input (checked on torch 2.13,
+# MKL 2024.2): replicas computed by each rank may differ in the last bits, so the dist fuzzer compares
+# them with the tolerance, not bit for bit (seeds 96000779, 96001052: lstsq's default driver gelsy
+# gave 1 of 20 calls the same bits, single-threaded, up to 6e-15 apart; gelsd, gelss, gels are exact)
+RUN_TO_RUN = {"lstsq": "LAPACK gelsy (torch.linalg.lstsq's CPU default) is not bit-reproducible"}
+
+
 class Chooser:
     """Random choices: from a ``random.Random`` (the command) or hypothesis's ``data.draw``."""
 

@@ -235,7 +235,7 @@ def verdict(case: fuzz.Case, mode: str, ref: list | None, ref_err: BaseException
     if errs:
         r = min(errs)
         return f"shardfn (dist) raised where torch did not on ranks {sorted(errs)}: rank {r}: {reports[r]['msg']}"
-    if len({rep["digest"] for rep in reports}) > 1:
+    if len({rep["digest"] for rep in reports}) > 1 and not any(st.name in fuzz.RUN_TO_RUN for st in case.steps):
         return f"ranks gathered different values: {[rep['digest'][:8] for rep in reports]}"
     try:
         got = dict(outs)
