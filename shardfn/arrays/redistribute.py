@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from ..backends.registry import backend_for, execute
+from ..backends.registry import backend_for, execute, run_plan
 from ..plans.planner import PLAN_CACHES, plan_layouts
 from ..values import replica_checks as _replicas
 from ..values.errors import ShardingError
@@ -96,10 +96,11 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
         if isinstance(x, torch.Tensor):
             return distribute(x, sharding)
         raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
-    target = _sharding_mesh(sharding)
-    if target is not None and target is not base.mesh and target != base.mesh and isinstance(x, ShardedArray):
+    mesh = base._layout.mesh
+    target = getattr(sharding, "mesh", None)
+    if target is not None and target is not mesh and target != mesh and isinstance(x, ShardedArray):
         return reshard_across(x, to_layout(sharding, x.ndim, target))
-    dst = _to_layout(sharding, x.ndim, base.mesh)
+    dst = _to_layout(sharding, x.ndim, mesh)
     if dst == (x._layout if base is x else _ft.layout_of(x)):
         return x
     return _Reshard.forward(x, dst) if base is x and _untracked(x) else _Reshard.apply(x, dst)
@@ -187,8 +188,8 @@ def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
     try:
         plan = _plan(x._layout, dst, shape, x.dtype)
     except TypeError:  # symbolic sizes (SymInts do not hash): planned on their hints
-        plan = plan_layouts(x._layout, dst, _ft.hint_shape(shape), x.dtype)
-    return execute(plan, x._local, shape)
+        return execute(plan_layouts(x._layout, dst, _ft.hint_shape(shape), x.dtype), x._local, shape)
+    return run_plan(plan, x._local)  # (concrete sizes: the plan's own)
 
 
 # Identity-keyed fronts of ``to_layout`` and ``plan_layouts`` for the moves a training step
