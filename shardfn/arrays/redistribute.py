@@ -296,10 +296,15 @@ class _Distribute(_Function):
     @staticmethod
     def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
         # like jax.device_put, a copy: where the plan only sliced or expanded ``t``, the
-        # shards are redone from one copy of ``t`` (replicas share that copy)
+        # shards are redone from one copy of ``t`` (replicas share that copy); a stacked value
+        # that is one contiguous block of ``t`` (a batch split over 'dp') is copied as it is:
+        # the same elements and strides, without running the plan twice
         value = raw_distribute(t.detach(), layout)
         if _shares_memory(value, t):
-            value = raw_distribute(t.detach().clone(), layout)
+            if isinstance(value, torch.Tensor) and value.is_contiguous():
+                value = value.clone()
+            else:
+                value = raw_distribute(t.detach().clone(), layout)
         return wrap(value, layout, t.shape, t.dtype)
 
     @staticmethod
