@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from ..backends.registry import backend_for, execute, run_plan
+from ..backends.registry import backend_for, execute
 from ..plans.planner import PLAN_CACHES, plan_layouts
 from ..values import replica_checks as _replicas
 from ..values.errors import ShardingError
@@ -188,8 +188,8 @@ def _execute_reshard(x: ShardedArray, dst: Layout) -> Any:
     try:
         plan = _plan(x._layout, dst, shape, x.dtype)
     except TypeError:  # symbolic sizes (SymInts do not hash): planned on their hints
-        return execute(plan_layouts(x._layout, dst, _ft.hint_shape(shape), x.dtype), x._local, shape)
-    return run_plan(plan, x._local)  # (concrete sizes: the plan's own)
+        plan = plan_layouts(x._layout, dst, _ft.hint_shape(shape), x.dtype)
+    return execute(plan, x._local, shape)
 
 
 # Identity-keyed fronts of ``to_layout`` and ``plan_layouts`` for the moves a training step
@@ -301,8 +301,8 @@ class _Distribute(_Function):
         # the same elements and strides, without running the plan twice
         value = raw_distribute(t.detach(), layout)
         if _shares_memory(value, t):
-            if isinstance(value, torch.Tensor) and value.is_contiguous():
-                value = value.clone()
+            if isinstance(value, torch.Tensor) and value.is_contiguous() and "_squeezed" not in value.__dict__:
+                value = value.clone()  # (a replicated value keeps its squeezed view: ``local_values.replicated``)
             else:
                 value = raw_distribute(t.detach().clone(), layout)
         return wrap(value, layout, t.shape, t.dtype)

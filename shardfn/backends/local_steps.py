@@ -302,28 +302,36 @@ _STACKED = {
 
 
 def compile_plan(steps: Sequence[Step], shape: tuple[int, ...]) -> Callable[[Value], Value | None] | None:
-    """A plan of stacked all-reduces between even layouts (a pending sum resolved: a
-    gradient's over 'dp' before an optimizer update) as one closure, each step's mesh dim,
-    op and the dims its output is cut to worked out once: what :func:`run_steps` computes
-    for a stacked value, without its per-step dispatch on kinds and layouts. The closure
-    returns None for a value it does not take (per-device shards), which then takes
-    :func:`run_steps`. None for any other plan."""
+    """A plan of all-reduces and data moves between even layouts (a gradient's pending sum
+    resolved over 'dp', a batch split over 'dp') as one closure on stacked values, each
+    step's mesh dim, op, regrid and the dims its output is cut to worked out once: what
+    :func:`run_steps` computes for a stacked value, without its per-step dispatch on kinds
+    and layouts. The closure returns None for a value it does not take (per-device shards),
+    which then takes :func:`run_steps`. None for any other plan."""
     compiled = []
     for step in steps:
-        if step.kind != "all_reduce" or not is_even(step.src, shape) or not is_even(step.dst, shape):
+        if not is_even(step.src, shape) or not is_even(step.dst, shape):
             return None
         mesh = step.src.mesh
-        compiled.append((mesh.axis_index(step.axis), mesh, step.op,
-                         tuple(k for k, v in enumerate(varying(step.dst)) if not v)))
+        cut = tuple(k for k, v in enumerate(varying(step.dst)) if not v)  # ``compact``
+        if step.kind == "all_reduce":
+            compiled.append((mesh.axis_index(step.axis), mesh, step.op, cut))
+        elif step.kind in _REGRID_KINDS and _regrid_plan(step.src, step.dst, shape) is not None:
+            compiled.append((None, step, shape, cut))
+        else:
+            return None
     if not compiled:
         return None
 
     def run(value: Value) -> Value | None:
         if isinstance(value, tuple):
             return None
-        for ai, mesh, op, cut in compiled:
-            value = _reduce_axis(value, ai, mesh, op)
-            for k in cut:  # ``compact``
+        for ai, a, b, cut in compiled:
+            if ai is None:  # a regrid: ``a`` the step, ``b`` the shape
+                value = _regrid(a.src, a.dst, b, full(value, a.src.mesh))
+            else:  # an all-reduce over mesh dim ``ai`` of mesh ``a`` by op ``b``
+                value = _reduce_axis(value, ai, a, b)
+            for k in cut:
                 if value.shape[k] != 1:
                     value = value.narrow(k, 0, 1)
         return value
