@@ -14,6 +14,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from ..arrays.fragments import known_finite
 from ..values.layout import local_shapes
 from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters, out_of_range, replicated
 from .dims import LINEAR_OPS, Dims, compile_dims
@@ -31,7 +32,8 @@ class Leading:
     mask dim, is whole); all other dims are whole.
     ``lead_fn(bound_args) -> (lead, reduce)``: with ``reduce``, outputs lacking the
     batch dims are Partial(sum) over them. ``linear``: arguments a pending sum may
-    pass through."""
+    pass through, where the ``factors`` that multiply them are known finite (``sum(parts) * inf``
+    is not ``sum(parts * inf)``: ``pointwise._finite_factors``)."""
 
     batched: tuple[str, ...]
     lead_fn: LeadFn
@@ -40,6 +42,7 @@ class Leading:
     grouped: tuple[str, ...] = ()
     grouped_outs: tuple[int, ...] = ()
     loose_outs: tuple[int, ...] = ()  # outputs that are replicated unless they carry every leading dim
+    factors: tuple[str, ...] = ()
 
     def _loose(self, i: int, lettered: tuple, ls: tuple[str, ...]) -> bool:
         return i in self.loose_outs and not set(ls) <= set(lettered)
@@ -66,7 +69,7 @@ class Leading:
             for i, m in enumerate(call.out_metas))
         loose = {i for i, o in enumerate(outs) if o is not None and self._loose(i, o, ls)}
         outs = tuple(None if i in loose else o for i, o in enumerate(outs))
-        partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear)
+        partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear) if _finite(b, self.factors) else ()
         spec = Dims(ins, outs, tuple((L, "sum") for L in ls) if reduce else (),
                     LINEAR_OPS if partial_ins else (), partial_ins=partial_ins)
         cands = compile_dims(call, spec)
@@ -76,6 +79,17 @@ class Leading:
         fill = {i: replicated(call.mesh, call.out_metas[i].dim()) for i in loose}
         return [attrs.evolve(c, out_layouts=tuple(fill.get(i, o) for i, o in enumerate(c.out_layouts)))
                 for c in cands]
+
+
+def _finite(b: dict, names: tuple[str, ...]) -> bool:
+    """Whether the bound arguments ``names`` are absent, not floating, or arrays known finite
+    (``arrays/bounds.py``) without reading them: a class weight may hold inf."""
+    for n in names:
+        v = b.get(n)
+        if isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex) and not (
+                hasattr(v, "_layout") and known_finite(v)):
+            return False
+    return True
 
 
 _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only
@@ -295,7 +309,8 @@ class _Dense:
         return [attrs.evolve(c, dense=True) for c in self.rule.candidates(call)]
 
 
-_NLL_BWD = _Dense(_AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,)),
+_NLL_BWD = _Dense(_AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,),
+                                  factors=("weight",)),
                           ClassSharded(backward=True))))
 # the efficient kernel's backward names its gradient grad_out_
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "grad_out_", "out", "logsumexp", "attn_bias")
