@@ -78,6 +78,11 @@ class Layout(metaclass=ValueMeta):
     def __repr__(self) -> str:
         return self.spec_str()
 
+    def __deepcopy__(self, memo: dict) -> Layout:
+        """Itself (immutable; see ``Mesh.__deepcopy__``): a compiled function's guard then
+        compares an array's layout with the traced one by identity first."""
+        return self
+
     # -- transitions used by the planner -------------------------------------------
     def with_dims(self, d: int, axes: tuple[str, ...]) -> Layout:
         dims = list(self.dims)
