@@ -397,13 +397,19 @@ def _part_names(n: int) -> list[str]:
     names = _PART_NAMES[:n]
     for i in range(len(names), n):
         name = f"_part_{i}"
-        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i]))
+        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i], lambda self, t, i=i: _set_part(self, i, t)))
         _PART_NAMES.append(name)
         names.append(name)
     return names
 
 
 _PART_NAMES: list[str] = []
+
+
+def _set_part(x: ShardedArray, i: int, t: torch.Tensor) -> None:
+    """AOTAutograd's compiled backward sets each inner tensor of a tangent it coerces to the
+    traced metadata (``setattr(x, "_part_i", t)``, the same values; fuzzer seed 7300025)."""
+    x._local = (*x._local[:i], t, *x._local[i + 1:])
 
 
 def _alias(x: ShardedArray) -> ShardedArray:
