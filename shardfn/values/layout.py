@@ -104,6 +104,21 @@ _DTYPE_SHORT = {
 }
 
 
+def _layout_eq(self: Layout, other: object) -> bool:
+    """attrs' field-by-field ``__eq__``, with identity shortcuts: the very same layout, and the very
+    same mesh (compared without a call of ``Mesh.__eq__``: layouts compared by dispatch, plans and
+    dict lookups are nearly always of one mesh object)."""
+    if self is other:
+        return True
+    if other.__class__ is not self.__class__:
+        return NotImplemented
+    return ((self.mesh is other.mesh or self.mesh == other.mesh)  # type: ignore[attr-defined]
+            and self.dims == other.dims and self.partial == other.partial)  # type: ignore[attr-defined]
+
+
+Layout.__eq__ = _layout_eq  # type: ignore[method-assign, assignment]
+
+
 def describe(shape: tuple[int, ...], dtype: torch.dtype, layout: Layout) -> str:
     """Compact text for error messages, e.g. ``f32[7,5] P('dp', None)``."""
     short = _DTYPE_SHORT.get(dtype, str(dtype).replace("torch.", ""))
