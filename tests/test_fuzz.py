@@ -57,6 +57,7 @@ FOUND = [
     (5738230791, 2),  # float32 eigvalsh of an unscaled B B^T + nI: eps * |A| = 0.08 (oracle: scaled, as it says)
     (5746703728, 3),  # sf.smap under compile(dynamic): its threads ran under the tracer's per-thread modes (graph break)
     (5741001570, 3),  # the same after a recompile: symbolic sizes reached the partial-manual run's setup
+    (5749662553, 3),  # inner of a pending sum (a split size-1 dim) and o / x holding inf (tests/test_pending_contractions.py)
 ]
 
 

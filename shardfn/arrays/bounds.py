@@ -2,10 +2,11 @@
 
 A pending sum times a factor that may hold inf is not the sum of the parts times it (``0 * inf``
 is nan in a part; parts of both signs give nan where the total's sign gives a signed inf), so
-``rules/pointwise.py`` reduces a pending operand first unless its factors are known finite. Knowing
-that from the values would take a device-to-host sync on every product; the op that made a factor
-often knows it (the backward of RoPE's ``cos``/``sin`` multiplies by ``-sin``/``cos``; positions
-cast from integers). The mark is carried by the output's key fragment (``fragments.known_finite``):
+products (``rules/pointwise.py``'s ``mul``, the contractions of ``rules/dims.py``) reduce a pending
+operand first unless its factors are known finite. Knowing that from the values would take a
+device-to-host sync on every product; the op that made a factor often knows it (the backward of
+RoPE's ``cos``/``sin`` multiplies by ``-sin``/``cos``; positions cast from integers; attention
+probabilities from ``softmax``). The mark is carried by the output's key fragment (``fragments.known_finite``):
 dispatch keys see it, and an in-place write, which drops the fragment, drops the mark with it.
 """
 
