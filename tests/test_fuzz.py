@@ -57,6 +57,8 @@ FOUND = [
     (5738230791, 2),  # float32 eigvalsh of an unscaled B B^T + nI: eps * |A| = 0.08 (oracle: scaled, as it says)
     (5746703728, 3),  # sf.smap under compile(dynamic): its threads ran under the tracer's per-thread modes (graph break)
     (5741001570, 3),  # the same after a recompile: symbolic sizes reached the partial-manual run's setup
+    (5749641775, 3),  # -(loss) of a split sum, an exact zero: the simulated parts' sum kernel gave +0, a ring -0 (torch's)
+    (5749668960, 3),  # bfloat16 sum then exp: one ulp of 84 is a factor e^0.5 (oracle: compared as exp's input)
     (5749662553, 3),  # inner of a pending sum (a split size-1 dim) and o / x holding inf (tests/test_pending_contractions.py)
 ]
 

@@ -119,6 +119,30 @@ def test_class_sharded_loss_out_of_range_target_raises(loss, bad, reduction):
     _close(loss(X, sf.distribute(ok, P(), mesh=mesh), reduction=reduction), loss(x, ok, reduction=reduction))
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("sspec", [P(None, "x"), P("x", None)])
+@pytest.mark.parametrize("wspec", [None, P()])
+def test_nll_loss_backward_of_a_pending_gradient_by_a_weight_holding_inf(reduction, sspec, wspec):
+    """nll_loss_backward multiplies the gradient by the class weight: a pending gradient (here the
+    sum over a split dim of ``loss[:, None] * s``) passed part by part gave ``0 * inf = nan`` in a
+    part where torch's total times inf is ±inf; it is reduced first unless the weight is known finite."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    t, w = torch.tensor([0, 1, 2]), torch.tensor([float("inf"), 1.0, -float("inf"), 3.0], dtype=torch.float64)
+    s = torch.tensor([[1.0, -1.0, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0], [1.0, 2.0, -3.0, 0.0]], dtype=torch.float64)
+
+    def grad(x, s, w, t):
+        x = x.requires_grad_()
+        loss = F.nll_loss(x, t, weight=w, reduction=reduction)
+        ((loss[:, None] if reduction == "none" else loss) * s).sum().backward()
+        return x.grad
+
+    want = grad(x.clone(), s, w, t)
+    W = w if wspec is None else sf.distribute(w, wspec, mesh=mesh)
+    got = grad(sf.distribute(x, P(), mesh=mesh), sf.distribute(s, sspec, mesh=mesh), W, sf.distribute(t, P(), mesh=mesh))
+    _close(got, want, equal_nan=True)
+
+
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_vocab_sharded_embedding_of_non_finite_rows(n):
     """Each device looked up row 0 in place of the indices it does not hold and multiplied by
@@ -187,6 +211,29 @@ def test_pending_sum_divided_by_zero_is_signed_inf(div):
         _close(p / sf.distribute(torch.zeros(3), P(), mesh=mesh), full / torch.zeros(3))
     else:
         _close(p * float("inf"), full * float("inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.complex128])
+@pytest.mark.parametrize("shape,spec", [((8, 3), P("x")), ((7, 3), P("x")), ((8, 3), P(("x", "y")))])
+def test_negated_sum_of_zeros_keeps_torchs_negative_zero(dtype, shape, spec):
+    """``-(x.sum(0))`` of zeros is -0 in torch; each device's part is -0, and the parts added
+    up (as a collective adds them: -0 + -0 = -0) are -0, where torch's sum kernel (its
+    accumulator starts at +0) made the simulated total +0 (fuzzer seed 5749641775: a one-class
+    cross entropy, then ``o / loss``: inf against -inf). Parts with a +0 still total +0."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.zeros(shape, dtype=dtype)
+    fns = (lambda v: 1 / -(v.sum(0)), lambda v: 1 / -(v.mean(0)), lambda v: 1 / (-(v.sum(0)) * 2 + 0.0), lambda v: 1 / v.sum(),
+           lambda v: 1 / (-(v.sum(0)) + torch.zeros(3, dtype=v.dtype).neg()))  # -0 + -0: pending plus replicated
+    for f in fns:
+        want = f(x)
+        got = f(sf.distribute(x, spec, mesh=mesh)).full_tensor()
+        _close(got, want, equal_nan=True)  # 1 / complex 0 is nan
+        assert torch.equal(torch.signbit(torch.view_as_real(got) if got.is_complex() else got),
+                           torch.signbit(torch.view_as_real(want) if want.is_complex() else want))
+    parts = [torch.tensor([-0.0, -0.0, -1.0, 1.0]), torch.tensor([-0.0, 0.0, -0.0, -1.0])] * 2
+    p = sf.ShardedArray.from_local(parts, P(partial=("x", "y")), mesh=mesh)
+    assert torch.signbit(p.full_tensor()).tolist() == [True, False, True, False]
+    assert torch.signbit(sf.reshard(p, P("x")).full_tensor()).tolist() == [True, False, True, False]
 
 
 # -- empty arrays: torch's shape errors -------------------------------------------------------
@@ -274,6 +321,23 @@ def test_compile_dynamic_and_recompile_on_a_sharding_change():
         warnings.simplefilter("ignore")
         for spec in (P("x"), P(None, "x"), P()):
             _close(f(sf.distribute(x, spec, mesh=mesh), p), torch.maximum(x, p).sum(0) * 2)
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (3, 3)])  # even (stacked) and uneven (per-device parts)
+def test_compiled_function_reads_its_input_arrays_mesh_and_spec(shape):
+    """``sf.NamedSharding(x.mesh, ...)`` of a compiled function's input under ``fullgraph``: the
+    array's ``__getattr__`` (its per-device parts' names) made Dynamo give up on every attribute of
+    an input ("TensorVariable() is not a constant"); the parts are properties now."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(shape)
+
+    def f(v):
+        return sf.reshard(v * 2, sf.NamedSharding(v.mesh, P())) + v.mesh.shape[0], sf.reshard(v, v.sharding).spec
+
+    torch._dynamo.reset()
+    out, spec = torch.compile(f, backend="aot_eager", fullgraph=True)(sf.distribute(x, P("x"), mesh=mesh))
+    assert out.spec == P() and spec == P("x")
+    _close(out, x * 2 + 2)
 
 
 @pytest.mark.parametrize("fn", [torch.cov, torch.corrcoef])

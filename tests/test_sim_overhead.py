@@ -27,7 +27,7 @@ aten = torch.ops.aten
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.complex64])
 def test_a_replicated_value_made_pending_is_one_pad(dtype):
     """``reduce_local`` (a replicated value made pending a sum over 'tp'): the first device
-    of each 'tp' group holds the value (inf, nan and -0.0 kept), the others zeros; one torch
+    of each 'tp' group holds the value (inf, nan and -0.0 kept), the others -0.0 (zeros); one torch
     op on the stacked shards (a zero pad of the mesh dim), not a mask built per call."""
     mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
     t = torch.randn(4, 3).to(dtype)
@@ -43,7 +43,7 @@ def test_a_replicated_value_made_pending_is_one_pad(dtype):
     parts = sf.ShardedArray(value, dst, (4, 3), dtype).local_shards()
     for dev, part in enumerate(parts):
         dp, tp = divmod(dev, 4)
-        want = t[2 * dp:2 * dp + 2] if tp == 0 else torch.zeros(2, 3, dtype=dtype)
+        want = t[2 * dp:2 * dp + 2] if tp == 0 else torch.full((2, 3), -0.0).to(dtype)  # IEEE's additive identity
         torch.testing.assert_close(part, want, equal_nan=True, rtol=0, atol=0)
         if dtype.is_floating_point:
             assert torch.equal(torch.signbit(part), torch.signbit(want))

@@ -194,13 +194,8 @@ class ShardedArray(torch.Tensor):
         off = self.storage_offset()
         off = off if type(off) is int else int(off)
         if isinstance(self._local, tuple):
-            return [f"_part_{i}" for i in range(len(self._local))], (self._layout, True, off)
+            return _part_names(len(self._local)), (self._layout, True, off)
         return ["_local"], (self._layout, False, off)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_part_"):
-            return self._local[int(name[6:])]
-        raise AttributeError(name)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> ShardedArray:
@@ -392,6 +387,23 @@ class ShardedArray(torch.Tensor):
 
 
 _GRAD = torch._C.TensorBase.grad
+
+
+def _part_names(n: int) -> list[str]:
+    """The names ``__tensor_flatten__`` gives per-device shards (``_part_0``, ...), each a property of
+    the class reading ``_local[i]`` (added on first use): no ``__getattr__``, which makes Dynamo give
+    up on every attribute of an input array (``sf.NamedSharding(x.mesh, ...)`` of a compiled
+    function's input failed with "TensorVariable() is not a constant")."""
+    names = _PART_NAMES[:n]
+    for i in range(len(names), n):
+        name = f"_part_{i}"
+        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i]))
+        _PART_NAMES.append(name)
+        names.append(name)
+    return names
+
+
+_PART_NAMES: list[str] = []
 
 
 def _alias(x: ShardedArray) -> ShardedArray:

@@ -15,7 +15,7 @@ from ..values.layout import device_box, local_shapes, split_range
 from ..values.mesh import Mesh
 from .dist_collectives import _all_gather, _all_to_all, _native_reduce, _ordered, _scatter_ordered
 from .dist_groups import Group, _group, _state
-from .local_values import reduce_dim
+from .local_values import reduce_dim, sum_neutral
 
 
 # -- helpers on shapes -------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _reduce_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) ->
     if step.dim is not None:
         return _pad_local_step(step, x, shape, mesh)
     if step.op == "sum" and _axis_pos(step, mesh) != 0:
-        return torch.zeros_like(x)
+        return torch.full_like(x, sum_neutral(x.dtype))
     return x
 
 
@@ -168,7 +168,7 @@ def _pad_local_step(step: Step, x: torch.Tensor, shape: tuple, mesh: Mesh) -> to
     rank, d = _state(mesh).rank, step.dim
     (lo, hi), (base, end) = device_box(step.src, shape, rank)[d], device_box(step.dst, shape, rank)[d]
     before, after = lo - base, end - hi
-    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - d) + (before, after))
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - d) + (before, after), sum_neutral(x.dtype))
 
 
 _STEPS = {

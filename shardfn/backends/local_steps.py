@@ -13,7 +13,7 @@ from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, device_box, is_even, local_shapes
 from ..values.mesh import Mesh
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim, reduce_parts,
-                           replica_of, sum_of_copies)
+                           replica_of, sum_neutral, sum_of_copies)
 
 
 # -- step implementations -------------------------------------------------------------------
@@ -253,7 +253,7 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, .
 
 def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
     """A value the same on every device of the axis made pending a sum over it: the first
-    device of the axis keeps it, the others hold zeros. One op (a zero pad of the mesh dim
+    device of the axis keeps it, the others hold zeros (-0.0 in floats, :func:`sum_neutral`). One op (a zero pad of the mesh dim
     after the first part: one fill and one copy), not a mask built and applied per call.
     With ``step.dim`` set, a shard of that dim is zero-padded instead (``_pad_local``)."""
     if step.dim is not None:
@@ -266,7 +266,7 @@ def _reduce_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...
         return x
     if x.shape[ai] != 1:  # the same part on every device of the axis (expanded or copied)
         x = x.narrow(ai, 0, 1)
-    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - ai) + (0, g - 1))
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - ai) + (0, g - 1), sum_neutral(x.dtype))
 
 
 def _pad_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) -> torch.Tensor:
@@ -277,7 +277,8 @@ def _pad_local(step: Step, x: torch.Tensor, mesh: Mesh, shape: tuple[int, ...]) 
     g, dd = mesh.shape[ai], m + step.dim
     c = x.shape[dd]
     tail = (0, 0) * (x.dim() - 1 - dd)
-    return torch.cat([torch.constant_pad_nd(x.narrow(ai, i, 1), tail + (i * c, (g - 1 - i) * c)) for i in range(g)], ai)
+    z = sum_neutral(x.dtype)
+    return torch.cat([torch.constant_pad_nd(x.narrow(ai, i, 1), tail + (i * c, (g - 1 - i) * c), z) for i in range(g)], ai)
 
 
 def pad_piece(step: Step, x: torch.Tensor, device: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -285,7 +286,7 @@ def pad_piece(step: Step, x: torch.Tensor, device: int, shape: tuple[int, ...]) 
     ``step.dim`` it shares with its axis group, zeros around it."""
     d = step.dim
     (lo, hi), (base, end) = device_box(step.src, shape, device)[d], device_box(step.dst, shape, device)[d]
-    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - d) + (lo - base, end - hi))
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1 - d) + (lo - base, end - hi), sum_neutral(x.dtype))
 
 
 _REGRID_KINDS = frozenset({"all_gather", "all_to_all", "slice", "permute"})
@@ -318,7 +319,7 @@ def _reduce_uneven(step: Step, shards: tuple, mesh: Mesh) -> tuple:
         if step.kind == "reduce_local":
             if step.op == "sum":
                 for dev in group[1:]:
-                    out[dev] = torch.zeros_like(shards[dev])
+                    out[dev] = torch.full_like(shards[dev], sum_neutral(shards[dev].dtype))
             continue
         reduced = reduce_parts([shards[d] for d in group], step.op)
         for dev in group:

@@ -195,14 +195,38 @@ def reduce_dim(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
     if x.dtype == torch.complex32 and op in ("sum", "avg"):
         return reduce_dim(x.to(torch.complex64), dim, op).to(x.dtype)
     if op == "sum":
-        return x.sum(dim, keepdim=True, dtype=x.dtype)
+        return added_sign(x.sum(dim, keepdim=True, dtype=x.dtype), x, dim)
     if op == "avg":
         if x.is_floating_point() or x.is_complex():
-            return x.mean(dim, keepdim=True)
+            return added_sign(x.mean(dim, keepdim=True), x, dim)
         return torch.div(x.sum(dim, keepdim=True, dtype=x.dtype), x.shape[dim], rounding_mode="floor")
     if op == "max":
         return x.amax(dim, keepdim=True)
     return x.amin(dim, keepdim=True)
+
+
+def added_sign(total: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``total`` (a sum or mean of ``x`` over ``dim``, kept) with the zero sign of adding the parts
+    up: torch's sum kernel starts from +0, so parts that are all -0 total +0, where their sum by
+    additions (IEEE: -0 + -0 = -0), which a collective's ring computes, is -0. ``-(a.sum())`` of a
+    pending ``a`` (each part +0, negated) then keeps torch's -0, and both backends agree.
+    Only all -0 parts change: a total of parts all signed negative is -0 or negative."""
+    if not (x.is_floating_point() or x.is_complex()):
+        return total
+    if x.is_complex():
+        dim = dim % x.dim()
+        return torch.view_as_complex(added_sign(torch.view_as_real(total), torch.view_as_real(x), dim))
+    neg = torch.signbit(x).all(dim, keepdim=True)
+    return total.copysign(torch.where(neg, -1.0, total))
+
+
+def sum_neutral(dtype: torch.dtype) -> complex | float | int:
+    """What the devices that hold no part of a pending sum hold: -0.0 for floats (IEEE's additive
+    identity: x + -0 is x for every x, where +0 turns a -0 into +0, so ``pending + y`` of a
+    replicated -0 stays -0 as torch's ``total + y`` does), ``-0.0-0.0j`` for complex, else 0."""
+    if dtype.is_complex:
+        return complex(-0.0, -0.0)
+    return -0.0 if dtype.is_floating_point else 0
 
 
 def sum_of_copies(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -31,17 +31,17 @@ class Leading:
     mask dim, is whole); all other dims are whole.
     ``lead_fn(bound_args) -> (lead, reduce)``: with ``reduce``, outputs lacking the
     batch dims are Partial(sum) over them. ``linear``: arguments a pending sum may
-    pass through; ``factors``: the arguments it is multiplied by there, which must be known
-    finite (``Dims.factors``; None: every other argument)."""
+    pass through, where the ``factors`` that multiply them are known finite (``Dims.factors``:
+    ``sum(parts) * inf`` is not ``sum(parts * inf)``)."""
 
     batched: tuple[str, ...]
     lead_fn: LeadFn
     linear: tuple[str, ...] = ()
-    factors: tuple[str, ...] | None = None
     batched_outs: tuple[int, ...] | None = None
     grouped: tuple[str, ...] = ()
     grouped_outs: tuple[int, ...] = ()
     loose_outs: tuple[int, ...] = ()  # outputs that are replicated unless they carry every leading dim
+    factors: tuple[str, ...] = ()
 
     def _loose(self, i: int, lettered: tuple, ls: tuple[str, ...]) -> bool:
         return i in self.loose_outs and not set(ls) <= set(lettered)
@@ -69,7 +69,7 @@ class Leading:
         loose = {i for i, o in enumerate(outs) if o is not None and self._loose(i, o, ls)}
         outs = tuple(None if i in loose else o for i, o in enumerate(outs))
         partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear)
-        factors = None if self.factors is None else tuple(i for i, n in enumerate(by_name) if n in self.factors)
+        factors = tuple(i for i, n in enumerate(by_name) if n in self.factors)
         spec = Dims(ins, outs, tuple((L, "sum") for L in ls) if reduce else (),
                     LINEAR_OPS if partial_ins else (), partial_ins=partial_ins, factors=factors)
         cands = compile_dims(call, spec)
@@ -298,8 +298,8 @@ class _Dense:
         return [attrs.evolve(c, dense=True) for c in self.rule.candidates(call)]
 
 
-_NLL_BWD = _Dense(_AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",),
-                                  factors=("weight", "total_weight"), batched_outs=(0,)),
+_NLL_BWD = _Dense(_AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,),
+                                  factors=("weight",)),
                           ClassSharded(backward=True))))
 # the efficient kernel's backward names its gradient grad_out_
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "grad_out_", "out", "logsumexp", "attn_bias")

@@ -100,4 +100,18 @@ def pending_sum_times_non_finite_factor(mesh: sf.Mesh) -> None:
                                      grad=True, exact=False, what=f"{(m, k, n)} cos")
 
 
+@scenario
+def negated_sum_of_zeros(mesh: sf.Mesh) -> None:
+    """``-(x.sum(0))`` of zeros is torch's -0 on both backends (each part -0; a ring adds them
+    to -0, and the simulated parts' sum keeps that sign), seen through ``1 / v``: -inf.
+    A reduce_scatter (the total times a sharded operand) keeps it too."""
+    a, b = _axes(mesh)
+    x, y = torch.zeros(8, 4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64).neg()
+    for spec in (P(a), P((a, b)) if a != b else P(a)):
+        check_against_twin_and_torch(lambda x: 1 / -(x.sum(0)), mesh, [(x, spec)], what=f"sum {spec}")
+        check_against_twin_and_torch(lambda x: 1 / -(x.mean(0)), mesh, [(x, spec)], what=f"mean {spec}")
+        check_against_twin_and_torch(lambda x, y: 1 / (-(x.sum(0)) + y), mesh, [(x, spec), (y, P(a))],
+                                     what=f"reduce_scatter {spec}")
+
+
 test_local, test_dist = collect(globals())
