@@ -286,3 +286,14 @@ def test_train_tp_example_compiled_matches_single_device():
     ref = train_tp.train(20, None, None)
     got = train_tp.train(20, mesh, "aot_eager")
     assert train_tp.max_rel_diff(got, ref) <= 1e-5
+
+
+def test_deep_copies_of_sharding_values_are_themselves(mesh22):
+    """A compiled function's guard keeps a deep copy of each array input's flatten context and
+    compares it with the next call's: immutable values copy as themselves, so the comparison
+    is by identity first, not field by field."""
+    import copy
+
+    x = sf.distribute(X, P("x"), mesh=mesh22)
+    ctx = x.__tensor_flatten__()[1]
+    assert copy.deepcopy(ctx)[0] is x._layout and copy.deepcopy(mesh22) is mesh22

@@ -69,3 +69,15 @@ def test_cache_key_is_metadata_not_values():
     ]
     keys = {x._stable_hash_for_caching() for x in [a, *others]}
     assert len(keys) == 1 + len(others)
+
+
+def test_cache_key_names_shardfns_source(monkeypatch):
+    """AOTAutograd keys its cache on the Dynamo graph, where an op on arrays is one node: an
+    entry made by another shardfn source (another decomposition of the same call) must miss."""
+    from shardfn.arrays import checkpointable
+
+    a = sf.distribute(torch.arange(24.0).reshape(4, 6), P("x", "y"), mesh=sf.Mesh((2, 2), ("x", "y")))
+    key = a._stable_hash_for_caching()
+    assert checkpointable.code_fingerprint() == checkpointable.code_fingerprint()  # read once, stable
+    monkeypatch.setattr(checkpointable, "code_fingerprint", lambda: "another shardfn")
+    assert a._stable_hash_for_caching() != key

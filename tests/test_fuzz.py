@@ -59,6 +59,8 @@ FOUND = [
     (5741001570, 3),  # the same after a recompile: symbolic sizes reached the partial-manual run's setup
     (5749641775, 3),  # -(loss) of a split sum, an exact zero: the simulated parts' sum kernel gave +0, a ring -0 (torch's)
     (5749668960, 3),  # bfloat16 sum then exp: one ulp of 84 is a factor e^0.5 (oracle: compared as exp's input)
+    (993, 3, "smap3"),  # compile: a shard_map of one call site ran an earlier body's graph (Dynamo guarded its code only)
+    (7203689, 3, "smap3,transform"),  # bfloat16 psum then exp(b) * 2: one ulp of the sum after exp (oracle: as exp's input)
     (5749662553, 3),  # inner of a pending sum (a split size-1 dim) and o / x holding inf (tests/test_pending_contractions.py)
 ]
 
@@ -77,10 +79,11 @@ NEEDS_2_13 = {5715727986: "torch 2.11's AOTAutograd still disagrees on a pinned 
 
 @pytest.mark.parametrize("entry", FOUND, ids=str)
 def test_found_seeds_replay_clean(entry):
-    seed, version = entry if isinstance(entry, tuple) else (entry, 1)
+    seed, version, families = (*entry, None)[:3] if isinstance(entry, tuple) else (entry, 1, None)
     if seed in NEEDS_2_13 and not TORCH_2_13:
         pytest.skip(NEEDS_2_13[seed])
-    case = fuzz.case_for_seed(seed, 0.02, version=version)  # the long run's default share of compiled cases
+    # the long run's default share of compiled cases; a third entry: the run's --families
+    case = fuzz.case_for_seed(seed, 0.02, version=version, families=families and families.split(","))
     assert fuzz.run_case(case) is None, f"seed {seed}: {case.describe()}"
 
 

@@ -809,7 +809,8 @@ def transform(c: Ctx, x: torch.Tensor) -> Step | None:
         return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else v + idx.reshape(shape), desc)
     if name == "smap_pointwise" and (x.dtype.is_floating_point or x.dtype.is_complex):
         g = smap(lambda b: torch.exp(b) * 2, spec_d)
-        return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else torch.exp(v) * 2, desc)
+        inverse = (lambda t: torch.log(t / 2)) if not x.dtype.is_complex else None  # 16-bit: compared as exp's input
+        return Step(name, lambda v, A: g(v) if isinstance(v, sf.ShardedArray) else torch.exp(v) * 2, desc, inverse=inverse)
     return None
 
 

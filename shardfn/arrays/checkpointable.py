@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,19 +169,34 @@ def _inner_key(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)}|{t.stride()}|{t.dtype}|{t.device}"
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of every source file of the installed shardfn package (read once a process)."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def stable_hash(x: Any) -> str:
     """``_stable_hash_for_caching``: a process-independent key for torch.compile's caches
     (AOTAutograd's cache key pickles a subclass input through this instead of the array):
     mesh (shape, names, backend, device type, parent of a sub-mesh), layout, global shape,
     stride and dtype, the metadata of the tensors ``__tensor_flatten__`` gives (never their
     values), and the devices this process holds: on dist, ranks with equal shard shapes
-    trace different constants (shard offsets), so they must not share an entry."""
+    trace different constants (shard offsets), so they must not share an entry. And shardfn's
+    own source (:func:`code_fingerprint`): AOTAutograd keys its cache on the Dynamo graph, in
+    which a call on arrays is one node whatever shardfn traces it into, so an entry made by an
+    older shardfn would run its old decomposition."""
     lay, mesh = x._layout, x._layout.mesh
     local = x._local
     inner = ";".join(_inner_key(t) for t in (local if isinstance(local, tuple) else (local,)))
     held = tuple(backend_for(mesh).devices(mesh))
     key = (f"{_mesh_key(mesh)}|{lay.dims}|{lay.partial}|{tuple(x.shape)}|{x.stride()}|{x.dtype}|"
-           f"{x.requires_grad}|{isinstance(local, tuple)}|{inner}|held {held if len(held) < mesh.size else 'all'}")
+           f"{x.requires_grad}|{isinstance(local, tuple)}|{inner}|held {held if len(held) < mesh.size else 'all'}|"
+           f"{code_fingerprint()}")
     return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 

@@ -96,10 +96,11 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
         if isinstance(x, torch.Tensor):
             return distribute(x, sharding)
         raise ShardingError(f"reshard takes a ShardedArray, got {type(x).__name__}")
-    target = _sharding_mesh(sharding)
-    if target is not None and target is not base.mesh and target != base.mesh and isinstance(x, ShardedArray):
+    mesh = base._layout.mesh
+    target = getattr(sharding, "mesh", None)
+    if target is not None and target is not mesh and target != mesh and isinstance(x, ShardedArray):
         return reshard_across(x, to_layout(sharding, x.ndim, target))
-    dst = _to_layout(sharding, x.ndim, base.mesh)
+    dst = _to_layout(sharding, x.ndim, mesh)
     if dst == (x._layout if base is x else _ft.layout_of(x)):
         return x
     return _Reshard.forward(x, dst) if base is x and _untracked(x) else _Reshard.apply(x, dst)
@@ -295,10 +296,15 @@ class _Distribute(_Function):
     @staticmethod
     def forward(t: torch.Tensor, layout: Layout) -> ShardedArray:
         # like jax.device_put, a copy: where the plan only sliced or expanded ``t``, the
-        # shards are redone from one copy of ``t`` (replicas share that copy)
+        # shards are redone from one copy of ``t`` (replicas share that copy); a stacked value
+        # that is one contiguous block of ``t`` (a batch split over 'dp') is copied as it is:
+        # the same elements and strides, without running the plan twice
         value = raw_distribute(t.detach(), layout)
         if _shares_memory(value, t):
-            value = raw_distribute(t.detach().clone(), layout)
+            if isinstance(value, torch.Tensor) and value.is_contiguous() and "_squeezed" not in value.__dict__:
+                value = value.clone()  # (a replicated value keeps its squeezed view: ``local_values.replicated``)
+            else:
+                value = raw_distribute(t.detach().clone(), layout)
         return wrap(value, layout, t.shape, t.dtype)
 
     @staticmethod

@@ -594,8 +594,11 @@ def _fold_plan(tensors: Sequence[torch.Tensor], lead: tuple, m: int) -> tuple[tu
     """Which mesh dims fold into the batch dim and which into the heads dim (dim ``m`` and
     ``m + 1`` of the stacked tensors): all into the batch unless some other choice folds
     every tensor as a view (remembered per shapes and strides)."""
-    key = (lead, tuple((tuple(t.shape), t.stride()) for t in tensors))
-    plan = _FOLDS.get(key)
+    key: tuple | None = (lead, tuple((tuple(t.shape), t.stride()) for t in tensors))
+    try:
+        plan = _FOLDS.get(key)
+    except TypeError:  # symbolic sizes (torch.compile's dynamic shards): planned each trace, guarded
+        plan = key = None
     if plan is None:
         plan = (tuple(range(m)), ())
         for mask in range(1 << m):  # mask 0 first: everything into the batch
@@ -604,9 +607,10 @@ def _fold_plan(tensors: Sequence[torch.Tensor], lead: tuple, m: int) -> tuple[tu
             if all(_merges(t, lead, (*to_batch, m)) and _merges(t, lead, (*to_heads, m + 1)) for t in tensors):
                 plan = (to_batch, to_heads)
                 break
-        if len(_FOLDS) >= 1024:
-            _FOLDS.clear()
-        _FOLDS[key] = plan
+        if key is not None:
+            if len(_FOLDS) >= 1024:
+                _FOLDS.clear()
+            _FOLDS[key] = plan
     return plan
 
 

@@ -324,11 +324,45 @@ def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bo
     with torch._C.DisableTorchFunctionSubclass():  # metadata reads of 3+-d arrays: no hook call each
         if q.device.type == "meta":
             return True
-        try:
-            choice = torch.ops.aten._fused_sdp_choice(
-                _stand_in(q), _stand_in(k), _stand_in(v), _stand_in(mask), bound.get("dropout_p", 0.0),
-                bool(bound.get("is_causal", False)), scale=bound.get("scale"),
-                enable_gqa=bool(bound.get("enable_gqa", False)))
-        except (RuntimeError, TypeError, ValueError):
-            return False  # torch's own call raises its own error
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return _traced_choice_is_math(q, k, v, mask, bound)
+        return _choice_is_math(q, k, v, mask, bound)
+
+
+def _choice_is_math(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
+    try:
+        choice = torch.ops.aten._fused_sdp_choice(
+            _stand_in(q), _stand_in(k), _stand_in(v), _stand_in(mask), bound.get("dropout_p", 0.0),
+            bool(bound.get("is_causal", False)), scale=bound.get("scale"),
+            enable_gqa=bool(bound.get("enable_gqa", False)))
+    except (RuntimeError, TypeError, ValueError):
+        return False  # torch's own call raises its own error
     return int(choice) == int(SDPBackend.MATH)
+
+
+def _traced_choice_is_math(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
+    """The choice while torch.compile traces (fake tensors): asked of real stand-ins on the
+    device, as torch's own attention asks its device's chooser directly. The dispatched
+    ``_fused_sdp_choice`` of fake tensors runs the meta chooser, which answers math on the CPU
+    and, seeing the fake's meta device, on CUDA too: the compiled step ran attention as
+    products and a softmax, saving the (batch, heads, seq, seq) probabilities for the backward
+    where the unsharded compiled step saves its fused kernel's outputs. Symbolic sizes keep
+    the fake's answer (a real stand-in needs concrete ones)."""
+    ts = [t for t in (q, k, v, mask) if t is not None]
+    if any(isinstance(n, torch.SymInt) for t in ts for n in t.shape):
+        return _choice_is_math(q, k, v, mask, bound)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _choice_is_math(*(_real_stand_in(t) for t in (q, k, v, mask)), bound)
+
+
+def _real_stand_in(t: Any) -> Any:
+    """:func:`_stand_in` of a (fake or array) tensor's metadata, made outside the tracing modes."""
+    if t is None:
+        return None
+    shape, dtype, device = tuple(int(n) for n in t.shape), t.dtype, t.device
+    if not shape:
+        return torch.empty((), dtype=dtype, device=device)
+    return torch.empty_strided(shape, (0,) * (len(shape) - 1) + (1,), dtype=dtype, device=device,
+                               requires_grad=t.requires_grad and (dtype.is_floating_point or dtype.is_complex))

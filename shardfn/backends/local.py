@@ -20,7 +20,7 @@ from ..values.mesh import Mesh
 from ..values.sharded import Sharded
 from .hooks import SHARD_MAP_RUNNERS
 from .local_calls import compile_call
-from .local_steps import run_step, run_steps
+from .local_steps import compile_plan, run_step, run_steps
 from .local_values import set_pending_parts as set_pending_parts  # noqa: F401  (the local backend's one setting)
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, is_canonical, parts, replicated,
                            replica_of, settle, varying)
@@ -135,6 +135,7 @@ class LocalBackend:
     # the module's functions where they are the method (no wrapper on the hot path)
     run_step = staticmethod(run_step)
     run_steps = staticmethod(run_steps)
+    compile_plan = staticmethod(compile_plan)  # ``registry.run_plan``: a plan's steps as one closure
     shard_list = staticmethod(parts)
     shard = staticmethod(device_view)
     one_replica = staticmethod(one_replica)

@@ -237,7 +237,7 @@ def _bind(fn: Any, args: tuple, kwargs: dict, positional: tuple) -> tuple | None
     op = fn.fn
     if op is _reshape and len(args) == 2 and not kw:
         op = torch.Tensor.reshape
-    return op, args, kw
+    return raw_op(op), args, kw  # (an aten op's C++ callable: no ``OpOverload.__call__`` frame per call)
 
 
 class PerDeviceCall:

@@ -5,7 +5,7 @@ box routes. Every simulated device's part is computed here, in this process."""
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -13,7 +13,7 @@ from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, device_box, is_even, local_shapes
 from ..values.mesh import Mesh
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim, reduce_parts,
-                           replica_of, sum_neutral, sum_of_copies)
+                           replica_of, sum_neutral, sum_of_copies, varying)
 
 
 # -- step implementations -------------------------------------------------------------------
@@ -300,6 +300,44 @@ _STACKED = {
     "reduce_scatter": _reduce_scatter,
     "reduce_local": _reduce_local,
 }
+
+
+def compile_plan(steps: Sequence[Step], shape: tuple[int, ...]) -> Callable[[Value], Value | None] | None:
+    """A plan of all-reduces and data moves between even layouts (a gradient's pending sum
+    resolved over 'dp', a batch split over 'dp') as one closure on stacked values, each
+    step's mesh dim, op, regrid and the dims its output is cut to worked out once: what
+    :func:`run_steps` computes for a stacked value, without its per-step dispatch on kinds
+    and layouts. The closure returns None for a value it does not take (per-device shards),
+    which then takes :func:`run_steps`. None for any other plan."""
+    compiled = []
+    for step in steps:
+        if not is_even(step.src, shape) or not is_even(step.dst, shape):
+            return None
+        mesh = step.src.mesh
+        cut = tuple(k for k, v in enumerate(varying(step.dst)) if not v)  # ``compact``
+        if step.kind == "all_reduce":
+            compiled.append((mesh.axis_index(step.axis), mesh, step.op, cut))
+        elif step.kind in _REGRID_KINDS and _regrid_plan(step.src, step.dst, shape) is not None:
+            compiled.append((None, step, shape, cut))
+        else:
+            return None
+    if not compiled:
+        return None
+
+    def run(value: Value) -> Value | None:
+        if isinstance(value, tuple):
+            return None
+        for ai, a, b, cut in compiled:
+            if ai is None:  # a regrid: ``a`` the step, ``b`` the shape
+                value = _regrid(a.src, a.dst, b, full(value, a.src.mesh))
+            else:  # an all-reduce over mesh dim ``ai`` of mesh ``a`` by op ``b``
+                value = _reduce_axis(value, ai, a, b)
+            for k in cut:
+                if value.shape[k] != 1:
+                    value = value.narrow(k, 0, 1)
+        return value
+
+    return run
 
 
 def _groups(mesh: Mesh, axis: str) -> list[list[int]]:

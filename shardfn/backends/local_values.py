@@ -213,11 +213,18 @@ def added_sign(total: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
     Only all -0 parts change: a total of parts all signed negative is -0 or negative."""
     if not (x.is_floating_point() or x.is_complex()):
         return total
+    if x.is_conj() or x.is_neg():  # lazy flags: the bits read below are the memory's
+        x = x.resolve_conj().resolve_neg()
     if x.is_complex():
         dim = dim % x.dim()
         return torch.view_as_complex(added_sign(torch.view_as_real(total), torch.view_as_real(x), dim))
-    neg = torch.signbit(x).all(dim, keepdim=True)
+    # every part's sign bit set: the largest of their bits as integers is negative (one max over
+    # the parts; a bool all() over a leading dim is many times slower than the sum itself)
+    neg = x.view(_BITS[x.dtype]).amax(dim, keepdim=True) < 0
     return total.copysign(torch.where(neg, -1.0, total))
+
+
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 def sum_neutral(dtype: torch.dtype) -> complex | float | int:

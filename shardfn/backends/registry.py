@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..plans.planner import COMM_KINDS, Plan
+from ..plans.planner import COMM_KINDS, PLAN_CACHES, Plan
 from .hooks import OBSERVERS, notify
 from ..values.mesh import DEFAULT_DEVICE_TYPES
 
@@ -192,17 +192,44 @@ def backend_for(mesh: Any) -> Backend:
 def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
     """Run ``plan`` on a backend value (what a ShardedArray holds) and return the new one.
     ``shape``: the value's global shape when it has symbolic sizes (the plan was made
-    from their hints); a backend that can keeps them symbolic."""
+    from their hints); a backend that can keeps them symbolic. Concrete sizes and no
+    observer looking on: the backend's runner of the whole plan, compiled once per plan,
+    where it has one (``compile_plan``; the plans a training step repeats, its gradients'
+    all-reduces and its batch's split, are the same cached objects every step)."""
     if not plan.steps:
         return value
+    sym = shape if shape is not None and _SymInt in set(map(type, shape)) else None
+    if sym is None and not OBSERVERS:
+        hit = _RUNNERS.get(id(plan))
+        if hit is None or hit[0] is not plan:
+            hit = _compile(plan)
+        if hit[1] is not None:
+            out = hit[1](value)
+            if out is not None:
+                return out
     backend = backend_for(plan.src.mesh)
-    sym = shape if shape is not None and any(isinstance(n, torch.SymInt) for n in shape) else None
     observed = bool(OBSERVERS) and not _on_meta(value, plan.src.mesh)
     if observed:
         for step in plan.steps:
             if step.kind in COMM_KINDS:
                 notify(step)
     return backend.run_steps(plan.steps, value, plan.shape, plan.dtype, sym_shape=sym)
+
+
+_SymInt = torch.SymInt
+# A plan's compiled runner (None: its backend has none for the plan), by the plan's id; each
+# entry holds its plan (the id stays unique) and is checked by identity.
+_RUNNERS: dict[int, tuple[Plan, Callable | None]] = {}
+_RUNNERS_MAX = 4096
+PLAN_CACHES.append(_RUNNERS.clear)
+
+
+def _compile(plan: Plan) -> tuple[Plan, Callable | None]:
+    compile_plan = getattr(backend_for(plan.src.mesh), "compile_plan", None)
+    if len(_RUNNERS) >= _RUNNERS_MAX:
+        _RUNNERS.clear()
+    hit = _RUNNERS[id(plan)] = (plan, compile_plan(plan.steps, plan.shape) if compile_plan is not None else None)
+    return hit
 
 
 def _on_meta(value: Any, mesh: Any) -> bool:

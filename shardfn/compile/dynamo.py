@@ -86,8 +86,10 @@ def register() -> None:
     allow_in_graph = sys.modules["torch._dynamo"].allow_in_graph
     for fn in _graph_functions():
         allow_in_graph(fn)
-    graph_calls.install(lambda fn: (allow_in_graph(fn), _never_trace(fn)))  # shard_map / local_map functions
-    # (never traced as frames either: an uneven shard_map breaks the graph, then runs eagerly)
+    # shard_map / local_map functions (GraphCalls), never traced as frames either: an uneven
+    # shard_map breaks the graph, then runs eagerly
+    _never_trace(graph_calls.GraphCall.__call__)
+    graph_calls.install(lambda call: (allow_in_graph(call), _never_trace(call._fn)), torch.compiler.disable)
     _never_trace(array.ShardedArray.__torch_dispatch__)
     if not hasattr(torch.Tensor, "__coerce_same_metadata_as_tangent__"):
         torch.Tensor.__coerce_same_metadata_as_tangent__ = _plain_tangent_as_array

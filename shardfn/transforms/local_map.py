@@ -14,7 +14,7 @@ from ..arrays.array import ShardedArray
 from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
-from ..values.graph_calls import in_graph
+from ..values.graph_calls import graph_call
 from ..values.layout import is_even
 from ..values.mesh import Mesh
 from ..values.spec import layout_to_spec
@@ -53,7 +53,7 @@ def local_map(f: Callable, out_specs: Any, *, in_specs: Any = None, in_grad_spec
     def mapped(*args: Any, **kwargs: Any) -> Any:
         return _local_map(f, out_specs, in_specs, in_grad_specs, mesh, redistribute_inputs, args, kwargs)
 
-    return in_graph(mapped)
+    return graph_call(mapped, "local_map", f, (out_specs, in_specs, in_grad_specs, mesh, redistribute_inputs))
 
 
 def _local_map(f: Callable, out_specs: Any, in_specs: Any, in_grad_specs: Any, mesh: Mesh | None,

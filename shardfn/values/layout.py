@@ -78,6 +78,11 @@ class Layout(metaclass=ValueMeta):
     def __repr__(self) -> str:
         return self.spec_str()
 
+    def __deepcopy__(self, memo: dict) -> Layout:
+        """Itself (immutable; see ``Mesh.__deepcopy__``): a compiled function's guard then
+        compares an array's layout with the traced one by identity first."""
+        return self
+
     # -- transitions used by the planner -------------------------------------------
     def with_dims(self, d: int, axes: tuple[str, ...]) -> Layout:
         dims = list(self.dims)
@@ -97,6 +102,21 @@ _DTYPE_SHORT = {
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
     torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
 }
+
+
+def _layout_eq(self: Layout, other: object) -> bool:
+    """attrs' field-by-field ``__eq__``, with identity shortcuts: the very same layout, and the very
+    same mesh (compared without a call of ``Mesh.__eq__``: layouts compared by dispatch, plans and
+    dict lookups are nearly always of one mesh object)."""
+    if self is other:
+        return True
+    if other.__class__ is not self.__class__:
+        return NotImplemented
+    return ((self.mesh is other.mesh or self.mesh == other.mesh)  # type: ignore[attr-defined]
+            and self.dims == other.dims and self.partial == other.partial)  # type: ignore[attr-defined]
+
+
+Layout.__eq__ = _layout_eq  # type: ignore[method-assign, assignment]
 
 
 def describe(shape: tuple[int, ...], dtype: torch.dtype, layout: Layout) -> str:

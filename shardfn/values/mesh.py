@@ -211,6 +211,11 @@ class Mesh(metaclass=ValueMeta):
         """A view of this mesh with ``axis`` split into axes ``names`` of sizes ``shape``."""
         return _unflatten(self, axis, tuple(shape), tuple(names))
 
+    def __deepcopy__(self, memo: dict) -> Mesh:
+        """Itself (immutable): torch.compile keeps a deep copy of each array's flatten context
+        for its guards, which then compared two meshes field by field on every call."""
+        return self
+
     def __reduce__(self) -> tuple:
         """Pickles as its constructor's arguments (``torch.load(weights_only=True)`` allows
         the rebuild function)."""

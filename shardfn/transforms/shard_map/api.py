@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from ...backends.hooks import SHARD_MAP, SHARD_MAP_RUNNERS
-from ...values.graph_calls import in_graph
+from ...values.graph_calls import graph_call
 from ...values.mesh import Mesh
 from ..lax import _in_shard_map
 from . import dist, per_device, stacked
@@ -86,7 +86,7 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
             return shard_map_manual(f, mesh, in_specs, out_specs, check_vma, axis_names, args, kwargs)
         return _shard_map(f, mesh, in_specs, out_specs, check_vma, args, kwargs)
 
-    return in_graph(mapped)
+    return graph_call(mapped, "shard_map", f, (mesh, in_specs, out_specs, check_vma, axis_names))
 
 
 # What torch's vmap raises for a body it cannot batch but that runs on each device's own
