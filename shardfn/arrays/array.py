@@ -391,19 +391,24 @@ _GRAD = torch._C.TensorBase.grad
 
 def _part_names(n: int) -> list[str]:
     """The names ``__tensor_flatten__`` gives per-device shards (``_part_0``, ...), each a property of
-    the class reading ``_local[i]`` (added on first use): no ``__getattr__``, which makes Dynamo give
+    the class reading (and writing) ``_local[i]`` (added on first use): no ``__getattr__``, which makes Dynamo give
     up on every attribute of an input array (``sf.NamedSharding(x.mesh, ...)`` of a compiled
     function's input failed with "TensorVariable() is not a constant")."""
     names = _PART_NAMES[:n]
     for i in range(len(names), n):
         name = f"_part_{i}"
-        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i]))
+        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i], functools.partial(_set_part, i=i)))
         _PART_NAMES.append(name)
         names.append(name)
     return names
 
 
 _PART_NAMES: list[str] = []
+
+
+def _set_part(self: ShardedArray, value: torch.Tensor, i: int) -> None:
+    """``setattr(x, "_part_i", t)``, as AOTAutograd updates a tangent's inner tensors by their names."""
+    self._local = self._local[:i] + (value,) + self._local[i + 1:]
 
 
 def _alias(x: ShardedArray) -> ShardedArray:
