@@ -44,6 +44,8 @@ SIZES = [0, 1, 2, 3, 4, 5, 7, 8]
 # op families and the vmap_grad / vmap_last modes.
 # Version 3 adds meshes larger than 8 devices and more uneven ones, dims of 12, the "wide" and
 # "smap3" op families and the jacrev / jacfwd / vmap_mid / hessian modes.
+# Version 4 (``--gen 4``) adds adversarial input values: some inputs hold inf, -inf, nan, -0.0
+# or large values (``sprinkle``) where no pending sum holds them.
 GEN = 3
 MESH_SHAPES_2 = MESH_SHAPES + [(1, 8), (8, 1), (2, 1, 4), (4, 1, 2), (3, 2)]
 SIZES_2 = SIZES + [6, 9]
@@ -101,6 +103,27 @@ def make_tensor(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, 
     if positive:
         t = t.abs() + 0.5
     return t.to(dtype)
+
+
+SPECIALS = [float("inf"), -float("inf"), float("nan"), -0.0, 0.0, 1e4, -1e4, 1e-30]
+
+
+def sprinkle(ch: Chooser, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one to three elements set to special values (``SPECIALS``; a complex element's
+    real or imaginary part): adversarial inputs for ops, reductions, products and gradients."""
+    t = t.clone()
+    flat = torch.view_as_real(t).reshape(-1) if t.is_complex() else t.reshape(-1)
+    for _ in range(ch.integer(1, 3)):
+        flat[ch.integer(0, flat.numel() - 1)] = ch.choice(SPECIALS)
+    return t
+
+
+def _special(t: torch.Tensor) -> bool:
+    """Whether a floating ``t`` holds inf, nan or -0.0 (a ``sprinkle``d input)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    r = torch.view_as_real(t) if t.is_complex() else t
+    return not bool(torch.isfinite(r).all()) or bool(torch.signbit(r[r == 0]).any())
 
 
 def draw_spec(ch: Chooser, mesh: sf.Mesh, ndim: int, partial: bool) -> P:
@@ -195,6 +218,7 @@ class Ctx:
     mesh: sf.Mesh
     gen: torch.Generator
     aux_partial: bool = False
+    version: int = 1
 
     def aux(self, t: Any, partial: bool = False) -> Aux:
         if not isinstance(t, torch.Tensor):
@@ -202,9 +226,12 @@ class Ctx:
         if self.ch.chance(0.25):
             return Aux(t, t, f"plain {tuple(t.shape)}")
         spec = draw_spec(self.ch, self.mesh, t.dim(), partial and t.dtype in (torch.float64, torch.complex128, torch.int64))
+        special = ""
         if getattr(spec, "partial", None):
             t = on_grid(t)
-        return Aux(t, lay_out(t, spec, self.mesh, self.gen), f"{_dt(t.dtype)}{list(t.shape)} {spec}")
+        elif self.version >= 4 and t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex) and self.ch.chance(0.2):
+            t, special = sprinkle(self.ch, t), " (specials)"
+        return Aux(t, lay_out(t, spec, self.mesh, self.gen), f"{_dt(t.dtype)}{list(t.shape)} {spec}{special}")
 
 
 def _dt(d: torch.dtype) -> str:
@@ -1302,7 +1329,8 @@ class Case:
     loosest: torch.dtype | None = None  # the least precise dtype along the program (tolerances)
 
     def describe(self) -> str:
-        head = f"mesh {self.mesh_shape}, x {_dt(self.x.dtype)}{list(self.x.shape)} {self.spec}, mode {self.mode}"
+        special = " (specials)" if _special(self.x) else ""
+        head = f"mesh {self.mesh_shape}, x {_dt(self.x.dtype)}{list(self.x.shape)}{special} {self.spec}, mode {self.mode}"
         return "\n".join([head] + [f"  {i}. {s.desc}" for i, s in enumerate(self.steps)])
 
 
@@ -1330,7 +1358,9 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     spec = draw_spec(ch, mesh, ndim, partial=dtype not in (torch.bool, torch.float16, torch.bfloat16) and ch.chance(0.3))
     if getattr(spec, "partial", None):
         x = on_grid(x)
-    ctx = Ctx(ch, mesh, gen)
+    elif version >= 4 and x.numel() and (x.dtype.is_floating_point or x.dtype.is_complex) and ch.chance(0.3):
+        x = sprinkle(ch, x)
+    ctx = Ctx(ch, mesh, gen, version=version)
     steps: list[Step] = []
     meta = x
     loosest = x.dtype  # the least precise dtype the program computes in: its rounding bounds the agreement

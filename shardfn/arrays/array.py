@@ -391,13 +391,13 @@ _GRAD = torch._C.TensorBase.grad
 
 def _part_names(n: int) -> list[str]:
     """The names ``__tensor_flatten__`` gives per-device shards (``_part_0``, ...), each a property of
-    the class reading ``_local[i]`` (added on first use): no ``__getattr__``, which makes Dynamo give
+    the class reading (and writing) ``_local[i]`` (added on first use): no ``__getattr__``, which makes Dynamo give
     up on every attribute of an input array (``sf.NamedSharding(x.mesh, ...)`` of a compiled
     function's input failed with "TensorVariable() is not a constant")."""
     names = _PART_NAMES[:n]
     for i in range(len(names), n):
         name = f"_part_{i}"
-        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i], lambda self, t, i=i: _set_part(self, i, t)))
+        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i], functools.partial(_set_part, i=i)))
         _PART_NAMES.append(name)
         names.append(name)
     return names
@@ -406,10 +406,9 @@ def _part_names(n: int) -> list[str]:
 _PART_NAMES: list[str] = []
 
 
-def _set_part(x: ShardedArray, i: int, t: torch.Tensor) -> None:
-    """AOTAutograd's compiled backward sets each inner tensor of a tangent it coerces to the
-    traced metadata (``setattr(x, "_part_i", t)``, the same values; fuzzer seed 7300025)."""
-    x._local = (*x._local[:i], t, *x._local[i + 1:])
+def _set_part(self: ShardedArray, value: torch.Tensor, i: int) -> None:
+    """``setattr(x, "_part_i", t)``, as AOTAutograd updates a tangent's inner tensors by their names."""
+    self._local = self._local[:i] + (value,) + self._local[i + 1:]
 
 
 def _alias(x: ShardedArray) -> ShardedArray:

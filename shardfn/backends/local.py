@@ -135,7 +135,7 @@ class LocalBackend:
     # the module's functions where they are the method (no wrapper on the hot path)
     run_step = staticmethod(run_step)
     run_steps = staticmethod(run_steps)
-    compile_plan = staticmethod(compile_plan)  # ``registry.run_plan``: a plan's steps as one closure
+    compile_plan = staticmethod(compile_plan)  # ``registry.execute``: a plan's steps as one closure
     shard_list = staticmethod(parts)
     shard = staticmethod(device_view)
     one_replica = staticmethod(one_replica)
