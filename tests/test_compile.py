@@ -297,3 +297,27 @@ def test_deep_copies_of_sharding_values_are_themselves(mesh22):
     x = sf.distribute(X, P("x"), mesh=mesh22)
     ctx = x.__tensor_flatten__()[1]
     assert copy.deepcopy(ctx)[0] is x._layout and copy.deepcopy(mesh22) is mesh22
+
+
+@pytest.mark.parametrize("spec", [P("tp"), P(None, "tp"), P(), P("dp")])
+def test_a_distributed_parameter_updated_by_sgd_keeps_one_graph(spec):
+    """A parameter as ``distribute`` lays it out and as ``p - lr * g`` leaves it have the same
+    strides: the compiled loss of a training step compiles once, not again on step two (a
+    stacked value's size-1 mesh dims were strided 0 by distribute, the update's output not)."""
+    mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
+    t = torch.linspace(-1, 1, 8 * 16).reshape(8, 16)
+    w = sf.distribute(t, spec, mesh=mesh)
+    local = w._local
+    assert all(s != 0 for n, s in zip(local.shape, local.stride()) if n == 1)
+    f, counter = _compile(lambda w, x: ((x * w).tanh() ** 2).sum())
+    x = sf.distribute(t.cos(), P(), mesh=mesh)
+    ref = t.clone()
+    for _ in range(3):
+        w = w.detach().requires_grad_()
+        (g,) = torch.autograd.grad(f(w, x), [w])
+        w = w - 0.1 * sf.reshard(g, w.sharding)
+        r = ref.detach().requires_grad_()
+        (gr,) = torch.autograd.grad(((t.cos() * r).tanh() ** 2).sum(), [r])
+        ref = r - 0.1 * gr
+    torch.testing.assert_close(w.full_tensor(), ref)
+    assert counter.frame_count == 1

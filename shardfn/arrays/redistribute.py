@@ -36,6 +36,33 @@ def _shares_memory(a: Any, sources: Any) -> bool:
     return bool(mine & theirs)
 
 
+def _dense(value: torch.Tensor) -> bool:
+    """Whether ``value``'s elements are distinct and fill a block (size-1 dims aside): no
+    replica shares another's memory (a stride-0 mesh dim of size > 1)."""
+    dims = sorted((st, n) for n, st in zip(value.shape, value.stride()) if n != 1)
+    want = 1
+    for st, n in dims:
+        if st != want:
+            return value.numel() == 0
+        want *= n
+    return True
+
+
+def _copy_strided(value: torch.Tensor) -> torch.Tensor:
+    """A dense copy of ``value`` (not a view: a compiled function guards a view's base), in its
+    memory order, whose size-1 dims are strided as an elementwise op's output would be (the
+    largest extent of the dims inside them), not 0 (a replica's cut of an expanded copy). A
+    compiled function guards on its inputs' strides: a parameter distributed with a 0 there and
+    updated by ``p - lr * g`` afterwards recompiled on its second step."""
+    shape, strides = value.shape, value.stride()
+    new = [s if n != 1 or s != 0 else
+           max((strides[j] * shape[j] for j in range(k + 1, len(shape)) if shape[j] > 1), default=1)
+           for k, (n, s) in enumerate(zip(shape, strides))]
+    if new == list(strides):
+        return value.clone()  # (a dense value's clone keeps its strides)
+    return torch.empty_strided(shape, new, dtype=value.dtype, device=value.device).copy_(value)
+
+
 def _tensors(v: Any) -> list:
     if isinstance(v, torch.Tensor):
         return [v]
@@ -301,8 +328,8 @@ class _Distribute(_Function):
         # the same elements and strides, without running the plan twice
         value = raw_distribute(t.detach(), layout)
         if _shares_memory(value, t):
-            if isinstance(value, torch.Tensor) and value.is_contiguous() and "_squeezed" not in value.__dict__:
-                value = value.clone()  # (a replicated value keeps its squeezed view: ``local_values.replicated``)
+            if isinstance(value, torch.Tensor) and "_squeezed" not in value.__dict__ and _dense(value):
+                value = _copy_strided(value)  # (a replicated value keeps its squeezed view: ``local_values.replicated``)
             else:
                 value = raw_distribute(t.detach().clone(), layout)
         return wrap(value, layout, t.shape, t.dtype)
