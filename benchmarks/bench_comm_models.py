@@ -190,8 +190,8 @@ def _sequence_parallel(fam: object, name: str, recipe: list) -> sf.debug.CommCou
     """The forward under ``fam``'s sequence-parallel recipe, its logits checked."""
     model, params, plain, ids, _, mesh = fam._setup(name)
     with sf.nn.shard_activations(model, recipe, mesh=mesh), sf.debug.CommCounter() as cc:
-        out = fam._logits(model, params, sf.distribute(ids, P("dp"), mesh=mesh))
-    fam._close(out, fam._logits(model, plain, ids))
+        out = fam.logits(model, params, sf.distribute(ids, P("dp"), mesh=mesh))
+    fam.close(out, fam.logits(model, plain, ids))
     return cc
 
 

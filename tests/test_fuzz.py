@@ -62,7 +62,9 @@ FOUND = [
     (31000718, 3),  # compiled backward: AOTAutograd sets an uneven tangent's parts by name (_part_i needs a setter)
     (32001396, 3, "wide"),  # softshrink's zero sign: torch's scalar tail gives -0, its vector body +0 (oracle: + 0.0)
     (993, 3, "smap3"),  # compile: a shard_map of one call site ran an earlier body's graph (Dynamo guarded its code only)
+    (7300025, 3, "smap3,transform", "compile,compile_dynamic"),  # the same, found by a shard_map compile run
     (7203689, 3, "smap3,transform"),  # bfloat16 psum then exp(b) * 2: one ulp of the sum after exp (oracle: as exp's input)
+    (5749662553, 3),  # inner of a pending sum (a split size-1 dim) and o / x holding inf (tests/test_pending_contractions.py)
 ]
 
 
@@ -80,11 +82,12 @@ NEEDS_2_13 = {5715727986: "torch 2.11's AOTAutograd still disagrees on a pinned 
 
 @pytest.mark.parametrize("entry", FOUND, ids=str)
 def test_found_seeds_replay_clean(entry):
-    seed, version, families = (*entry, None)[:3] if isinstance(entry, tuple) else (entry, 1, None)
+    seed, version, families, modes = (*entry, None, None)[:4] if isinstance(entry, tuple) else (entry, 1, None, None)
     if seed in NEEDS_2_13 and not TORCH_2_13:
         pytest.skip(NEEDS_2_13[seed])
-    # the long run's default share of compiled cases; a third entry: the run's --families
-    case = fuzz.case_for_seed(seed, 0.02, version=version, families=families and families.split(","))
+    # the long run's default share of compiled cases; a third and fourth entry: the run's --families, --modes
+    case = fuzz.case_for_seed(seed, 0.02, version=version, families=families and families.split(","),
+                              modes=modes and modes.split(","))
     assert fuzz.run_case(case) is None, f"seed {seed}: {case.describe()}"
 
 

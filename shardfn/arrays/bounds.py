@@ -2,15 +2,17 @@
 
 A pending sum times a factor that may hold inf is not the sum of the parts times it (``0 * inf``
 is nan in a part; parts of both signs give nan where the total's sign gives a signed inf), so
-``rules/pointwise.py`` reduces a pending operand first unless its factors are known finite. Knowing
-that from the values would take a device-to-host sync on every product; the op that made a factor
-often knows it (the backward of RoPE's ``cos``/``sin`` multiplies by ``-sin``/``cos``; positions
-cast from integers). The mark is carried by the output's key fragment (``fragments.known_finite``):
+products (``rules/pointwise.py``'s ``mul``, the contractions of ``rules/dims.py``) reduce a pending
+operand first unless its factors are known finite. Knowing that from the values would take a
+device-to-host sync on every product; the op that made a factor often knows it (the backward of
+RoPE's ``cos``/``sin`` multiplies by ``-sin``/``cos``; positions cast from integers; attention
+probabilities from ``softmax``). The mark is carried by the output's key fragment (``fragments.known_finite``):
 dispatch keys see it, and an in-place write, which drops the fragment, drops the mark with it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -19,8 +21,13 @@ from .fragments import known_finite
 
 aten = torch.ops.aten
 
-# ops whose every output element is in [-1, 1] or nan, whatever the (real) input
-_BOUNDED = {aten.sin.default, aten.cos.default, aten.tanh.default, aten.sigmoid.default, aten.erf.default}
+# ops whose every output element is bounded (in [-pi/2, pi/2]) or nan, whatever the (real) input:
+# softmax's weights (attention probabilities times the values) are in [0, 1]
+_BOUNDED = {aten.sin.default, aten.cos.default, aten.tanh.default, aten.sigmoid.default, aten.erf.default,
+            aten.atan.default, aten.sign.default, aten._softmax.default, aten._safe_softmax.default}
+# ops bounded by their (number) arguments where those are finite: position -> default
+_CLAMPS = {aten.clamp.default: ((1, "min", None), (2, "max", None)),
+           aten.hardtanh.default: ((1, "min_val", -1.0), (2, "max_val", 1.0))}
 # ops whose output elements are their first input's (signs aside): finite where it is
 _KEEPS = {
     aten.neg.default, aten.clone.default, aten.alias.default, aten.detach.default,
@@ -42,6 +49,9 @@ def output_marks(func: Any, call: Any, out_layouts: tuple, out_dtypes: list) -> 
         return marks
     if func in _BOUNDED:
         marks[0] = not (x.dtype.is_complex or dtype.is_complex)  # cos(1000j) overflows
+    elif func in _CLAMPS:
+        bounds = [call.arg(i, name, default) for i, name, default in _CLAMPS[func]]
+        marks[0] = not dtype.is_complex and all(isinstance(b, (int, float)) and math.isfinite(b) for b in bounds)
     elif func is aten._to_copy.default and not (x.dtype.is_floating_point or x.dtype.is_complex):
         marks[0] = _int_fits(x.dtype, dtype)
     elif func in _KEEPS:

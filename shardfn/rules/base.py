@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..arrays.fragments import known_finite
 from ..arrays.strategies import Candidate, OpCall, Rule, ShardFact  # noqa: F401  (rules use them)
 from ..values.layout import Layout
 from ..values.mesh import Mesh
@@ -58,6 +59,17 @@ def out_of_range(index: torch.Tensor, size: int, allowed: int | None = None) -> 
     if not bad.any():
         return None
     return index[bad].flatten()[0].item()
+
+
+def finite_factor(a: Any) -> bool:
+    """Whether tensor ``a`` is known to hold no ±inf without reading it: an integer or bool
+    dtype, or an array whose op bounds it (``arrays/bounds.py``). A pending sum may be
+    multiplied by such a factor part by part; by another floating factor it may not
+    (``sum(parts) * inf`` is not ``sum(parts * inf)``: ``0 * inf`` is nan in a part, parts of
+    both signs give ``inf - inf``), and knowing it is finite would take a device-to-host sync."""
+    if not (a.dtype.is_floating_point or a.dtype.is_complex):
+        return True
+    return hasattr(a, "_layout") and known_finite(a)
 
 
 def sum_passes(call: OpCall, src: torch.dtype) -> bool:

@@ -10,6 +10,12 @@ For each mesh axis the compiler considers: replicate, shard one of the letters s
 input already shards over that axis, or keep an input's pending reduction (for ops
 linear in that input). Each combination is one :class:`Candidate`; dispatch keeps the
 one that moves the fewest bytes.
+
+A pending sum passes through a product (``linear`` without ``joint``: a contraction, a
+scaling) only where its factors are known to hold no ±inf (``base.finite_factor``):
+``sum(parts) @ B`` is not ``sum(parts @ B)`` where ``B`` holds inf (a part of 0 gives
+``0 * inf = nan``, parts of both signs ``inf - inf``), so with a factor that may hold inf
+the pending input is reduced first.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Sequence
 import attrs
 
 from ..values.layout import Layout
-from .base import Candidate, OpCall, sum_passes
+from .base import Candidate, OpCall, finite_factor, sum_passes
 
 Letters = tuple[str | None, ...]
 
@@ -37,6 +43,8 @@ class Dims:
     (``"multi"`` semantics: only one input may be Partial over an axis, the others are
     replicated on it); ``joint``: all inputs may be Partial together (add-like).
     ``addends``: inputs added to the result, which must carry the output's Partial too.
+    ``factors``: without ``joint``, the inputs a pending input is multiplied by (None: every
+    other input but the addends); it stays pending only where they are known finite.
     """
 
     ins: tuple[Letters, ...]
@@ -46,6 +54,7 @@ class Dims:
     joint: bool = False
     addends: tuple[int, ...] = ()
     partial_ins: tuple[int, ...] | None = None
+    factors: tuple[int, ...] | None = None
 
 
 _REPLICATE = ("rep",)
@@ -76,10 +85,22 @@ def _axis_options(axis: str, layouts: Sequence[Layout], spec: Dims, call: OpCall
             opts.append(("shard", letters[d]))
         op = lay.partial_ops.get(axis)
         if (op in spec.linear and _may_be_partial(spec, i) and ("partial", i, op) not in opts
-                and sum_passes(call, call.arrays[i][1].dtype)):
+                and sum_passes(call, call.arrays[i][1].dtype) and _finite_factors(call, spec, i)):
             opts.append(("partial", i, op))
     opts.append(_REPLICATE)
     return opts
+
+
+def _finite_factors(call: OpCall, spec: Dims, i: int) -> bool:
+    """Whether pending input ``i`` may pass through the product: its factors (the inputs it is
+    multiplied by) are known to hold no ±inf. Ops linear in their inputs jointly add them:
+    no factors."""
+    if spec.joint:
+        return True
+    factors = spec.factors
+    if factors is None:
+        factors = tuple(j for j in range(len(call.arrays)) if j not in spec.addends)
+    return all(finite_factor(call.arrays[j][1]) for j in factors if j != i)
 
 
 def _may_be_partial(spec: Dims, i: int) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..arrays.fragments import known_finite
 from ..backends import custom_ops as _contract  # noqa: F401  (registers torch.ops.shardfn.*)
 from .base import Candidate, OpCall, letters
 from .dims import LINEAR_OPS, Dims, compile_dims, einsum_dims, parse_einsum
@@ -52,11 +51,9 @@ class RmsNorm:
         lw = (None,) * k
         if self.backward:
             # linear in the gradient, times the weight: a pending gradient passes only where the weight
-            # is known finite (``pointwise._finite_factors``: ``sum(parts) * inf`` is not ``sum(parts * inf)``)
-            w = call.arrays[2][1]
-            finite = not (w.dtype.is_floating_point or w.dtype.is_complex) or known_finite(w)
+            # is known finite (``dims._finite_factors``: ``sum(parts) * inf`` is not ``sum(parts * inf)``)
             spec = Dims((lx, lx, lw), (lx, lw), tuple((L, "sum") for L in letters(n)), LINEAR_OPS,
-                        partial_ins=(0,) if finite else ())
+                        partial_ins=(0,), factors=(2,))
         else:
             spec = Dims((lx, lw), (lx,))
         return compile_dims(call, spec)

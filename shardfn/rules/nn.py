@@ -14,7 +14,6 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ..arrays.fragments import known_finite
 from ..values.layout import local_shapes
 from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters, out_of_range, replicated
 from .dims import LINEAR_OPS, Dims, compile_dims
@@ -32,8 +31,8 @@ class Leading:
     mask dim, is whole); all other dims are whole.
     ``lead_fn(bound_args) -> (lead, reduce)``: with ``reduce``, outputs lacking the
     batch dims are Partial(sum) over them. ``linear``: arguments a pending sum may
-    pass through, where the ``factors`` that multiply them are known finite (``sum(parts) * inf``
-    is not ``sum(parts * inf)``: ``pointwise._finite_factors``)."""
+    pass through, where the ``factors`` that multiply them are known finite (``Dims.factors``:
+    ``sum(parts) * inf`` is not ``sum(parts * inf)``)."""
 
     batched: tuple[str, ...]
     lead_fn: LeadFn
@@ -69,9 +68,10 @@ class Leading:
             for i, m in enumerate(call.out_metas))
         loose = {i for i, o in enumerate(outs) if o is not None and self._loose(i, o, ls)}
         outs = tuple(None if i in loose else o for i, o in enumerate(outs))
-        partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear) if _finite(b, self.factors) else ()
+        partial_ins = tuple(i for i, n in enumerate(by_name) if n in self.linear)
+        factors = tuple(i for i, n in enumerate(by_name) if n in self.factors)
         spec = Dims(ins, outs, tuple((L, "sum") for L in ls) if reduce else (),
-                    LINEAR_OPS if partial_ins else (), partial_ins=partial_ins)
+                    LINEAR_OPS if partial_ins else (), partial_ins=partial_ins, factors=factors)
         cands = compile_dims(call, spec)
         if not loose:
             return cands
@@ -79,17 +79,6 @@ class Leading:
         fill = {i: replicated(call.mesh, call.out_metas[i].dim()) for i in loose}
         return [attrs.evolve(c, out_layouts=tuple(fill.get(i, o) for i, o in enumerate(c.out_layouts)))
                 for c in cands]
-
-
-def _finite(b: dict, names: tuple[str, ...]) -> bool:
-    """Whether the bound arguments ``names`` are absent, not floating, or arrays known finite
-    (``arrays/bounds.py``) without reading them: a class weight may hold inf."""
-    for n in names:
-        v = b.get(n)
-        if isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex) and not (
-                hasattr(v, "_layout") and known_finite(v)):
-            return False
-    return True
 
 
 _BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only

@@ -13,10 +13,9 @@ from typing import Any
 import attrs
 import torch
 
-from ..arrays.fragments import known_finite
 from ..values.layout import Layout
 from ..values.mesh import check_mesh_device
-from .base import Candidate, OpCall, sum_passes
+from .base import Candidate, OpCall, finite_factor, sum_passes
 
 aten = torch.ops.aten
 
@@ -93,7 +92,7 @@ def _finite_factors(call: OpCall, base_path: Any) -> bool:
         if i == base_path:
             continue
         if isinstance(a, torch.Tensor):
-            if (a.dtype.is_floating_point or a.dtype.is_complex) and not (hasattr(a, "_layout") and known_finite(a)):
+            if not finite_factor(a):
                 return False
         elif isinstance(a, (float, complex)) and not cmath.isfinite(a):
             return False
