@@ -488,7 +488,8 @@ def _trace(f: Callable, inputs: Any, sig: tuple, leaves: list, kwargs: dict) -> 
             mapped.append(False)
             continue
         shape, dtype, layout = s
-        dims = [n if a in layout.axis_dim else 1 for a, n in zip(mesh.axis_names, mesh.shape)]
+        # a pending value's parts vary over its pending axes too (as per_device's vma says)
+        dims = [n if a in layout.axis_dim or a in layout.partial_ops else 1 for a, n in zip(mesh.axis_names, mesh.shape)]
         metas.append(torch.empty(*dims, *shape, dtype=dtype, device="meta"))
         mapped.append(True)
     flat, _ = _stacked.run(local, f, metas, mapped, inputs.rebuild, kwargs, leader=False)
