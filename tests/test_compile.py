@@ -297,3 +297,17 @@ def test_deep_copies_of_sharding_values_are_themselves(mesh22):
     x = sf.distribute(X, P("x"), mesh=mesh22)
     ctx = x.__tensor_flatten__()[1]
     assert copy.deepcopy(ctx)[0] is x._layout and copy.deepcopy(mesh22) is mesh22
+
+
+def test_properties_of_an_input_arrays_sharding_values(mesh22):
+    """x.mesh.size, len(x.spec), x.spec.partial, x.sharding.spec of a compiled function's input:
+    Dynamo failed reading a property of an opaque value that has a source ("cls_source must
+    not be None for MRO walk", fuzzer seed 7300033); guarded, so another layout recompiles."""
+    def f(v):
+        k = v.mesh.size + len(v.spec) + 10 * len(v.spec.partial) + 100 * len(v.sharding.spec)
+        return v * (k + (1000 if hasattr(v.spec, "partial") else 0))
+
+    compiled = torch.compile(f, backend="aot_eager")
+    for spec in (P(), P("x"), P("x", "y"), P("x")):
+        x = sf.distribute(X, spec, mesh=mesh22)
+        torch.testing.assert_close(compiled(x).full_tensor(), f(x).full_tensor())

@@ -63,6 +63,7 @@ FOUND = [
     (32001396, 3, "wide"),  # softshrink's zero sign: torch's scalar tail gives -0, its vector body +0 (oracle: + 0.0)
     (993, 3, "smap3"),  # compile: a shard_map of one call site ran an earlier body's graph (Dynamo guarded its code only)
     (7300025, 3, "smap3,transform", "compile,compile_dynamic"),  # the same, found by a shard_map compile run
+    (7300033, 3, "smap3,transform", "compile,compile_dynamic"),  # compile: x.spec.partial of an input (Dynamo's MRO walk)
     (7203689, 3, "smap3,transform"),  # bfloat16 psum then exp(b) * 2: one ulp of the sum after exp (oracle: as exp's input)
     (5749662553, 3),  # inner of a pending sum (a split size-1 dim) and o / x holding inf (tests/test_pending_contractions.py)
 ]

@@ -94,6 +94,7 @@ def register() -> None:
     if not hasattr(torch.Tensor, "__coerce_same_metadata_as_tangent__"):
         torch.Tensor.__coerce_same_metadata_as_tangent__ = _plain_tangent_as_array
     _values_as_bytecode_constants()
+    _opaque_values_with_class_source()
 
 
 def _values_as_bytecode_constants() -> None:
@@ -117,6 +118,30 @@ def _values_as_bytecode_constants() -> None:
     for mod in (utils, codegen, bytecode_transformation):  # each imported the name
         if getattr(mod, "is_safe_constant", None) is base:
             mod.is_safe_constant = is_safe_constant  # type: ignore[attr-defined]
+
+
+def _opaque_values_with_class_source() -> None:
+    """A sharding value read off a compiled function's input (``x.spec``, ``x.mesh``) is an
+    opaque object with a source; torch 2.13's variable for it sets that source after its base
+    class derived the class's source from none, so reading a property of it (``x.mesh.size``,
+    ``len(x.spec)``, ``x.spec.partial``) failed in Dynamo ("cls_source must not be None for MRO
+    walk"). The class's source is derived as the base class does when given the source."""
+    try:
+        from torch._dynamo.source import TypeSource
+        from torch._dynamo.variables.script_object import TorchScriptObjectVariable
+    except ImportError:  # pragma: no cover - a torch without it has no such variable
+        return
+    init = TorchScriptObjectVariable.__init__
+    if getattr(init, "_sf_class_source", False):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if getattr(self, "cls_source", None) is None and getattr(self, "source", None) is not None:
+            self.cls_source = TypeSource(self.source)
+
+    __init__._sf_class_source = True  # type: ignore[attr-defined]
+    TorchScriptObjectVariable.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _plain_tangent_as_array(self: torch.Tensor, flatten_spec: Any, expected_type: Any = None) -> Any:
