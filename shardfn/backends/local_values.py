@@ -195,7 +195,7 @@ def reduce_dim(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
     if x.dtype == torch.complex32 and op in ("sum", "avg"):
         return reduce_dim(x.to(torch.complex64), dim, op).to(x.dtype)
     if op == "sum":
-        if x.dtype in _CHAINED and 2 <= x.shape[dim] <= 4:
+        if x.dtype in _CHAINED and 2 <= x.shape[dim] <= 8:
             return _added(x, dim)
         return added_sign(x.sum(dim, keepdim=True, dtype=x.dtype), x, dim)
     if op == "avg":
@@ -211,15 +211,22 @@ _CHAINED = frozenset({torch.float32, torch.float64, torch.complex64, torch.compl
 
 
 def _added(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The parts of ``x`` over ``dim`` (2 to 4 of them) added one by one, as a collective adds
-    them: IEEE's zero signs with no pass to fix them (``added_sign`` reads every part again: 5
-    ops and a second read of the parts on every all-reduce). For up to 4 parts of these dtypes
-    torch's sum kernel adds in this order too, so the values are its bits; more parts it adds
-    in another order, and 16-bit floats it accumulates in float32."""
-    total = torch.add(x.narrow(dim, 0, 1), x.narrow(dim, 1, 1))
-    for i in range(2, x.shape[dim]):
-        total.add_(x.narrow(dim, i, 1))
-    return total
+    """The parts of ``x`` over ``dim`` (2 to 8 of them) added as a collective adds them, so with
+    IEEE's zero signs and no pass to fix them (``added_sign`` reads every part again: 5 ops and a
+    second read of the parts on every all-reduce). Up to 4 parts add one by one, the order of
+    torch's sum kernel (its bits); more add in halves (log2 ops, one add each), as a
+    reduction tree would. 16-bit floats take the sum kernel (it accumulates in float32)."""
+    g = x.shape[dim]
+    if g <= 4:
+        total = torch.add(x.narrow(dim, 0, 1), x.narrow(dim, 1, 1))
+        for i in range(2, g):
+            total.add_(x.narrow(dim, i, 1))
+        return total
+    h = g // 2
+    total = torch.add(x.narrow(dim, 0, h), x.narrow(dim, g - h, h))
+    if g % 2:
+        total = torch.cat([total, x.narrow(dim, h, 1)], dim)
+    return _added(total, dim) if total.shape[dim] > 1 else total
 
 
 def added_sign(total: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
