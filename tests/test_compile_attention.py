@@ -69,13 +69,13 @@ def test_compiled_attention_takes_the_unsharded_kernel(mesh22):
 
 
 def test_compiled_attention_on_shards_with_new_strides(mesh22):
-    """Replicated inputs as ``distribute`` stores them (one copy, stride 0 over the replica
-    axis), then as ops leave them (materialised): the recompile makes the shards' strides
-    symbolic, and the fused kernel's fold over the mesh dims is planned on them."""
+    """Inputs as ``distribute`` stores them, then in another memory order (heads and positions
+    swapped in memory): the recompile makes the shards' strides symbolic, and the fused
+    kernel's fold over the mesh dims is planned on them."""
     f = torch.compile(attention, backend="aot_eager", fullgraph=True)
     plain = _qkv()
     first = [sf.distribute(t, P(None, "y"), mesh=mesh22) for t in plain]
-    second = [(a - 0 * a) for a in first]
+    second = [sf.distribute(t.transpose(1, 2).contiguous().transpose(1, 2), P(None, "y"), mesh=mesh22) for t in plain]
     assert any(a._local.stride() != b._local.stride() for a, b in zip(first, second))
     want = attention(*plain)
     for qkv in (first, second):
