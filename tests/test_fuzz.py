@@ -66,6 +66,8 @@ FOUND = [
     (7300033, 3, "smap3,transform", "compile,compile_dynamic"),  # compile: x.spec.partial of an input (Dynamo's MRO walk)
     (7203689, 3, "smap3,transform"),  # bfloat16 psum then exp(b) * 2: one ulp of the sum after exp (oracle: as exp's input)
     (5749662553, 3),  # inner of a pending sum (a split size-1 dim) and o / x holding inf (tests/test_pending_contractions.py)
+    (5760009717, 3),  # jacfwd of nanquantile: lerp_ functionalized under forward AD asserted, then the next op segfaulted
+    (5762093798, 3),  # the same, then var
 ]
 
 

@@ -1283,3 +1283,29 @@ def test_pixel_unshuffle_of_an_empty_input_has_torchs_shape(shape, spec):
     mesh = sf.Mesh((2,), ("x",))
     x = torch.randn(shape, dtype=torch.float64)
     _close(F.pixel_unshuffle(sf.distribute(x, spec, mesh=mesh), 2), F.pixel_unshuffle(x, 2))
+
+
+# -- in-place ops under forward-mode AD ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [
+    lambda v: torch.nanquantile(v, 0.3, dim=0, keepdim=True),
+    lambda v: torch.quantile(v, 0.7),
+    lambda v: v.clone().lerp_(v * 2, 0.25),
+    lambda v: v.clone().mul_(v).add_(1),
+])
+def test_inplace_ops_under_forward_ad_match_torch_and_leave_torch_sound(fn):
+    """``jacfwd``/``jvp`` through an in-place op on a split array (seeds 5760009717, 5762093798):
+    functionalizing ``lerp_`` under forward AD made torch print a functional tensor, whose
+    ``unpack_dual`` asserted, and the next op of the process segfaulted. A root's in-place op runs
+    as its out-of-place overload there; values and tangents equal torch's, and ops after it run."""
+    mesh = sf.Mesh((3, 2), ("x", "y"))
+    y = torch.linspace(-1, 1, 9, dtype=torch.float64)
+    ys = sf.distribute(y, P("x"), mesh=mesh)
+    _close(torch.func.jacfwd(fn)(ys), torch.func.jacfwd(fn)(y))
+    out, tangent = torch.func.jvp(fn, (ys,), (ys * 0.5,))
+    want, want_t = torch.func.jvp(fn, (y,), (y * 0.5,))
+    _close(out, want)
+    _close(tangent, want_t)
+    z = sf.distribute(torch.arange(8.0), P("x"), mesh=sf.Mesh((2, 2, 2), ("x", "y", "z")))
+    _close(torch.vmap(lambda v: v ** 2)(z), torch.arange(8.0) ** 2)  # the op that segfaulted next

@@ -298,7 +298,48 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
             raise ShardingRuntimeError(_OVERLAP)  # as torch's kernels: the functional update would sum the copies
     note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
+    if _forward_ad_live():
+        done = _out_of_place(func, args, kwargs, targets)
+        if done is not None:
+            return done
     return _functionalized(func, args, kwargs, targets)
+
+
+def _forward_ad_live() -> bool:
+    """Whether forward-mode AD (``torch.func.jvp``/``jacfwd``, ``forward_ad``) is on."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+
+
+def _out_of_place(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
+    """An in-place op on one root array (``x.op_(...)``) as its out-of-place overload and a
+    rebind, where functionalizing it breaks under forward-mode AD: torch's Python meta of an
+    in-place op (``lerp_``) prints a functional tensor there, whose ``unpack_dual`` asserts
+    and leaves torch's state broken (the next op segfaulted). None where it does not apply
+    (views, several targets, no such overload, another dtype or shape)."""
+    x = targets[0] if len(targets) == 1 else None
+    if x is None or not args or args[0] is not x or "_view_of" in x.__dict__:
+        return None
+    name = func._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    op = getattr(packet, func._overloadname, None) if packet is not None else None
+    if op is None:
+        return None
+    new = op(*args, **kwargs)
+    if not isinstance(new, ShardedArray) or new.dtype != x.dtype or tuple(new.shape) != tuple(x.shape):
+        return None
+    with writing():
+        _rebind(x, new)
+        _regenerate_views(x)
+    return x
 
 
 # torch's error for a write into a tensor some of whose elements share memory (``expand``)
