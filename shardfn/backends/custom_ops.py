@@ -126,13 +126,23 @@ def _einsum_equation(args: tuple) -> tuple[str, Any, Any] | None:
     return eq, ops[0], ops[1]
 
 
+def _forward_ad() -> bool:
+    """Whether forward-mode AD is on (``torch.func.jvp``/``jacfwd``/``hessian``, a
+    ``forward_ad.dual_level``). A ``torch.library`` custom op has no forward-mode formula,
+    and torch runs it without one, dropping the tangents it was given (a zero tangent), so
+    ``contract`` and ``rms_norm`` give way to torch's composites there."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
 def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     """``contract`` for a matmul / einsum call that keeps two or more batch dims, else
     NotImplemented (the caller runs torch's composite)."""
-    if func in _RMS_NORMS:
-        return _rms_norm_call(args, kwargs)
     if func is _SDPA:
         return _attention_math(args, kwargs)
+    if _forward_ad():
+        return NotImplemented
+    if func in _RMS_NORMS:
+        return _rms_norm_call(args, kwargs)
     if kwargs:
         return NotImplemented
     if func is torch.einsum:
