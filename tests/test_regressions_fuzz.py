@@ -1340,3 +1340,80 @@ def test_forward_ad_through_batched_contract_and_rms_norm(kind):
     with fwAD.dual_level():
         _close(fwAD.unpack_dual(f(fwAD.make_dual(X, T), O)).tangent, rtan)
     _close(torch.func.hessian(lambda v: f(v, O).pow(2).sum())(X), torch.func.hessian(lambda v: f(v, other).pow(2).sum())(x))
+
+
+def test_addmm_addend_must_expand_to_the_product():
+    """torch's meta kernel of addmm takes a bias that does not expand to (m, n) and gives the
+    bias's shape; CPU's kernel raises: F.linear with 5 biases on 1 output column returned
+    (3, 5) (fuzzer, --gen 5 --families model: seeds 50002006, 50001573)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x, w, b = torch.randn(3, 4), torch.randn(1, 4), torch.randn(5)
+    X, W, B = (sf.distribute(t, P(), mesh=mesh) for t in (x, w, b))
+    with pytest.raises(RuntimeError, match="expanded size"):
+        F.linear(x, w, b)
+    with pytest.raises(RuntimeError, match="expanded size"):
+        F.linear(X, W, B)
+    with pytest.raises(RuntimeError, match="expanded size"):
+        torch.addmm(sf.distribute(torch.randn(9, 0), P(), mesh=mesh), sf.distribute(torch.randn(9, 0), P(), mesh=mesh),
+                    sf.distribute(torch.randn(0, 1), P(), mesh=mesh))
+    _close(torch.addmm(B[:2], X, sf.distribute(torch.randn(4, 2), P(None, "x"), mesh=mesh)).shape, torch.Size([3, 2]))
+
+
+def test_attention_mask_may_not_grow_the_scores():
+    """torch's math attention adds the mask in place into the (L, S) scores: a mask of (1, 8)
+    against scores of (1, 1) raises there; shardfn's math path broadcast it to (L, 8) (seed
+    50002536 --gen 5 --families model)."""
+    mesh = sf.Mesh((2,), ("x",))
+    q, k = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
+    for mask in (torch.rand(1, 8) > 0.3, torch.rand(1, 8)):
+        with pytest.raises(RuntimeError, match="broadcast shape"):
+            F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        Q, K = (sf.distribute(t, P("x"), mesh=mesh) for t in (q, k))
+        with pytest.raises(RuntimeError, match="broadcast shape"):
+            F.scaled_dot_product_attention(Q, K, K, attn_mask=sf.distribute(mask, P(), mesh=mesh))
+
+
+@pytest.mark.parametrize("case", ["mul_scalar", "div", "sqrt", "clamp", "bool_add", "cplx_mul", "out_add", "out_sin"])
+def test_pointwise_writes_keep_torchs_casting_rule(case):
+    """A pointwise in-place or out= op whose result type cannot be cast safely to the written
+    dtype raises in torch (TensorIterator's rule); a fresh array's functional update cast it
+    silently (int ``clone().mul_(1.5)`` gave [0, 1, 3, 4]; seeds 50000262, 50000355 --gen 5
+    --families model). Safe ones still run."""
+    mesh = sf.Mesh((2,), ("x",))
+    i = torch.arange(4, dtype=torch.int32)
+    fs = {
+        "mul_scalar": lambda v: v.clone().mul_(1.5),
+        "div": lambda v: v.clone().div_(2),
+        "sqrt": lambda v: v.clone().sqrt_(),
+        "clamp": lambda v: v.clone().clamp_(-0.5, 0.5),
+        "bool_add": lambda v: (v > 1).clone().add_(1),
+        "cplx_mul": lambda v: v.float().clone().mul_(1j),
+        "out_add": lambda v: torch.add(v, 1.5, out=torch.empty_like(v)),
+        "out_sin": lambda v: torch.sin(v, out=torch.empty_like(v)),
+    }
+    with pytest.raises(RuntimeError, match="cast"):
+        fs[case](i)
+    with pytest.raises(RuntimeError, match="cast"):
+        fs[case](sf.distribute(i, P("x"), mesh=mesh))
+    I = sf.distribute(i, P("x"), mesh=mesh)
+    _close(I.clone().mul_(3), i * 3)
+    _close(I.clone().div_(2, rounding_mode="floor"), i // 2)
+    _close(I.half().clone().mul_(1.5), i.half() * 1.5)
+    _close(torch.mul(I, 2, out=torch.empty_like(I, dtype=torch.float32)), i * 2.0)
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "x"), P("x"), P(None, "x")])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_index_put_values_that_broadcast_under_vmap(spec, accumulate):
+    """vmap's batching rule hands index_put a 0-d value as (B, 1, 1): the rule split its size-1
+    dims like the indexed result's (3 over 2 devices: a value of width 0 on one; seeds 50000332,
+    50002153 --gen 5 --families model)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x, idx = torch.randn(2, 4, 3), torch.tensor([1, 3])
+    X = sf.distribute(x, spec, mesh=mesh)
+    for vals in (torch.ones(()), torch.ones(3), torch.ones(2, 1), torch.ones(1, 3)):
+        f = functools.partial(lambda v, vals: v.clone().index_put_((idx,), vals, accumulate=accumulate), vals=vals)
+        _close(torch.func.vmap(f)(X), torch.func.vmap(f)(x))
+        if vals.dim() < 2:
+            rows = torch.tensor([1, 0])
+            _close(X.index_put((rows,), vals, accumulate=accumulate), x.index_put((rows,), vals, accumulate=accumulate))

@@ -49,7 +49,7 @@ SIZES = [0, 1, 2, 3, 4, 5, 7, 8]
 # Version 5 (``--gen 5``) adds 6- and 7-device meshes (more uneven and zero-size shards), uint8
 # and int16 inputs, the "model" op family (writes into fresh buffers, attention variants, rotary
 # embeddings, MoE routing, ...) and the vmap_sharded (the batch dim split over a mesh axis) and
-# compile_marked (``torch._dynamo.mark_dynamic`` on the input) modes; it draws version 4's
+# compile_marked (``torch._dynamo.maybe_mark_dynamic`` on the input) modes; it draws version 4's
 # adversarial values too.
 GEN = 3
 MESH_SHAPES_2 = MESH_SHAPES + [(1, 8), (8, 1), (2, 1, 4), (4, 1, 2), (3, 2)]
@@ -1296,6 +1296,7 @@ def model(c: Ctx, x: torch.Tensor) -> Step | None:
         return torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))
 
     sdpa_mask = c.aux(torch.rand(tuple(x.shape[-2:]) if n >= 2 else (), generator=c.gen) > 0.3)
+    odd = k % 2 == 1
     fns: dict[str, tuple[bool, Callable]] = {
         "add_": (num, inplace(lambda w, A: w.add_(A(o)))),
         "mul_scalar_": (num, inplace(lambda w, A: w.mul_(2.5 if real or cplx else 3))),
@@ -1308,7 +1309,9 @@ def model(c: Ctx, x: torch.Tensor) -> Step | None:
                                                                     A(o)[(slice(None),) * (dd % n) + (slice(k, None, 2),)]))),
         "setitem_index": (n > 0, inplace(lambda w, A: w.__setitem__(A(ii), A(o)[0] if x.shape[0] else 1))),
         "setitem_mask": (True, inplace(lambda w, A: w.__setitem__(A(mk), 0))),
-        "index_put_": (n > 0, inplace(lambda w, A: w.index_put_((A(ii),), torch.ones((), dtype=w.dtype), accumulate=k % 2 == 1))),
+        # (accumulate a Python bool drawn here: ``k % 2 == 1`` computed in the traced call is a SymBool under
+        # dynamic=True, which index_put_ refuses: a graph break in torch, with or without shardfn)
+        "index_put_": (n > 0, inplace(lambda w, A: w.index_put_((A(ii),), torch.ones((), dtype=w.dtype), accumulate=odd))),
         "narrow_mul_": (n > 0 and num, inplace(lambda w, A: w.narrow(dd, min(1, size), max(size - 1, 0)).mul_(3))),
         "select_add_": (n > 0 and size > 0 and num, inplace(lambda w, A: w.select(dd, -1).add_(A(o).select(dd, 0)))),
         "t_add_": (n == 2 and num, inplace(lambda w, A: w.t().add_(A(o).t()))),
@@ -1390,8 +1393,9 @@ def model(c: Ctx, x: torch.Tensor) -> Step | None:
     if name == "ce_smooth":
         ncls = x.shape[-1]
         t = c.aux(torch.randint(0, max(ncls, 1) + (1 if c.ch.chance(0.1) else 0), x.shape[:-1], generator=c.gen))
-        return Step(name, lambda v, A: F.cross_entropy(v, A(t), label_smoothing=0.1 * (k + 1)),
-                    f"cross_entropy(target={t.plain.tolist()} {t.desc}, label_smoothing={0.1 * (k + 1):.1f})")
+        smooth = 0.1 * (k + 1)
+        return Step(name, lambda v, A: F.cross_entropy(v, A(t), label_smoothing=smooth),
+                    f"cross_entropy(target={t.plain.tolist()} {t.desc}, label_smoothing={smooth:.1f})")
     if name == "ce_ignore":
         ncls = x.shape[1]
         tshape = (x.shape[0], *x.shape[2:])
@@ -1646,6 +1650,12 @@ def _compare(got: Any, ref: Any, what: str, input_dtype: torch.dtype,
         # |a - b| of complex values with an infinite component is nan: compare the components
         # (seed 35001673, --gen 4: -inf + 0.52...13j against -inf + 0.52...12j)
         got, ref = torch.view_as_real(got.detach().resolve_conj()), torch.view_as_real(ref.detach().resolve_conj())
+        # an entry non-finite in both with a nan component in either: products of infinite
+        # complex values are kernel-dependent (torch's own matmul gives -inf+infj for one shape
+        # and nan+nanj for a slice of it; seed 50001804 --gen 5 --families model)
+        loose = (~torch.isfinite(got).all(-1) & ~torch.isfinite(ref).all(-1)
+                 & (torch.isnan(got).any(-1) | torch.isnan(ref).any(-1))).unsqueeze(-1)
+        got, ref = got.masked_fill(loose, 0), ref.masked_fill(loose, 0)
     try:
         torch.testing.assert_close(got.detach(), ref.detach(), equal_nan=True, check_dtype=False, **tol)
     except AssertionError as e:
@@ -1784,7 +1794,7 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 got = _chain(case.steps, X, shard)
             elif run.startswith("compile"):
                 # "compile": torch's default (static, then automatic dynamic sizes on a recompile)
-                # "compile_marked": torch._dynamo.mark_dynamic on the input's dims of size >= 2
+                # "compile_marked": torch._dynamo.maybe_mark_dynamic on the input's dims of size >= 2
                 torch._dynamo.reset()
                 f = torch.compile(lambda v: _chain(case.steps, v, shard), backend="aot_eager",
                                   dynamic=True if run == "compile_dynamic" else None)
@@ -1849,7 +1859,8 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         except Exception as e:  # noqa: BLE001
             if ref_err is not None:
                 return None  # both raise
-            if run.startswith("compile") and _compiled_plain(case.steps, x, run == "compile_dynamic", run == "compile_marked")[1] is not None:
+            if run.startswith("compile") and _compiled_plain(
+                    case.steps, x, run == "compile_dynamic", run == "compile_marked")[1] is not None:
                 return None  # torch.compile fails on the plain program too
             return f"shardfn raised {stage}where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
         if ref_err is not None and run.startswith("compile"):
@@ -1949,11 +1960,14 @@ def _relaid(case: Case, x: torch.Tensor, mesh: sf.Mesh) -> Any:
 
 
 def _marked(v: Any, x: torch.Tensor) -> Any:
-    """``v`` with ``torch._dynamo.mark_dynamic`` on the dims where ``x`` has 2 or more elements
-    (Dynamo specializes sizes 0 and 1)."""
-    dims = [i for i, s in enumerate(x.shape) if s >= 2]
-    if dims:
-        torch._dynamo.mark_dynamic(v, dims)
+    """``v`` with ``torch._dynamo.maybe_mark_dynamic`` on the dims where ``x`` has 2 or more
+    elements (Dynamo specializes sizes 0 and 1): traced with symbolic sizes from the first
+    call. (Not the strict ``mark_dynamic``: shardfn specializes the sizes of uneven layouts,
+    shard_map bodies and fallbacks, documented in docs/architecture.md, and Dynamo reports
+    that as a ConstraintViolationError.)"""
+    for i, s in enumerate(x.shape):
+        if s >= 2:
+            torch._dynamo.maybe_mark_dynamic(v, i)
     return v
 
 
@@ -2014,6 +2028,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--families: unknown or no family in {a.families!r}; known: {', '.join(known)}")
     again = (f" --modes {','.join(modes)}" if modes else "") + ("" if a.gen == GEN else f" --gen {a.gen}")
     again += f" --families {','.join(fams)}" if fams else ""
+    again += f" --compile {a.compile}" if a.compile != ap.get_default("compile") else ""
     if a.replay is not None:
         case = case_for_seed(a.replay, a.compile, modes, a.gen, fams)
         print(case.describe())

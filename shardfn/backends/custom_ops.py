@@ -306,6 +306,9 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
     if bound.get("is_causal"):
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if mask is not None:
+        full = tuple(torch.broadcast_shapes(scores.shape, mask.shape))
+        if full != tuple(scores.shape):  # torch's math path adds the mask in place: it may not grow the scores
+            raise RuntimeError(f"output with shape {list(scores.shape)} doesn't match the broadcast shape {list(full)}")
         scores = scores.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else scores + mask
     attn = torch.ops.aten._safe_softmax(scores, -1)
     return torch.matmul(torch.nn.functional.dropout(attn, float(p)) if p > 0.0 else attn, v)
