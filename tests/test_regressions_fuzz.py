@@ -1417,3 +1417,30 @@ def test_index_put_values_that_broadcast_under_vmap(spec, accumulate):
         if vals.dim() < 2:
             rows = torch.tensor([1, 0])
             _close(X.index_put((rows,), vals, accumulate=accumulate), x.index_put((rows,), vals, accumulate=accumulate))
+
+
+@pytest.mark.parametrize("op", ["clamp_", "clamp_min_", "pow_"])
+def test_fresh_buffer_written_under_autograd(op):
+    """autograd copies an in-place op's input before the write when its formula needs it
+    (clamp_, clamp_min_); that copy read the fresh clone and ended its freshness, so
+    ``x.clone().clamp_(-1, 1)`` with ``x`` requiring grad raised ImmutableError (seeds 52000068,
+    52000318 --gen 5 --families model). A copy keeps the value as it was; a read still ends it."""
+    mesh = sf.Mesh((2,), ("x",))
+    f = {"clamp_": lambda w: w.clamp_(-1, 1), "clamp_min_": lambda w: w.clamp_min_(0.1), "pow_": lambda w: w.pow_(2)}[op]
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = sf.distribute(x, P("x"), mesh=mesh).clone()
+    f(w)
+    (g,) = torch.autograd.grad(w.sum(), x)
+    xx = x.detach().clone().requires_grad_()
+    ww = xx.clone()
+    f(ww)
+    _close(w, ww.detach())
+    _close(g, torch.autograd.grad(ww.sum(), xx)[0])
+    b = sf.distribute(x.detach(), P("x"), mesh=mesh).clone()
+    copy = b.clone()
+    b.add_(1)
+    _close(copy, x.detach())
+    _close(b, x.detach() + 1)
+    _ = b * 2
+    with pytest.raises(sf.ImmutableError):
+        b.add_(1)

@@ -235,12 +235,15 @@ _READS: dict[Any, bool] = {}
 
 
 def reads_values(func: Any) -> bool:
-    """Whether ``func`` reads its array inputs' values: not a view, a write (judged by
-    ``run_mutating``), or a factory that takes only their metadata."""
+    """Whether ``func`` reads its array inputs' values in a way that ends a fresh buffer's
+    freshness: not a view, a write (judged by ``run_mutating``), a factory that takes only
+    their metadata, or a copy (``clone``: the copy holds the value as it was, as torch's
+    would, and the buffer may still be written; autograd copies an in-place op's input
+    before the write when its formula needs it, ``x.clone().clamp_(-1, 1)`` with ``x``
+    requiring grad)."""
     v = _READS.get(func)
     if v is None:
-        v = _READS[func] = not (is_view(func) or func._schema.is_mutable
-                                or (makes_fresh(func) and func.overloadpacket.__name__ in _FACTORIES))
+        v = _READS[func] = not (is_view(func) or func._schema.is_mutable or makes_fresh(func))
     return v
 
 
@@ -338,17 +341,18 @@ def _cast_error(func: Any, args: tuple, kwargs: dict, targets: list) -> str | No
         return None
     try:
         if name.endswith("_") and not name.endswith("__") and args and args[0] is written[0]:
-            packet = getattr(aten, name[:-1], None)
-            op = getattr(packet, func._overloadname, None) if packet is not None else None
-            if op is None:
+            packet = getattr(aten, name[:-1], None)  # the packet picks the overload by the arguments
+            if packet is None:                       # (``pow_.Scalar`` is ``pow.Tensor_Scalar``'s)
                 return None
-            out = op(*margs, **mkw)
+            out = packet(*margs, **mkw)
+            if not isinstance(out, torch.Tensor):
+                return None
             result, want = out.dtype, written[0].dtype
         else:
             func(*margs, **mkw)  # an out= op's meta checks its outputs' dtypes
             return None
     except RuntimeError as e:
-        return str(e) if "cast" in str(e) else None
+        return str(e) if "can't be cast" in str(e) else None
     except Exception:  # noqa: BLE001 - the stand-ins are not the op's business: the op itself decides
         return None
     if result == want or torch.can_cast(result, want):
