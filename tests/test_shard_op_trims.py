@@ -133,3 +133,26 @@ def test_stacked_matmul_under_vmap_runs_the_chain():
         stacked_matmul.matmul(x, y)  # the geometry of plain operands remembered
     got = torch.vmap(stacked_matmul.matmul)(a, b)
     torch.testing.assert_close(got, torch.matmul(a, b))
+
+
+@pytest.mark.parametrize("src,dst", [(P(), P("dp")), (P(), P("tp", "dp")), (P("dp"), P("dp", "tp")), (P("tp"), P("dp")),
+                                     (P(None, "tp"), P("dp", "tp"))])
+def test_warm_regrid_is_one_view_where_it_views(src, dst):
+    """A reshard between even layouts that only slices or reorders (no gather) is, warm, one
+    ``as_strided`` of the stacked value per step (the regrid's reshapes, selects and permute replayed);
+    the shards equal the first run's and the global value is unchanged."""
+    from shardfn.arrays.redistribute import raw_reshard
+    from shardfn.values.spec import to_layout
+
+    mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
+    t = torch.randn(8, 16)
+    layout = to_layout(dst, 2, mesh)
+    first = raw_reshard(sf.distribute(t, src, mesh=mesh), layout)
+    x = sf.distribute(t, src, mesh=mesh)
+    with TorchCalls() as mode:
+        warm = raw_reshard(x, layout)
+    assert torch.equal(warm, first) and warm.stride() == first.stride()
+    got = sf.ShardedArray(warm, layout, (8, 16), t.dtype).full_tensor()
+    assert torch.equal(got, t)
+    if first._base is not None:  # each regrid viewed the stacked value: one view per step of the plan
+        assert mode.calls and set(mode.calls) == {aten.as_strided.default}, mode.calls

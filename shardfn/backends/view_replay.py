@@ -14,23 +14,23 @@ _GEOMETRY: dict[tuple, tuple | None] = {}
 _GEOMETRY_MAX = 4096
 
 
-def replay(key: Any, x: torch.Tensor, chain: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``chain(x)``; where that is a view of ``x`` (no op of it copied), later calls with the same
-    ``key`` (which must fix the chain's ops) and ``x`` of the same sizes and strides run one
-    ``as_strided`` instead. Only plain tensors: fake, functional and functorch tensors (tracing,
+def replay(key: Any, x: torch.Tensor, chain: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+    """``chain(x, key)``; where that is a view of ``x`` (no op of it copied), later calls with an
+    equal ``key`` (which must fix the chain's ops: a plan's tuple, compared by value) and ``x`` of the
+    same sizes and strides run one ``as_strided`` instead. Only plain tensors: fake, functional and functorch tensors (tracing,
     transforms) run the chain, as do chains that copy (a reshape of a non-viewable layout)."""
     if not plain(x):
-        return chain(x)
+        return chain(x, key)
     k = (key, x.shape, x.stride())
     g = _GEOMETRY.get(k, _GEOMETRY)
     if g is _GEOMETRY:
-        y = chain(x)
+        y = chain(x, key)
         if len(_GEOMETRY) >= _GEOMETRY_MAX:
             _GEOMETRY.clear()
         _GEOMETRY[k] = geometry(x, y)
         return y
     if g is None:
-        return chain(x)
+        return chain(x, key)
     return x.as_strided(g[0], g[1], x.storage_offset() + g[2])
 
 
