@@ -156,3 +156,14 @@ def test_warm_regrid_is_one_view_where_it_views(src, dst):
     assert torch.equal(got, t)
     if first._base is not None:  # each regrid viewed the stacked value: one view per step of the plan
         assert mode.calls and set(mode.calls) == {aten.as_strided.default}, mode.calls
+
+
+def test_meta_products_run_the_chain():
+    """On meta tensors (a meta mesh), whose storages all read address 0, a fold that copies is not
+    taken for a view: a warm product has the sizes and strides of the first."""
+    a, b = torch.empty(2, 1, 8, 8, device="meta"), torch.empty(1, 4, 8, 3, device="meta")
+    stacked_matmul._FOLDS.clear()
+    first = stacked_matmul.matmul(a, b)
+    warm = stacked_matmul.matmul(a, b)
+    assert not stacked_matmul._FOLDS or all(g is None for g in stacked_matmul._FOLDS[next(iter(stacked_matmul._FOLDS))][:2])
+    assert warm.shape == first.shape == (2, 4, 8, 3) and warm.stride() == first.stride()

@@ -42,9 +42,11 @@ def plain(x: Any) -> bool:
 
 def geometry(x: torch.Tensor, y: torch.Tensor) -> tuple | None:
     """``y``'s sizes, strides and storage offset relative to ``x``'s, if ``y`` views ``x``'s memory
-    (same storage, same element size), else None."""
+    (the same storage: no op of the chain copied) with the same dtype and flags, else None. Meta
+    tensors (whose storages all read address 0) and empty ones are never taken for views; nor is
+    ``_base`` read: below ``__torch_dispatch__`` views record none."""
     if type(y) is not torch.Tensor or y.dtype != x.dtype or y.is_conj() != x.is_conj() or y.is_neg() != x.is_neg():
         return None
-    if x.numel() == 0 or y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+    if x.is_meta or x.numel() == 0 or y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
         return None
     return tuple(y.shape), y.stride(), y.storage_offset() - x.storage_offset()
