@@ -1374,6 +1374,11 @@ def test_attention_mask_may_not_grow_the_scores():
         Q, K = (sf.distribute(t, P("x"), mesh=mesh) for t in (q, k))
         with pytest.raises(RuntimeError, match="broadcast shape"):
             F.scaled_dot_product_attention(Q, K, K, attn_mask=sf.distribute(mask, P(), mesh=mesh))
+    # empty scores: torch returns without looking at the mask (seed 52000394 --gen 5 --families model)
+    q, mask = torch.randn(2, 1, 0, 6), torch.rand(5, 7) > 0.5
+    ref = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    Q = sf.distribute(q, P("x"), mesh=mesh)
+    _close(F.scaled_dot_product_attention(Q, Q, Q, attn_mask=sf.distribute(mask, P(), mesh=mesh)), ref)
 
 
 @pytest.mark.parametrize("case", ["mul_scalar", "div", "sqrt", "clamp", "bool_add", "cplx_mul", "out_add", "out_sin"])
