@@ -174,7 +174,7 @@ def measure(cfg: dict, config: str, steps: int) -> dict:
 def report(cfg: dict, results: dict) -> str:
     lines = [f"compiled (inductor) step's host work by part, size {cfg}, 1 thread, torch {torch.__version__}; "
              f"us: fastest step; calls: Python+C calls of one step",
-             f"{'configuration':16s}{'part':>14s}{'unsh. us':>10s}{'us':>9s}{'ratio':>7s}{'unsh. calls':>13s}"
+             f"{'configuration':16s}{'part':>14s}{'unsh. us':>10s}{'us':>9s}{'ratio':>9s}{'unsh. calls':>13s}"
              f"{'calls':>7s}{'ratio':>7s}"]
     for config, rows in results.items():
         (t0, n0), (t, n) = rows[None], rows[config]
@@ -182,12 +182,12 @@ def report(cfg: dict, results: dict) -> str:
             a, b = t0[part] * 1e6, t[part] * 1e6
             na, nb = n0.get(part), n.get(part)
             calls = f"{na:13d}{nb:7d}{nb / max(na, 1):6.2f}x" if na is not None else ""
-            ratio = f"{b / a:6.2f}x" if a else f"{'-':>7s}"
+            ratio = f"{b / a:8.2f}x" if a else f"{'-':>9s}"
             lines.append(f"{config:16s}{part:>14s}{a:10.1f}{b:9.1f}{ratio}{calls}")
         main = ("forward", "backward", "reshards", "update")
         a, b = sum(t0[p] for p in main) * 1e6, sum(t[p] for p in main) * 1e6
         na, nb = sum(n0[p] for p in main), sum(n[p] for p in main)
-        lines.append(f"{config:16s}{'step':>14s}{a:10.1f}{b:9.1f}{b / a:6.2f}x{na:13d}{nb:7d}{nb / na:6.2f}x")
+        lines.append(f"{config:16s}{'step':>14s}{a:10.1f}{b:9.1f}{b / a:8.2f}x{na:13d}{nb:7d}{nb / na:6.2f}x")
     lines.append("step = forward (its guard included) + backward + reshards + update; losses equal unsharded within 1e-5")
     return "\n".join(lines)
 
