@@ -1379,6 +1379,10 @@ def test_attention_mask_may_not_grow_the_scores():
     ref = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     Q = sf.distribute(q, P("x"), mesh=mesh)
     _close(F.scaled_dot_product_attention(Q, Q, Q, attn_mask=sf.distribute(mask, P(), mesh=mesh)), ref)
+    q, mask = torch.randn(1, 4, 7, 0), torch.rand(7, 0) > 0.5  # a head dim of 0 (seed 53002088)
+    Q = sf.distribute(q, P(None, "x"), mesh=mesh)
+    _close(F.scaled_dot_product_attention(Q, Q, Q, attn_mask=sf.distribute(mask, P(), mesh=mesh)),
+           F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
 
 
 @pytest.mark.parametrize("case", ["mul_scalar", "div", "sqrt", "clamp", "bool_add", "cplx_mul", "out_add", "out_sin"])

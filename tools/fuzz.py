@@ -1262,6 +1262,9 @@ def model(c: Ctx, x: torch.Tensor) -> Step | None:
     ii = c.aux(torch.randint(-size if size and k == 3 else 0, hi, (c.ch.integer(0, 3),), generator=c.gen))
     last = x.shape[-1] if n else 0
 
+    def up(v: Any) -> Any:
+        return v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+
     def fresh(v: Any) -> Any:  # a buffer nothing has read yet (torch code writes into such)
         return v.clone()
 
@@ -1359,11 +1362,12 @@ def model(c: Ctx, x: torch.Tensor) -> Step | None:
             v.shape[0], v.shape[1] * 2, *v.shape[2:])),
         "causal_softmax": (n >= 2 and real, lambda v, A: causal(v)),
         "masked_softmax": (n > 0 and real, lambda v, A: v.masked_fill(A(mk), torch.finfo(v.dtype).min).softmax(-1)),
-        "rmsnorm": (n > 0 and real, lambda v, A: (v.float() * torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+        # (upcasts: 16-bit to float32 only, as model code does; float64 stays, its tolerance is float64's)
+        "rmsnorm": (n > 0 and real, lambda v, A: (up(v) * torch.rsqrt(up(v).pow(2).mean(-1, keepdim=True) + 1e-6))
                     .to(v.dtype) * A(y)),
         "silu_mul": (real, lambda v, A: F.silu(v) * A(y)),
         "moe_route": (n > 0 and real and last > 0, lambda v, A: moe(v)),
-        "upcast_softmax": (n > 0 and real, lambda v, A: v.float().softmax(-1).to(v.dtype)),
+        "upcast_softmax": (n > 0 and real, lambda v, A: up(v).softmax(-1).to(v.dtype)),
         "arange_add": (n > 0 and num and x.dtype != torch.bool, lambda v, A: v + torch.arange(last).to(v.dtype)),
         "type_as": (True, lambda v, A: v.type_as(A(o)) + A(o) if o_dt != torch.bool else v.type_as(A(o))),
         "einsum_attn": (n == 4 and num and x.dtype != torch.bool, lambda v, A: torch.einsum("bhqd,bhkd->bhqk", v, A(y))),

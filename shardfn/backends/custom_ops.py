@@ -305,7 +305,7 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
     scores = torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
     if bound.get("is_causal"):
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    if mask is not None and scores.numel():  # (torch's kernels return empty scores unmasked, the mask unchecked)
+    if mask is not None and scores.numel() and v.size(-1):  # (an empty output: torch returns it, the mask unchecked)
         full = tuple(torch.broadcast_shapes(scores.shape, mask.shape))
         if full != tuple(scores.shape):  # torch's math path adds the mask in place: it may not grow the scores
             raise RuntimeError(f"output with shape {list(scores.shape)} doesn't match the broadcast shape {list(full)}")
