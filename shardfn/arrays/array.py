@@ -466,6 +466,15 @@ def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> N
     bind as graph inputs: "For root tracer, we only expect to bind basic symbols", a 3-d
     input with two dims sharded on a 2-d mesh, fuzzer seed 5728938585.)"""
     mesh = layout.mesh
+    # The mesh dims first: a constant (the axis size or 1), which ops guard on (batch_consistent).
+    # Dynamo gives them symbols, which duck sizing shares with an equal data dim (a mesh axis of 4
+    # and a global dim 4: both s33); pinned in mid-trace, that dim's size left AOTAutograd's output
+    # metadata of its first pass, where it was a symbol (a compiled-dynamic backward rebuilt an
+    # array from misaligned sizes: strides holding None, --gen 4 seed 35002315). Pinned here, as
+    # the input is made, every pass sees the constant.
+    for k in range(mesh.ndim):
+        if isinstance(local.shape[k], torch.SymInt):
+            _ft.static_int(local.shape[k])
     for d, (n, axes) in enumerate(zip(shape, layout.dims)):
         if isinstance(n, torch.SymInt):
             k = math.prod(mesh.axis_size(a) for a in axes)

@@ -204,4 +204,27 @@ def max_and_min_over_devices_keep_a_nan(mesh: sf.Mesh) -> None:
                 torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
 
 
+@scenario
+def complex_parts_of_a_pending_sum_add_component_by_component(mesh: sf.Mesh) -> None:
+    """Distinct complex parts of a pending sum, resolved and psum'd: the local backend added 2 to
+    8 parts with torch's complex ``add``, which computes ``a + 1 * b`` and turns ``(1.5-inf j) +
+    (1.5-inf j)`` into ``nan-inf j`` (fuzzer seed 35004348, a pcast's transpose); torch.sum of the
+    parts, and the dist backend's collectives, add component by component (``3-inf j``)."""
+    a = mesh.axis_names[0]
+    n = mesh.axis_size(a)
+    inf = float("inf")
+    row = [complex(1.5, -inf), complex(-inf, -inf), complex(inf, 2), complex(-0.0, -0.0), 1 - 2j]
+    parts = torch.tensor([row] * n, dtype=torch.complex128)
+    parts[-1, -1] = 3 + 0.5j
+    want = parts.sum(0, keepdim=True)
+    spec = P(None, partial={a: "sum"})
+    pend = sf.ShardedArray.from_local(shards_for([parts[mesh.coords(d)[0]:][:1] for d in range(mesh.size)], spec, mesh),
+                                      spec, mesh=mesh, shape=(1, len(row)))
+    x = sf.ShardedArray.from_local(shards_for(parts, P(a), mesh), P(a), mesh=mesh, shape=tuple(parts.shape))
+    summed = sf.shard_map(lambda b: sf.lax.psum(b, a), mesh=mesh, in_specs=(P(a),), out_specs=P())(x)
+    for got in (sf.reshard(pend, P()).full_tensor(), sf.reshard(pend, P(None, a)).full_tensor(), summed.full_tensor()):
+        assert torch.equal(torch.view_as_real(got).isnan(), torch.view_as_real(want).isnan()), (is_dist(mesh), got, want)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
 test_local, test_dist = collect(globals())
