@@ -191,13 +191,14 @@ def max_and_min_over_devices_keep_a_nan(mesh: sf.Mesh) -> None:
         parts[:, 4] = torch.tensor([-inf, 2.0, inf, -3.0] * n, dtype=dtype)[:n]
         want_max, want_min = parts.amax(0, keepdim=True), parts.amin(0, keepdim=True)
         x = sf.ShardedArray.from_local(shards_for(parts, P(a), mesh), P(a), mesh=mesh, shape=tuple(parts.shape))
-        for f, lax_op, want in ((torch.amax, sf.lax.pmax, want_max), (torch.amin, sf.lax.pmin, want_min)):
-            got = sf.shard_map(lambda b: lax_op(b, a), mesh=mesh, in_specs=(P(a),), out_specs=P())(x).full_tensor()
+        for lax_op, want in ((sf.lax.pmax, want_max), (sf.lax.pmin, want_min)):
+            got = sf.shard_map(lambda b, op=lax_op: op(b, a), mesh=mesh, in_specs=(P(a),), out_specs=P())(x).full_tensor()
             assert torch.equal(got.isnan(), want.isnan()), (is_dist(mesh), dtype, lax_op, got, want)
             torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
         for op, want in (("max", want_max), ("min", want_min)):
-            pend = sf.ShardedArray.from_local(shards_for([parts[mesh.coords(d)[0]:][:1] for d in range(mesh.size)],
-                                                         P(None, partial={a: op}), mesh), P(None, partial={a: op}), mesh=mesh, shape=(1, 5))
+            spec = P(None, partial={a: op})
+            rows = [parts[mesh.coords(d)[0]:][:1] for d in range(mesh.size)]
+            pend = sf.ShardedArray.from_local(shards_for(rows, spec, mesh), spec, mesh=mesh, shape=(1, 5))
             for dst in (P(), P(None, a)):
                 got = sf.reshard(pend, dst).full_tensor()
                 assert torch.equal(got.isnan(), want.isnan()), (is_dist(mesh), dtype, op, dst, got, want)
