@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_TENSOR = torch.Tensor
 
 _GEOMETRY: dict[tuple, tuple | None] = {}
 _GEOMETRY_MAX = 4096
@@ -19,7 +20,7 @@ def replay(key: Any, x: torch.Tensor, chain: Callable[[torch.Tensor, Any], torch
     equal ``key`` (which must fix the chain's ops: a plan's tuple, compared by value) and ``x`` of the
     same sizes and strides run one ``as_strided`` instead. Only plain tensors: fake, functional and functorch tensors (tracing,
     transforms) run the chain, as do chains that copy (a reshape of a non-viewable layout)."""
-    if not plain(x):
+    if type(x) is not _TENSOR or _is_wrapped(x):  # (``plain``, inlined: every warm regrid takes this)
         return chain(x, key)
     k = (key, x.shape, x.stride())
     g = _GEOMETRY.get(k, _GEOMETRY)
