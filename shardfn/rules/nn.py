@@ -339,5 +339,8 @@ TABLE = {
     aten.pixel_shuffle: Leading(("self",), _pixel_lead),
     aten.pixel_unshuffle: Leading(("self",), _pixel_lead),
     **{getattr(aten, n): _POOL for n in _POOL_OPS if hasattr(aten, n)},
-    aten.embedding_dense_backward: Leading(("grad_output", "indices"), _embedding_bwd_lead, batched_outs=()),
+    # a sum of grad_output rows (by index): a pending grad_output passes through (BERT's position
+    # embeddings, broadcast over a batch split over dp: their gradient stays pending, as DDP's)
+    aten.embedding_dense_backward: Leading(("grad_output", "indices"), _embedding_bwd_lead, linear=("grad_output",),
+                                           batched_outs=()),
 }
