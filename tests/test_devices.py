@@ -32,6 +32,16 @@ def test_from_local_moves_shards_onto_the_mesh_device(meta_mesh: sf.Mesh) -> Non
     assert _devices(x) == {"meta"} and x.shape == (4, 6)
 
 
+def test_from_local_replicated_over_an_axis_on_a_meta_mesh(meta_mesh: sf.Mesh) -> None:
+    # replicas are compared for equal values; meta shards hold none, so only shapes are checked
+    for shards in ([torch.randn(2, 6) for _ in range(4)], [torch.empty(2, 6, device="meta") for _ in range(4)]):
+        x = sf.ShardedArray.from_local(shards, P("dp"), mesh=meta_mesh)
+        assert _devices(x) == {"meta"} and x.shape == (4, 6) and x.spec == P("dp")
+    with pytest.raises(sf.ShardingError, match="shard"):
+        sf.ShardedArray.from_local([torch.empty(2, 6, device="meta")] * 3 + [torch.empty(3, 6, device="meta")],
+                                   P("dp"), mesh=meta_mesh)
+
+
 def test_factories_and_random_on_the_mesh_device(meta_mesh: sf.Mesh) -> None:
     for x in (sf.zeros((4, 6), sharding=P("dp", "tp"), mesh=meta_mesh),
               sf.random.normal(sf.random.key(0), (4, 6), sharding=P("dp"), mesh=meta_mesh)):

@@ -1293,6 +1293,9 @@ def test_pixel_unshuffle_of_an_empty_input_has_torchs_shape(shape, spec):
     lambda v: torch.quantile(v, 0.7),
     lambda v: v.clone().lerp_(v * 2, 0.25),
     lambda v: v.clone().mul_(v).add_(1),
+    lambda v: v.clone().pow_(3),  # pow_.Scalar's out-of-place overload is pow.Tensor_Scalar, not pow.Scalar
+    lambda v: (v.abs() + 1).pow_(v),
+    lambda v: torch.linalg.vector_norm(v.reshape(9, 1), ord=3, dim=1),  # runs pow_ (seed 5764625075)
 ])
 def test_inplace_ops_under_forward_ad_match_torch_and_leave_torch_sound(fn):
     """``jacfwd``/``jvp`` through an in-place op on a split array (seeds 5760009717, 5762093798):

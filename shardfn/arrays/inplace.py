@@ -326,11 +326,7 @@ def _out_of_place(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
     x = targets[0] if len(targets) == 1 else None
     if x is None or not args or args[0] is not x or "_view_of" in x.__dict__:
         return None
-    name = func._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.endswith("__"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    op = getattr(packet, func._overloadname, None) if packet is not None else None
+    op = _functional_overload(func)
     if op is None:
         return None
     new = op(*args, **kwargs)
@@ -340,6 +336,29 @@ def _out_of_place(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
         _rebind(x, new)
         _regenerate_views(x)
     return x
+
+
+@functools.lru_cache(maxsize=None)
+def _functional_overload(func: Any) -> Any:
+    """The out-of-place overload of an in-place op (``pow_.Scalar`` -> ``pow.Tensor_Scalar``):
+    the one taking the same arguments (names, types, keyword-only) and returning one tensor;
+    overload names do not always agree (``pow.Scalar`` takes a Scalar base). None if none."""
+    name = func._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    if packet is None:
+        return None
+    want = _signature(func)
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        if _signature(op) == want and len(op._schema.returns) == 1 and not op._schema.is_mutable:
+            return op
+    return None
+
+
+def _signature(op: Any) -> tuple:
+    return tuple((a.name, str(a.type), a.kwarg_only) for a in op._schema.arguments)
 
 
 # torch's error for a write into a tensor some of whose elements share memory (``expand``)

@@ -55,7 +55,10 @@ def _no_values(t: torch.Tensor) -> bool:
 
 def _values(value: torch.Tensor, indent: int) -> str:
     """``value`` as torch prints a tensor, without the ``tensor(`` around it, indented."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RuntimeError:  # torch's repr unpacks forward-AD duals, which asserts below autograd (inside dispatch)
+        return torch._tensor_str._tensor_str(value, indent)
     if not (text.startswith("tensor(") and text.endswith(")")):
         return text
     return text[len("tensor("):-1].replace("\n" + " " * len("tensor("), "\n" + " " * indent)
