@@ -91,6 +91,8 @@ def sdpa_via(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, att
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k, v = _repeat_kv(q, k, v)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if kernel in ("flash", "cudnn") and q.shape[-1] != v.shape[-1]:
+        kernel = "efficient"  # as CUDA's dispatcher: only the efficient kernel takes a value head dim of its own (MLA)
     if kernel == "flash" and attn_mask is None:
         return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     if kernel == "cudnn":
