@@ -183,8 +183,10 @@ def test_tp_loss_gradients_and_counts(name: str, mode: str) -> None:
         pytest.skip("eager attention under torch.func: test_eager_attention_under_func")
     cc = _backward(name, mode)
     total = MEGATRON[name][1] * LAYERS + 1
-    if name == "olmo2":  # the qk-norm backward statistics arrive as reduce_scatter of the gradient
-        assert cc.total == total and set(cc.counts) <= {"all_reduce", "reduce_scatter"}, cc
+    if name == "olmo2":  # the qk-norm backward statistics may arrive as reduce_scatter of the gradient;
+        # post-norm (no norm before attention): the first layer's q/k/v input gradient goes straight
+        # into the embedding's gradient, which stays pending over tp as over dp: one fewer
+        assert cc.total == total - 1 and set(cc.counts) <= {"all_reduce", "reduce_scatter"}, cc
     else:
         assert dict(cc.counts) == {"all_reduce": total}, cc
 
