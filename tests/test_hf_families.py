@@ -22,7 +22,8 @@ out. Expected counts per layer, by block structure (the loss adds one scalar all
   decoder architecture: fused query_key_value grouped per kv head);
 - OLMo2: q_norm/k_norm normalise the whole q/k projection (across heads), so a split
   projection needs its sum of squares all-reduced: forward 2 + 2 small, backward 2 + 2
-  small (shardfn issues the two backward ones as reduce_scatter of the gradient).
+  small, less one: OLMo2 is post-norm, so the first layer's q/k/v input gradient goes
+  straight into the embedding's gradient, which stays pending (over tp as over dp).
 
 Fused projections: GPT-NeoX's and Bloom's query_key_value are laid out per head (the
 output is viewed as (heads, 3, head_dim)) and Falcon's per kv-head group, so the plain
