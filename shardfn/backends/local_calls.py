@@ -34,7 +34,14 @@ def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], pos
     if batched is None:
         return per_device
     return StackedCall(batched, per_device, call.mesh, cand.out_layouts, positional, canon,
-                       _copy_dims(func, call.mesh, cand.in_layouts))
+                       _copy_dims(func, call.mesh, cand.in_layouts), _returns_alias(func))
+
+
+def _returns_alias(func: Any) -> bool:
+    """Whether ``func`` is a view op (an output aliases an input): its batched form is one view
+    of the stacked value, where running it once on device 0's part adds an index and an unsqueeze."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
 
 
 def _copy_dims(func: Any, mesh: Mesh, layouts: Sequence[Any]) -> tuple[int, ...]:
@@ -63,7 +70,7 @@ class StackedCall:
     keeps_symbolic = True
 
     def __init__(self, fn: Any, per_device: "PerDeviceCall", mesh: Mesh, layouts: tuple, positional: tuple | None,
-                 canon: tuple, copy_dims: tuple[int, ...] = ()) -> None:
+                 canon: tuple, copy_dims: tuple[int, ...] = (), view: bool = False) -> None:
         self.fn, self.per_device, self.mesh, self.layouts, self.positional = fn, per_device, mesh, layouts, positional
         self.copy_dims = copy_dims  # where inputs that are equal parts everywhere are cut to one (``_copies``)
         self.mode = "batched"  # -> "full" -> "per_device" as calls show what the op supports
@@ -78,11 +85,12 @@ class StackedCall:
         self.bound: tuple | None = None
         self.fn_static = bool(getattr(fn, "static", False))
         # canonical inputs and outputs the same on every device (a 1-device mesh, a fully
-        # replicated computation), and a batched form that is more than the aten op itself:
-        # ``lean`` runs device 0's call on the squeezed values instead
+        # replicated computation), and a batched form that is more than the aten op itself
+        # and more than one view (``view``: a view op's batched form is one view, as ``t`` is a
+        # ``transpose``): ``lean`` runs device 0's call on the squeezed values instead
         same = all(n == 1 for sizes in canon for n in sizes) and all(
             l is None or all(n == 1 for n in canonical_sizes(l)) for l in layouts)
-        adapted = not isinstance(batched_direct, torch._ops.OpOverload)
+        adapted = not isinstance(batched_direct, torch._ops.OpOverload) and not view
         self.once = per_device.device_call if same and adapted and positional is not None else None
         self.once_direct = raw_op(self.once.direct) if self.once is not None else None
         self.first = 0 if self.m == 1 else (0,) * self.m

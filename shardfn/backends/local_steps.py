@@ -12,6 +12,7 @@ import torch
 from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, device_box, is_even, local_shapes
 from ..values.mesh import Mesh
+from .view_replay import replay
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim, reduce_parts,
                            replica_of, sum_neutral, sum_of_copies, varying)
 
@@ -24,6 +25,10 @@ def run_step(step: Step, value: Value, shape: tuple[int, ...], dtype: torch.dtyp
     such values only take the stacked path, which keeps the sizes symbolic."""
     mesh = step.src.mesh
     if not isinstance(value, tuple) and is_even(step.dst, shape):
+        if step.kind in _REGRID_KINDS and sym_shape is None:
+            out = _regrid_compact(step.src, step.dst, shape, value, _cut(step.dst))
+            if out is not None:
+                return out
         if step.kind in _REGRID_KINDS:
             out = _regrid(step.src, step.dst, shape, full(value, mesh), sym_shape)
         else:
@@ -82,9 +87,9 @@ def _move(src: Layout, dst: Layout, value: Value, shape: tuple[int, ...]) -> Val
     are even and stacked, else by routing each distinct destination shard's pieces."""
     mesh = src.mesh
     if not isinstance(value, tuple) and is_even(dst, shape):
-        out = _regrid(src, dst, shape, full(value, mesh))
+        out = _regrid_compact(src, dst, shape, value, _cut(dst))
         if out is not None:
-            return compact(out, dst)
+            return out
     return _run_routes(_routes(src, dst, shape), parts(value, mesh), dst, shape)
 
 
@@ -129,6 +134,42 @@ def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor,
                 return None
             split_shape[tail[0]] = sym_shape[d] // tail[1]
             final[m + d] = sym_shape[d] // _prod(src.mesh, dst.dims[d])
+    return _chain(x, (split_shape, drops, order, bcast, final, tails))
+
+
+def _cut(layout: Layout) -> tuple[int, ...]:
+    """The mesh dims :func:`compact` cuts to size 1 for ``layout``."""
+    return tuple(k for k, v in enumerate(varying(layout)) if not v)
+
+
+def _regrid_compact(src: Layout, dst: Layout, shape: tuple[int, ...], value: torch.Tensor,
+                    cut: tuple[int, ...]) -> torch.Tensor | None:
+    """``compact(_regrid(src, dst, shape, full(value)), dst)`` (``cut``: :func:`_cut` of ``dst``) for
+    concrete sizes; the plan, the mesh's shape and ``cut`` fix the chain of views, so a warm one
+    that views ``value`` is one ``as_strided`` (``view_replay``). None where there is no regrid."""
+    plan = _regrid_plan(src, dst, shape)
+    if plan is None:
+        return None
+    if plan == "empty":
+        return compact(_regrid(src, dst, shape, full(value, src.mesh)), dst)
+    return replay((plan, src.mesh.shape, cut), value, _full_chain)
+
+
+def _full_chain(x: torch.Tensor, key: tuple) -> torch.Tensor:
+    plan, mesh_shape, cut = key
+    m = len(mesh_shape)
+    if tuple(x.shape[:m]) != mesh_shape:  # ``full``
+        x = x.expand(*mesh_shape, *x.shape[m:])
+    y = _chain(x, plan)
+    for k in cut:  # ``compact``
+        if y.shape[k] != 1:
+            y = y.narrow(k, 0, 1)
+    return y
+
+
+def _chain(x: torch.Tensor, plan: tuple) -> torch.Tensor:
+    """``_regrid``'s reshape, selects, permute, unsqueezes, expand and reshape."""
+    split_shape, drops, order, bcast, final, _ = plan
     y = x.reshape(split_shape)
     for pos in drops:
         y = y.select(pos, 0)
@@ -328,10 +369,10 @@ def compile_plan(steps: Sequence[Step], shape: tuple[int, ...]) -> Callable[[Val
         if isinstance(value, tuple):
             return None
         for ai, a, b, cut in compiled:
-            if ai is None:  # a regrid: ``a`` the step, ``b`` the shape
-                value = _regrid(a.src, a.dst, b, full(value, a.src.mesh))
-            else:  # an all-reduce over mesh dim ``ai`` of mesh ``a`` by op ``b``
-                value = _reduce_axis(value, ai, a, b)
+            if ai is None:  # a regrid: ``a`` the step, ``b`` the shape (and the cut)
+                value = _regrid_compact(a.src, a.dst, b, value, cut)
+                continue
+            value = _reduce_axis(value, ai, a, b)  # an all-reduce over mesh dim ``ai`` of mesh ``a`` by op ``b``
             for k in cut:
                 if value.shape[k] != 1:
                     value = value.narrow(k, 0, 1)

@@ -218,14 +218,18 @@ def _added(x: torch.Tensor, dim: int) -> torch.Tensor:
     reduction tree would. 16-bit floats take the sum kernel (it accumulates in float32)."""
     g = x.shape[dim]
     if g <= 4:
-        total = torch.add(x.narrow(dim, 0, 1), x.narrow(dim, 1, 1))
-        for i in range(2, g):
-            total.add_(x.narrow(dim, i, 1))
+        first, second, *rest = x.split_with_sizes((1,) * g, dim)  # the parts as views: one op, not a narrow each
+        total = torch.add(first, second)
+        for part in rest:
+            total.add_(part)
         return total
     h = g // 2
-    total = torch.add(x.narrow(dim, 0, h), x.narrow(dim, g - h, h))
     if g % 2:
-        total = torch.cat([total, x.narrow(dim, h, 1)], dim)
+        low, mid, high = x.split_with_sizes((h, 1, h), dim)
+        total = torch.cat([torch.add(low, high), mid], dim)
+    else:
+        low, high = x.split_with_sizes((h, h), dim)
+        total = torch.add(low, high)
     return _added(total, dim) if total.shape[dim] > 1 else total
 
 

@@ -7,6 +7,11 @@ from typing import Sequence
 
 import torch
 
+from .view_replay import geometry, plain
+
+_TENSOR = torch.Tensor
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
 
 def matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """``torch.matmul(a, b)`` of stacked operands (both at least 2-d, leading dims
@@ -26,7 +31,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor
         a = a.view((1,) * (rb - ra) + tuple(a.shape))
     elif rb < ra:
         b = b.view((1,) * (ra - rb) + tuple(b.shape))
-    plan = _cached_plan(a, b)
+    key = (a.shape, b.shape, a.stride(), b.stride())
+    plan = _cached_plan(a, b, key)
     if plan is None:
         if alpha != 1 and all(n == 1 for n in (*a.shape[:-2], *b.shape[:-2])):  # one GEMM, scaled by it
             out = _mm(a.view(a.shape[-2:]), b.view(b.shape[-2:]), alpha)
@@ -38,17 +44,45 @@ def matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor
             return torch.matmul(a, b.reshape(b_shape[1:]))
         rows = a.reshape(-1, a.shape[-1])  # a view: ``direct`` says the leading dims chain
         return _mm(rows, b.reshape(b_shape[1:]), alpha).view(*a.shape[:-1], b.shape[-1])
-    if a_order is not None:
-        a = a.permute(a_order)
-    if b_order is not None:
-        b = b.permute(b_order)
-    if a_shape[0] != 1:
-        a, b = a.reshape(a_shape), b.reshape(b_shape)
-        out = torch.bmm(a, b) if alpha == 1 else torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
-    else:  # one GEMM: no batch dim to add and take off again
-        out = _mm(a.reshape(a_shape[1:]), b.reshape(b_shape[1:]), alpha)
-    out = out.view(out_shape)
-    return out if out_order is None else out.permute(out_order)
+    folds = _FOLDS.get(key) if type(a) is _TENSOR and type(b) is _TENSOR and not (_wrapped(a) or _wrapped(b)) else None
+    if folds is not None:  # an operand's permute and reshape, and the output's view and permute, as one view each
+        ga, gb, (so, to) = folds
+        fa = _fold(a, a_order, a_shape) if ga is None else a.as_strided(ga[0], ga[1], a.storage_offset() + ga[2])
+        fb = _fold(b, b_order, b_shape) if gb is None else b.as_strided(gb[0], gb[1], b.storage_offset() + gb[2])
+        if a_shape[0] != 1:
+            out = torch.bmm(fa, fb) if alpha == 1 else torch.baddbmm(fa.new_empty(()), fa, fb, beta=0, alpha=alpha)
+        else:
+            out = torch.mm(fa, fb) if alpha == 1 else _mm(fa, fb, alpha)
+        if out.is_contiguous():  # (a GEMM's fresh output: always)
+            return out.as_strided(so, to)
+        out = out.view(out_shape)
+        return out if out_order is None else out.permute(out_order)
+    fa = _fold(a, a_order, a_shape)
+    fb = _fold(b, b_order, b_shape)
+    out = _gemm(fa, fb, alpha)
+    res = out.view(out_shape)
+    res = res if out_order is None else res.permute(out_order)
+    if plain(a) and plain(b) and out.is_contiguous() and out.storage_offset() == 0:
+        if len(_FOLDS) >= _PLANS_MAX:
+            _FOLDS.clear()
+        # (an operand whose fold copies, a reshape of dims that do not merge: None, folded as above)
+        _FOLDS[key] = (geometry(a, fa), geometry(b, fb), (tuple(res.shape), res.stride()))
+    return res
+
+
+def _fold(x: torch.Tensor, order: Sequence[int] | None, shape: tuple) -> torch.Tensor:
+    """An operand's leading dims folded (a view where the plan was made: ``_mergeable``); one
+    GEMM's operand (no batch dim) where the plan has no common dims."""
+    if order is not None:
+        x = x.permute(order)
+    return x.reshape(shape if shape[0] != 1 else shape[1:])
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """bmm of folded operands with a batch dim, else one mm (no batch dim to add and take off again)."""
+    if a.dim() == 3:
+        return torch.bmm(a, b) if alpha == 1 else torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+    return _mm(a, b, alpha)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -95,12 +129,16 @@ def summed(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int], scale: float =
 _PLANS: dict[tuple, tuple | None] = {}
 _PLANS_MAX = 4096
 _UNSET = object()
+# per plan key: the folded operands' and the output's geometry (``view_replay.geometry``), where
+# every fold was a view, on plain tensors: warm calls run one ``as_strided`` per operand and output
+_FOLDS: dict[tuple, tuple] = {}
 
 
-def _cached_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
-    """:func:`_fold_plan`, remembered per (shapes, strides), of which it is a pure function
+def _cached_plan(a: torch.Tensor, b: torch.Tensor, key: tuple | None = None) -> tuple | None:
+    """:func:`_fold_plan`, remembered per (shapes, strides) ``key``, of which it is a pure function
     (every warm simulated matmul would otherwise recompute it in Python)."""
-    key = (a.shape, b.shape, a.stride(), b.stride())
+    if key is None:
+        key = (a.shape, b.shape, a.stride(), b.stride())
     try:
         plan = _PLANS.get(key, _UNSET)
     except TypeError:  # symbolic sizes do not hash; _fold_plan leaves them to torch.matmul
