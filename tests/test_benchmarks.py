@@ -12,9 +12,9 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _run(script: str) -> str:
+def _run(script: str, *args: str) -> str:
     env = dict(os.environ, SHARDFN_BENCH_QUICK="1", PYTHONPATH=str(BENCH.parent))
-    proc = subprocess.run([sys.executable, str(BENCH / script)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -37,6 +37,15 @@ def test_bench_sim_checks_losses_and_prints_ratios() -> None:
     for config in ("dp (8,)", "dp x tp (2, 4)", "dp of (2, 4)"):
         row = next(line for line in out.splitlines() if line.startswith(config))
         assert len(row.split()) >= 7 and all(float(v.rstrip("x")) > 0 for v in row.split()[-6:])
+    assert "losses equal unsharded" in out
+
+
+def test_bench_compiled_host_splits_the_compiled_step() -> None:
+    out = _run("bench_compiled_host.py", "--config", "dp (8,)")
+    rows = {line[16:30].strip(): line.split() for line in out.splitlines() if line.startswith("dp (8,)")}
+    assert set(rows) == {"guard", "forward", "fwd graph", "fwd rewrap", "backward", "bwd graph", "bwd rewrap",
+                         "bwd dispatch", "reshards", "update", "step"}
+    assert float(rows["step"][-1].rstrip("x")) > 1 and float(rows["bwd rewrap"][-2]) > 0  # sharded: more calls; rewraps
     assert "losses equal unsharded" in out
 
 

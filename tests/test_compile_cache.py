@@ -26,7 +26,8 @@ w = sf.distribute(torch.linspace(-1, 1, 48).reshape(8, 6), P(None, "y"), mesh=me
 f = lambda x, w: x @ w
 out = torch.compile(f, backend="inductor", fullgraph=True)(x, w)
 print("RESULT", json.dumps({"inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"]),
-      "err": (out.full_tensor() - f(x, w).full_tensor()).abs().max().item(), "spec": str(out.spec)}))
+      "err": (out.full_tensor() - f(x, w).full_tensor()).abs().max().item(), "spec": str(out.spec),
+      "same_mesh": out.mesh is mesh}))
 """
 
 
@@ -45,6 +46,8 @@ def test_second_process_hits_the_fx_graph_cache(tmp_path):
     second = _compile_in_fresh_process(tmp_path)
     for run in (first, second):
         assert run["err"] == 0.0 and run["spec"] == "P('x', 'y')", run
+        # the loaded program's outputs are on the caller's mesh object (an unpickled mesh is the live one)
+        assert run["same_mesh"], run
         assert run["inductor"].get("fxgraph_cache_bypass", 0) == 0, run
         assert run["aot"].get("autograd_cache_bypass", 0) == 0, run
     assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1, second

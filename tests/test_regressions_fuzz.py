@@ -1312,3 +1312,143 @@ def test_inplace_ops_under_forward_ad_match_torch_and_leave_torch_sound(fn):
     _close(tangent, want_t)
     z = sf.distribute(torch.arange(8.0), P("x"), mesh=sf.Mesh((2, 2, 2), ("x", "y", "z")))
     _close(torch.vmap(lambda v: v ** 2)(z), torch.arange(8.0) ** 2)  # the op that segfaulted next
+
+
+# -- forward-mode AD through shardfn's custom ops (generator 5, family "model") -----------------
+
+
+@pytest.mark.parametrize("kind", ["einsum", "einsum_rhs", "matmul", "rms_norm_weight"])
+def test_forward_ad_through_batched_contract_and_rms_norm(kind):
+    """A 4-d einsum/matmul (``shardfn::contract``) or rms_norm (``shardfn::rms_norm``) with one
+    operand a captured array: torch ran the custom op without a forward formula and dropped
+    the tangent (0 where torch gives t @ y; fuzzer seed 50000587 --gen 5 --families model)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x, t, y = (torch.randn(1, 2, 2, 3, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(3, dtype=torch.float64)
+    fs = {
+        "einsum": (lambda v, o: torch.einsum("bhqd,bhkd->bhqk", v, o), y),
+        "einsum_rhs": (lambda v, o: torch.einsum("bhqd,bhkd->bhqk", o, v), y),
+        "matmul": (lambda v, o: o @ v.mT, y),
+        "rms_norm_weight": (lambda v, o: F.rms_norm(v, (3,), o), w),
+    }
+    f, other = fs[kind]
+    X, T = (sf.distribute(v, P(None, "x"), mesh=mesh) for v in (x, t))
+    O = sf.distribute(other, P(None, "x") if other.dim() == 4 else P(), mesh=mesh)
+    ref, rtan = torch.func.jvp(lambda v: f(v, other), (x,), (t,))
+    out, tan = torch.func.jvp(lambda v: f(v, O), (X,), (T,))
+    _close(out, ref)
+    _close(tan, rtan)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        _close(fwAD.unpack_dual(f(fwAD.make_dual(X, T), O)).tangent, rtan)
+    _close(torch.func.hessian(lambda v: f(v, O).pow(2).sum())(X), torch.func.hessian(lambda v: f(v, other).pow(2).sum())(x))
+
+
+def test_addmm_addend_must_expand_to_the_product():
+    """torch's meta kernel of addmm takes a bias that does not expand to (m, n) and gives the
+    bias's shape; CPU's kernel raises: F.linear with 5 biases on 1 output column returned
+    (3, 5) (fuzzer, --gen 5 --families model: seeds 50002006, 50001573)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x, w, b = torch.randn(3, 4), torch.randn(1, 4), torch.randn(5)
+    X, W, B = (sf.distribute(t, P(), mesh=mesh) for t in (x, w, b))
+    with pytest.raises(RuntimeError, match="expanded size"):
+        F.linear(x, w, b)
+    with pytest.raises(RuntimeError, match="expanded size"):
+        F.linear(X, W, B)
+    with pytest.raises(RuntimeError, match="expanded size"):
+        torch.addmm(sf.distribute(torch.randn(9, 0), P(), mesh=mesh), sf.distribute(torch.randn(9, 0), P(), mesh=mesh),
+                    sf.distribute(torch.randn(0, 1), P(), mesh=mesh))
+    _close(torch.addmm(B[:2], X, sf.distribute(torch.randn(4, 2), P(None, "x"), mesh=mesh)).shape, torch.Size([3, 2]))
+
+
+def test_attention_mask_may_not_grow_the_scores():
+    """torch's math attention adds the mask in place into the (L, S) scores: a mask of (1, 8)
+    against scores of (1, 1) raises there; shardfn's math path broadcast it to (L, 8) (seed
+    50002536 --gen 5 --families model)."""
+    mesh = sf.Mesh((2,), ("x",))
+    q, k = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
+    for mask in (torch.rand(1, 8) > 0.3, torch.rand(1, 8)):
+        with pytest.raises(RuntimeError, match="broadcast shape"):
+            F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        Q, K = (sf.distribute(t, P("x"), mesh=mesh) for t in (q, k))
+        with pytest.raises(RuntimeError, match="broadcast shape"):
+            F.scaled_dot_product_attention(Q, K, K, attn_mask=sf.distribute(mask, P(), mesh=mesh))
+    # empty scores: torch returns without looking at the mask (seed 52000394 --gen 5 --families model)
+    q, mask = torch.randn(2, 1, 0, 6), torch.rand(5, 7) > 0.5
+    ref = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    Q = sf.distribute(q, P("x"), mesh=mesh)
+    _close(F.scaled_dot_product_attention(Q, Q, Q, attn_mask=sf.distribute(mask, P(), mesh=mesh)), ref)
+
+
+@pytest.mark.parametrize("case", ["mul_scalar", "div", "sqrt", "clamp", "bool_add", "cplx_mul", "out_add", "out_sin"])
+def test_pointwise_writes_keep_torchs_casting_rule(case):
+    """A pointwise in-place or out= op whose result type cannot be cast safely to the written
+    dtype raises in torch (TensorIterator's rule); a fresh array's functional update cast it
+    silently (int ``clone().mul_(1.5)`` gave [0, 1, 3, 4]; seeds 50000262, 50000355 --gen 5
+    --families model). Safe ones still run."""
+    mesh = sf.Mesh((2,), ("x",))
+    i = torch.arange(4, dtype=torch.int32)
+    fs = {
+        "mul_scalar": lambda v: v.clone().mul_(1.5),
+        "div": lambda v: v.clone().div_(2),
+        "sqrt": lambda v: v.clone().sqrt_(),
+        "clamp": lambda v: v.clone().clamp_(-0.5, 0.5),
+        "bool_add": lambda v: (v > 1).clone().add_(1),
+        "cplx_mul": lambda v: v.float().clone().mul_(1j),
+        "out_add": lambda v: torch.add(v, 1.5, out=torch.empty_like(v)),
+        "out_sin": lambda v: torch.sin(v, out=torch.empty_like(v)),
+    }
+    with pytest.raises(RuntimeError, match="cast"):
+        fs[case](i)
+    with pytest.raises(RuntimeError, match="cast"):
+        fs[case](sf.distribute(i, P("x"), mesh=mesh))
+    I = sf.distribute(i, P("x"), mesh=mesh)
+    _close(I.clone().mul_(3), i * 3)
+    _close(I.clone().div_(2, rounding_mode="floor"), i // 2)
+    _close(I.half().clone().mul_(1.5), i.half() * 1.5)
+    _close(torch.mul(I, 2, out=torch.empty_like(I, dtype=torch.float32)), i * 2.0)
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "x"), P("x"), P(None, "x")])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_index_put_values_that_broadcast_under_vmap(spec, accumulate):
+    """vmap's batching rule hands index_put a 0-d value as (B, 1, 1): the rule split its size-1
+    dims like the indexed result's (3 over 2 devices: a value of width 0 on one; seeds 50000332,
+    50002153 --gen 5 --families model)."""
+    mesh = sf.Mesh((2,), ("x",))
+    x, idx = torch.randn(2, 4, 3), torch.tensor([1, 3])
+    X = sf.distribute(x, spec, mesh=mesh)
+    for vals in (torch.ones(()), torch.ones(3), torch.ones(2, 1), torch.ones(1, 3)):
+        f = functools.partial(lambda v, vals: v.clone().index_put_((idx,), vals, accumulate=accumulate), vals=vals)
+        _close(torch.func.vmap(f)(X), torch.func.vmap(f)(x))
+        if vals.dim() < 2:
+            rows = torch.tensor([1, 0])
+            _close(X.index_put((rows,), vals, accumulate=accumulate), x.index_put((rows,), vals, accumulate=accumulate))
+
+
+@pytest.mark.parametrize("op", ["clamp_", "clamp_min_", "pow_"])
+def test_fresh_buffer_written_under_autograd(op):
+    """autograd copies an in-place op's input before the write when its formula needs it
+    (clamp_, clamp_min_); that copy read the fresh clone and ended its freshness, so
+    ``x.clone().clamp_(-1, 1)`` with ``x`` requiring grad raised ImmutableError (seeds 52000068,
+    52000318 --gen 5 --families model). A copy keeps the value as it was; a read still ends it."""
+    mesh = sf.Mesh((2,), ("x",))
+    f = {"clamp_": lambda w: w.clamp_(-1, 1), "clamp_min_": lambda w: w.clamp_min_(0.1), "pow_": lambda w: w.pow_(2)}[op]
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = sf.distribute(x, P("x"), mesh=mesh).clone()
+    f(w)
+    (g,) = torch.autograd.grad(w.sum(), x)
+    xx = x.detach().clone().requires_grad_()
+    ww = xx.clone()
+    f(ww)
+    _close(w, ww.detach())
+    _close(g, torch.autograd.grad(ww.sum(), xx)[0])
+    b = sf.distribute(x.detach(), P("x"), mesh=mesh).clone()
+    copy = b.clone()
+    b.add_(1)
+    _close(copy, x.detach())
+    _close(b, x.detach() + 1)
+    _ = b * 2
+    with pytest.raises(sf.ImmutableError):
+        b.add_(1)

@@ -46,13 +46,20 @@ SIZES = [0, 1, 2, 3, 4, 5, 7, 8]
 # "smap3" op families and the jacrev / jacfwd / vmap_mid / hessian modes.
 # Version 4 (``--gen 4``) adds adversarial input values: some inputs hold inf, -inf, nan, -0.0
 # or large values (``sprinkle``) where no pending sum holds them.
+# Version 5 (``--gen 5``) adds 6- and 7-device meshes (more uneven and zero-size shards), uint8
+# and int16 inputs, the "model" op family (writes into fresh buffers, attention variants, rotary
+# embeddings, MoE routing, ...) and the vmap_sharded (the batch dim split over a mesh axis) and
+# compile_marked (``torch._dynamo.maybe_mark_dynamic`` on the input) modes; it draws version 4's
+# adversarial values too.
 GEN = 3
 MESH_SHAPES_2 = MESH_SHAPES + [(1, 8), (8, 1), (2, 1, 4), (4, 1, 2), (3, 2)]
 SIZES_2 = SIZES + [6, 9]
 MESH_SHAPES_3 = MESH_SHAPES_2 + [(3, 3), (16,), (2, 2, 3), (5,), (4, 4), (1, 1)]
 SIZES_3 = SIZES_2 + [12]
+MESH_SHAPES_5 = MESH_SHAPES_3 + [(6,), (7,), (1, 7), (3, 2, 1), (6, 1)]
 FLOATS = [torch.float64, torch.float32, torch.complex128]
 DTYPES = FLOATS * 3 + [torch.complex64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8, torch.bool]
+DTYPES_5 = DTYPES + [torch.uint8, torch.int16]
 
 
 # ops whose CPU kernel is not bit-reproducible run to run on the same input (checked on torch 2.13,
@@ -210,6 +217,8 @@ class Step:
     # its rounding is in (seed 5749668960: bfloat16 84.0 against torch's 84.5, one ulp, is a
     # factor e^0.5 after exp)
     inverse: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # a write into a buffer (``clone``/``zeros_like`` then an in-place op, ``x[i] = v``, ``out=``)
+    mutates: bool = False
 
 
 @dataclass
@@ -1220,6 +1229,192 @@ def wide(c: Ctx, x: torch.Tensor) -> Step | None:
     return None
 
 
+@op("model", since=5)
+def model(c: Ctx, x: torch.Tensor) -> Step | None:
+    """Generator 5: what model code does that the older families do not: writes into a fresh
+    buffer (``clone`` / ``zeros_like`` then ``add_``, ``x[i] = v``, ``masked_fill_``,
+    ``index_put_``, ``copy_``, ``out=``; torch's in-place type rules), attention variants
+    (causal, masks, GQA), rotary embeddings, manual RMSNorm, MoE routing, label smoothing and
+    ignore_index, padding_idx, batched products, and the unary/binary ops models use."""
+    n = x.dim()
+    d = _dim(c, x)
+    dd = d if d is not None else 0
+    k = c.ch.integer(0, 3)
+    real, cplx, num = x.dtype.is_floating_point, x.dtype.is_complex, _num(x.dtype)
+    intg = not real and not cplx and num
+    fl = x.dtype in (torch.float32, torch.float64)
+    name = c.ch.choice(
+        ["add_", "mul_scalar_", "copy_", "fill_", "zero_", "masked_fill_", "clamp_", "setitem_slice", "setitem_index",
+         "setitem_mask", "index_put_", "narrow_mul_", "select_add_", "t_add_", "scatter_", "index_add_", "out_add",
+         "lerp_", "addcmul_", "div_", "zeros_like_add_", "rsqrt", "erf", "cos", "log1p", "expm1", "floor", "ceil",
+         "trunc", "asinh", "atan", "gelu_tanh", "minimum", "fmax", "lt", "ne", "logical_or", "bitwise_xor", "bmm",
+         "matmul_batched", "addmm", "baddbmm_t", "sdpa_causal", "sdpa_mask", "sdpa_gqa", "ce_smooth", "ce_ignore",
+         "embedding_pad", "rope_complex", "rotate_half", "repeat_kv", "causal_softmax", "masked_softmax", "rmsnorm",
+         "silu_mul", "moe_route", "upcast_softmax", "arange_add", "type_as", "einsum_attn", "max_idx", "where_finfo",
+         "cumsum_positions", "dropout_eval", "clamp_min", "pow_half", "norm_keep", "mean_neg"]
+    )
+    y = c.aux(make_tensor(tuple(x.shape), x.dtype, c.gen), partial=c.ch.chance(0.2))
+    o_dt = c.ch.choice([x.dtype, torch.float32, torch.int64, torch.bool])
+    o = c.aux(make_tensor(tuple(x.shape), o_dt, c.gen))
+    mk = c.aux(torch.rand(tuple(x.shape), generator=c.gen) > 0.5)
+    size = x.shape[dd] if n else 0
+    hi = max(size, 1) + (2 if c.ch.chance(0.15) else 0)
+    ii = c.aux(torch.randint(-size if size and k == 3 else 0, hi, (c.ch.integer(0, 3),), generator=c.gen))
+    last = x.shape[-1] if n else 0
+
+    def fresh(v: Any) -> Any:  # a buffer nothing has read yet (torch code writes into such)
+        return v.clone()
+
+    def then(f: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def g(w: Any) -> Any:
+            f(w)
+            return w
+        return g
+
+    def inplace(f: Callable[[Any, Any], Any]) -> Callable:
+        return lambda v, A: then(lambda w: f(w, A))(fresh(v))
+
+    def rope(v: Any) -> Any:
+        h = v.shape[-1] // 2
+        ang = torch.arange(h, dtype=torch.float64) * 0.3 + 0.1
+        freqs = torch.polar(torch.ones(h, dtype=torch.float64), ang).to(torch.complex128 if v.dtype == torch.float64
+                                                                          else torch.complex64)
+        z = torch.view_as_complex(v.reshape(*v.shape[:-1], h, 2)) * freqs
+        return torch.view_as_real(z).flatten(-2)
+
+    def rotate_half(v: Any) -> Any:
+        a, b = v.chunk(2, -1)
+        cos = torch.cos(torch.arange(v.shape[-1], dtype=v.dtype))
+        return v * cos + torch.cat((-b, a), -1) * torch.sin(torch.arange(v.shape[-1], dtype=v.dtype))
+
+    def causal(v: Any) -> Any:
+        s = v.shape[-1]
+        mask = torch.full((s, s), float("-inf"), dtype=v.dtype).triu(1)
+        return (v[..., :s, :] + mask[: v.shape[-2]] if v.shape[-2] <= s else v[..., :s, :] + mask).softmax(-1)
+
+    def moe(v: Any) -> Any:
+        probs = v.softmax(-1)
+        top, idx = probs.topk(min(2, v.shape[-1]), -1)
+        return torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))
+
+    sdpa_mask = c.aux(torch.rand(tuple(x.shape[-2:]) if n >= 2 else (), generator=c.gen) > 0.3)
+    odd = k % 2 == 1
+    fns: dict[str, tuple[bool, Callable]] = {
+        "add_": (num, inplace(lambda w, A: w.add_(A(o)))),
+        "mul_scalar_": (num, inplace(lambda w, A: w.mul_(2.5 if real or cplx else 3))),
+        "copy_": (True, inplace(lambda w, A: w.copy_(A(o)))),
+        "fill_": (True, inplace(lambda w, A: w.fill_(True if x.dtype == torch.bool else 3))),
+        "zero_": (True, inplace(lambda w, A: w.zero_())),
+        "masked_fill_": (True, inplace(lambda w, A: w.masked_fill_(A(mk), float("-inf") if real or cplx else 1))),
+        "clamp_": (num and not cplx, inplace(lambda w, A: w.clamp_(-1, 1))),
+        "setitem_slice": (n > 0, inplace(lambda w, A: w.__setitem__((slice(None),) * (dd % n) + (slice(k, None, 2),),
+                                                                    A(o)[(slice(None),) * (dd % n) + (slice(k, None, 2),)]))),
+        "setitem_index": (n > 0, inplace(lambda w, A: w.__setitem__(A(ii), A(o)[0] if x.shape[0] else 1))),
+        "setitem_mask": (True, inplace(lambda w, A: w.__setitem__(A(mk), 0))),
+        # (accumulate a Python bool drawn here: ``k % 2 == 1`` computed in the traced call is a SymBool under
+        # dynamic=True, which index_put_ refuses: a graph break in torch, with or without shardfn)
+        "index_put_": (n > 0, inplace(lambda w, A: w.index_put_((A(ii),), torch.ones((), dtype=w.dtype), accumulate=odd))),
+        "narrow_mul_": (n > 0 and num, inplace(lambda w, A: w.narrow(dd, min(1, size), max(size - 1, 0)).mul_(3))),
+        "select_add_": (n > 0 and size > 0 and num, inplace(lambda w, A: w.select(dd, -1).add_(A(o).select(dd, 0)))),
+        "t_add_": (n == 2 and num, inplace(lambda w, A: w.t().add_(A(o).t()))),
+        "scatter_": (n > 0 and size > 0, None),
+        "index_add_": (n > 0 and num, None),
+        "out_add": (num, lambda v, A: torch.add(v, A(o), out=torch.empty_like(v))),
+        "lerp_": (real or cplx, inplace(lambda w, A: w.lerp_(A(y), 0.3))),
+        "addcmul_": (num and x.dtype != torch.bool, inplace(lambda w, A: w.addcmul_(A(y), A(y), value=2))),
+        "div_": (num, inplace(lambda w, A: w.div_(2))),
+        "zeros_like_add_": (num, lambda v, A: then(lambda z: z.add_(v))(torch.zeros_like(v))),
+        "rsqrt": (real, lambda v, A: torch.rsqrt(v.abs() + 0.5)),
+        "erf": (real, lambda v, A: torch.erf(v)),
+        "cos": (real or cplx, lambda v, A: torch.cos(v)),
+        "log1p": (real, lambda v, A: torch.log1p(v.abs())),
+        "expm1": (real or cplx, lambda v, A: torch.expm1(v)),
+        "floor": (num and not cplx, lambda v, A: torch.floor(v * 2)),
+        "ceil": (num and not cplx, lambda v, A: torch.ceil(v * 2)),
+        "trunc": (num and not cplx, lambda v, A: torch.trunc(v * 2)),
+        "asinh": (real or cplx, lambda v, A: torch.asinh(v)),
+        "atan": (real, lambda v, A: torch.atan(v)),
+        "gelu_tanh": (real, lambda v, A: F.gelu(v, approximate="tanh")),
+        "minimum": (not cplx, lambda v, A: torch.minimum(v, A(o))),
+        "fmax": (real, lambda v, A: torch.fmax(v, A(y))),
+        "lt": (not cplx, lambda v, A: v < A(o)),
+        "ne": (True, lambda v, A: v != A(o)),
+        "logical_or": (True, lambda v, A: torch.logical_or(v, A(o))),
+        "bitwise_xor": (intg or x.dtype == torch.bool, lambda v, A: torch.bitwise_xor(v, A(y))),
+        "bmm": (n == 3 and num and x.dtype != torch.bool, lambda v, A: torch.bmm(v, A(y).mT)),
+        "matmul_batched": (n >= 3 and num and x.dtype != torch.bool, lambda v, A: v @ A(y).mT),
+        "addmm": (n == 2 and num and x.dtype != torch.bool, lambda v, A: torch.addmm(A(y)[:, :1], v, A(y).mT[:, :1],
+                                                                                       beta=0.5)),
+        "baddbmm_t": (n == 3 and num and x.dtype != torch.bool, lambda v, A: torch.baddbmm(A(y) @ A(y).mT, v, v.mT)),
+        "sdpa_causal": (n == 4 and real, lambda v, A: F.scaled_dot_product_attention(v, A(y), A(y), is_causal=True)),
+        "sdpa_mask": (n == 4 and real, lambda v, A: F.scaled_dot_product_attention(v, A(y), v, attn_mask=A(sdpa_mask))),
+        "sdpa_gqa": (n == 4 and real and x.shape[1] % 2 == 0 and x.shape[1] > 0,
+                     lambda v, A: F.scaled_dot_product_attention(v, A(y)[:, ::2], A(y)[:, 1::2], enable_gqa=True)),
+        "ce_smooth": (n in (1, 2) and real, None),
+        "ce_ignore": (n in (2, 3) and real, None),
+        "embedding_pad": (n == 2 and real and x.shape[0] > 0, None),
+        "rope_complex": (n > 0 and fl and last % 2 == 0, lambda v, A: rope(v)),
+        "rotate_half": (n > 0 and real and last % 2 == 0, lambda v, A: rotate_half(v)),
+        "repeat_kv": (n == 4, lambda v, A: v[:, :, None].expand(v.shape[0], v.shape[1], 2, *v.shape[2:]).reshape(
+            v.shape[0], v.shape[1] * 2, *v.shape[2:])),
+        "causal_softmax": (n >= 2 and real, lambda v, A: causal(v)),
+        "masked_softmax": (n > 0 and real, lambda v, A: v.masked_fill(A(mk), torch.finfo(v.dtype).min).softmax(-1)),
+        "rmsnorm": (n > 0 and real, lambda v, A: (v.float() * torch.rsqrt(v.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+                    .to(v.dtype) * A(y)),
+        "silu_mul": (real, lambda v, A: F.silu(v) * A(y)),
+        "moe_route": (n > 0 and real and last > 0, lambda v, A: moe(v)),
+        "upcast_softmax": (n > 0 and real, lambda v, A: v.float().softmax(-1).to(v.dtype)),
+        "arange_add": (n > 0 and num and x.dtype != torch.bool, lambda v, A: v + torch.arange(last).to(v.dtype)),
+        "type_as": (True, lambda v, A: v.type_as(A(o)) + A(o) if o_dt != torch.bool else v.type_as(A(o))),
+        "einsum_attn": (n == 4 and num and x.dtype != torch.bool, lambda v, A: torch.einsum("bhqd,bhkd->bhqk", v, A(y))),
+        "max_idx": (n > 0 and size > 0 and not cplx and num, lambda v, A: v.max(dd)[1]),
+        "where_finfo": (real, lambda v, A: torch.where(A(mk), v, torch.finfo(v.dtype).min)),
+        "cumsum_positions": (n > 0, lambda v, A: (v != 0).long().cumsum(-1) - 1),
+        "dropout_eval": (real, lambda v, A: F.dropout(v, 0.5, training=False)),
+        "clamp_min": (real or intg, lambda v, A: v.clamp_min(0.5 if real else 1)),
+        "pow_half": (real, lambda v, A: v.abs().pow(0.5)),
+        "norm_keep": (n > 0 and (real or cplx), lambda v, A: v.norm(dim=-1, keepdim=True)),
+        "mean_neg": (n > 0 and (real or cplx), lambda v, A: v.mean(-1, keepdim=True)),
+    }
+    ok, f = fns[name]
+    if not ok:
+        return None
+    desc = f"{name}(d={d}, k={k}, y={y.desc}, o={o.desc}, mask={mk.desc}, idx={ii.plain.tolist()} {ii.desc})"
+    if f is not None:
+        return Step(name, f, desc, mutates=name.endswith("_") or name.startswith("setitem") or name == "out_add")
+    if name == "scatter_":
+        gi = c.aux(torch.randint(0, hi, tuple(x.shape), generator=c.gen))
+        return Step(name, inplace(lambda w, A: w.scatter_(dd, A(gi), A(y))), f"scatter_(d={dd}, {gi.desc}, src={y.desc})",
+                    mutates=True)
+    if name == "index_add_":
+        m = c.ch.integer(0, 3)
+        jj = c.aux(torch.randint(0, hi, (m,), generator=c.gen))
+        src = c.aux(make_tensor([*x.shape[:dd], m, *x.shape[dd + 1:]], x.dtype, c.gen))
+        return Step(name, lambda v, A: then(lambda z: z.index_add_(dd, A(jj), A(src)))(torch.zeros_like(v)) + v,
+                    f"zeros_like(x).index_add_(d={dd}, idx={jj.plain.tolist()} {jj.desc}, src={src.desc}) + x", mutates=True)
+    if name == "ce_smooth":
+        ncls = x.shape[-1]
+        t = c.aux(torch.randint(0, max(ncls, 1) + (1 if c.ch.chance(0.1) else 0), x.shape[:-1], generator=c.gen))
+        smooth = 0.1 * (k + 1)
+        return Step(name, lambda v, A: F.cross_entropy(v, A(t), label_smoothing=smooth),
+                    f"cross_entropy(target={t.plain.tolist()} {t.desc}, label_smoothing={smooth:.1f})")
+    if name == "ce_ignore":
+        ncls = x.shape[1]
+        tshape = (x.shape[0], *x.shape[2:])
+        tt = torch.randint(0, max(ncls, 1), tshape, generator=c.gen)
+        tt = torch.where(torch.rand(tshape, generator=c.gen) > 0.6, -100, tt)
+        t = c.aux(tt)
+        red = ["mean", "sum", "none", "mean"][k]
+        return Step(name, lambda v, A: F.cross_entropy(v, A(t), ignore_index=-100, reduction=red),
+                    f"cross_entropy(target={t.plain.tolist()} {t.desc}, ignore_index=-100, reduction={red})")
+    if name == "embedding_pad":
+        jj = c.aux(torch.randint(0, x.shape[0], (c.ch.integer(1, 3), 2), generator=c.gen))
+        pad = c.ch.integer(0, x.shape[0] - 1)
+        return Step(name, lambda v, A: F.embedding(A(jj), v, padding_idx=pad),
+                    f"embedding(x as weight, idx={jj.plain.tolist()} {jj.desc}, padding_idx={pad})")
+    return None
+
+
 @op("smap3", since=3)
 def smap3(c: Ctx, x: torch.Tensor) -> Step | None:
     """Generator 3: shard_map in its other spellings (in_specs=None, axis_names subsets, smap,
@@ -1339,7 +1534,7 @@ class Case:
 
 
 MODES = ("value", "grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad", "compile", "compile_dynamic",
-         "vmap_mid", "jacrev", "jacfwd", "hessian")
+         "vmap_mid", "jacrev", "jacfwd", "hessian", "vmap_sharded", "compile_marked")
 
 
 def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0,
@@ -1352,11 +1547,12 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
     allows ("value" where none does); ``version`` is the generator's (``GEN``: older seeds
     replay under the version that found them)."""
     gen = torch.Generator().manual_seed(seed if seed is not None else ch.integer(0, 2**31))
-    mshape = ch.choice(mesh_shapes or (MESH_SHAPES_3 if version >= 3 else MESH_SHAPES_2 if version >= 2 else MESH_SHAPES))
+    mshape = ch.choice(mesh_shapes or (MESH_SHAPES_5 if version >= 5 else MESH_SHAPES_3 if version >= 3
+                                       else MESH_SHAPES_2 if version >= 2 else MESH_SHAPES))
     mesh = sf.Mesh(mshape, NAMES[: len(mshape)], backend=backend)
     ndim = ch.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])
     shape = tuple(ch.choice(SIZES_3 if version >= 3 else SIZES_2 if version >= 2 else SIZES) for _ in range(ndim))
-    dtype = ch.choice(DTYPES)
+    dtype = ch.choice(DTYPES_5 if version >= 5 else DTYPES)
     x = make_tensor(shape, dtype, gen)
     # pending sums of random parts: in 16-bit floats the parts' rounding alone exceeds any tolerance
     spec = draw_spec(ch, mesh, ndim, partial=dtype not in (torch.bool, torch.float16, torch.bfloat16) and ch.chance(0.3))
@@ -1395,10 +1591,12 @@ def draw_case(ch: Chooser, seed: int | None = None, *, compile_rate: float = 0.0
         choices += ["vmap_last"] + (["vmap_grad"] if grads else [])
     if version >= 3 and backend == "local" and not getattr(spec, "partial", None):
         choices += ["vmap_mid"] + (["jacrev", "jacfwd", "hessian"] if grads else [])
+    if version >= 5 and backend == "local" and not getattr(spec, "partial", None):
+        choices += ["vmap_sharded"]
     modes_here = set(choices)
     mode = ch.choice(choices)
     if compile_rate and ch.chance(compile_rate):
-        mode = ch.choice(["compile", "compile_dynamic"])
+        mode = ch.choice(["compile", "compile_dynamic"] + (["compile_marked"] if version >= 5 else []))
     if modes is not None and mode not in modes:
         allowed = [m for m in modes if m in modes_here or m.startswith("compile")]
         mode = ch.choice(allowed) if allowed else "value"
@@ -1454,6 +1652,12 @@ def _compare(got: Any, ref: Any, what: str, input_dtype: torch.dtype,
         # |a - b| of complex values with an infinite component is nan: compare the components
         # (seed 35001673, --gen 4: -inf + 0.52...13j against -inf + 0.52...12j)
         got, ref = torch.view_as_real(got.detach().resolve_conj()), torch.view_as_real(ref.detach().resolve_conj())
+        # an entry non-finite in both with a nan component in either: products of infinite
+        # complex values are kernel-dependent (torch's own matmul gives -inf+infj for one shape
+        # and nan+nanj for a slice of it; seed 50001804 --gen 5 --families model)
+        loose = (~torch.isfinite(got).all(-1) & ~torch.isfinite(ref).all(-1)
+                 & (torch.isnan(got).any(-1) | torch.isnan(ref).any(-1))).unsqueeze(-1)
+        got, ref = got.masked_fill(loose, 0), ref.masked_fill(loose, 0)
     try:
         torch.testing.assert_close(got.detach(), ref.detach(), equal_nan=True, check_dtype=False, **tol)
     except AssertionError as e:
@@ -1543,7 +1747,7 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             and run in ("jvp", "vjp")
         ):
             run = "value" if run in ("grad", "func_grad", "jvp", "vjp", "vmap", "vmap_last", "vmap_grad", "vmap_mid",
-                                     "jacrev", "jacfwd", "hessian") else run
+                                     "jacrev", "jacfwd", "hessian", "vmap_sharded") else run
         if run in ("jacrev", "jacfwd", "hessian") and (
             not ref.dtype.is_floating_point or x.numel() > 48 or ref.numel() > 48 or x.dim() == 0 and run == "hessian"
         ):
@@ -1564,7 +1768,7 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             elif run == "vjp":
                 rout, rfn = torch.func.vjp(lambda v: _chain(case.steps, v, plain), x)
                 rg = (rout, rfn(ct)[0])
-            elif run == "vmap":
+            elif run in ("vmap", "vmap_sharded"):
                 rg = torch.func.vmap(lambda v: _chain(case.steps, v, plain))(xb)
             elif run == "vmap_last":
                 rg = torch.func.vmap(lambda v: _chain(case.steps, v, plain), in_dims=-1)(xb)
@@ -1592,14 +1796,15 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 got = _chain(case.steps, X, shard)
             elif run.startswith("compile"):
                 # "compile": torch's default (static, then automatic dynamic sizes on a recompile)
+                # "compile_marked": torch._dynamo.maybe_mark_dynamic on the input's dims of size >= 2
                 torch._dynamo.reset()
                 f = torch.compile(lambda v: _chain(case.steps, v, shard), backend="aot_eager",
                                   dynamic=True if run == "compile_dynamic" else None)
-                got = f(X)
+                got = f(_marked(X, x) if run == "compile_marked" else X)
                 # the same value in another layout: the guards on the layout recompile the program
                 X2 = _relaid(case, x, mesh)
                 stage = "after a sharding change (recompiled) "
-                got2 = f(X2) if X2 is not None else None
+                got2 = f(_marked(X2, x) if run == "compile_marked" else X2) if X2 is not None else None
                 stage = ""
             elif run == "grad":
                 xs = x.clone().requires_grad_()
@@ -1623,6 +1828,14 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 XB = sf.distribute(xb, P(*tuple(case.spec), *([None] * (x.dim() - len(case.spec))), None), mesh=mesh)
                 got = torch.func.vmap(lambda v: _chain(case.steps, v, shard), in_dims=-1)(XB)
                 _compare(*_undone_pair(case, got, rg, "vmap(in_dims=-1)"), "vmap(in_dims=-1)", prec, _inverse(case))
+                got = _chain(case.steps, X, shard)
+            elif run == "vmap_sharded":
+                # the batch dim split over a mesh axis the example's layout leaves free (if any)
+                used = {a for e in case.spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+                free = [a for a in mesh.axis_names if a not in used]
+                XB = sf.distribute(xb, P(free[0] if free else None, *tuple(case.spec)), mesh=mesh)
+                got = torch.func.vmap(lambda v: _chain(case.steps, v, shard))(XB)
+                _compare(*_undone_pair(case, got, rg, "vmap(batch sharded)"), "vmap(batch sharded)", prec, _inverse(case))
                 got = _chain(case.steps, X, shard)
             elif run == "vmap_mid":
                 ents = list(case.spec) + [None] * (x.dim() - len(case.spec))
@@ -1648,13 +1861,14 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         except Exception as e:  # noqa: BLE001
             if ref_err is not None:
                 return None  # both raise
-            if run.startswith("compile") and _compiled_plain(case.steps, x, run == "compile_dynamic")[1] is not None:
+            if run.startswith("compile") and _compiled_plain(
+                    case.steps, x, run == "compile_dynamic", run == "compile_marked")[1] is not None:
                 return None  # torch.compile fails on the plain program too
             return f"shardfn raised {stage}where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
         if ref_err is not None and run.startswith("compile"):
             # torch.compile on plain tensors skips some eager kernels' checks too (its decompositions:
             # an empty F.interpolate(mode="linear") returns): the oracle is then the compiled program
-            ref, ref_err = _compiled_plain(case.steps, x, run == "compile_dynamic")
+            ref, ref_err = _compiled_plain(case.steps, x, run == "compile_dynamic", run == "compile_marked")
         if ref_err is not None:
             return f"torch raised {type(ref_err).__name__}: {str(ref_err)[:200]}; shardfn returned {got!r}"[:600]
         raw_ref = ref
@@ -1747,13 +1961,26 @@ def _relaid(case: Case, x: torch.Tensor, mesh: sf.Mesh) -> Any:
     return lay_out(x, spec, mesh, torch.Generator().manual_seed(11))
 
 
-def _compiled_plain(steps: list[Step], x: torch.Tensor, dynamic: bool) -> tuple[Any, Exception | None]:
+def _marked(v: Any, x: torch.Tensor) -> Any:
+    """``v`` with ``torch._dynamo.maybe_mark_dynamic`` on the dims where ``x`` has 2 or more
+    elements (Dynamo specializes sizes 0 and 1): traced with symbolic sizes from the first
+    call. (Not the strict ``mark_dynamic``: shardfn specializes the sizes of uneven layouts,
+    shard_map bodies and fallbacks, documented in docs/architecture.md, and Dynamo reports
+    that as a ConstraintViolationError.)"""
+    for i, s in enumerate(x.shape):
+        if s >= 2:
+            torch._dynamo.maybe_mark_dynamic(v, i)
+    return v
+
+
+def _compiled_plain(steps: list[Step], x: torch.Tensor, dynamic: bool,
+                    marked: bool = False) -> tuple[Any, Exception | None]:
     """The program compiled as the ShardedArray one was, on the plain tensor: (value, None),
     or (None, what it raised)."""
     torch._dynamo.reset()
     try:
         f = torch.compile(lambda v: _chain(steps, v, lambda a: a.plain), backend="aot_eager", dynamic=dynamic)
-        return f(x), None
+        return f(_marked(x.clone(), x) if marked else x), None
     except Exception as e:  # noqa: BLE001
         return None, e
 
@@ -1803,6 +2030,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--families: unknown or no family in {a.families!r}; known: {', '.join(known)}")
     again = (f" --modes {','.join(modes)}" if modes else "") + ("" if a.gen == GEN else f" --gen {a.gen}")
     again += f" --families {','.join(fams)}" if fams else ""
+    again += f" --compile {a.compile}" if a.compile != ap.get_default("compile") else ""
     if a.replay is not None:
         case = case_for_seed(a.replay, a.compile, modes, a.gen, fams)
         print(case.describe())

@@ -34,6 +34,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 _no_torch_function = torch._C._disabled_torch_function_impl
+_SymInt = torch.SymInt
 _tf_call = threading.local()
 """``args``: the id of the ``self`` of the Tensor-method ``__torch_function__`` call running on this thread."""
 
@@ -203,6 +204,14 @@ class ShardedArray(torch.Tensor):
         offset = rest[0] if rest else 0
         local = tuple(inner[f"_part_{i}"] for i in range(len(inner))) if is_parts else inner["_local"]
         like = local[0] if is_parts else local
+        if _SymInt not in map(type, outer_size) and (outer_stride is None or _SymInt not in map(type, outer_stride)):
+            # concrete sizes (a compiled graph's outputs, rewrapped on every call): nothing to
+            # specialise or tie to the shards, so the array is built as an op's output is
+            dtype = like.dtype
+            if layout.partial and not dtype.is_floating_point:  # (max/min/avg take every float)
+                check_partial_dtype(layout, dtype)
+            return _wrap_output(local, layout, tuple(outer_size), dtype, None,
+                                (None if outer_stride is None else tuple(outer_stride), offset or None))
         # Symbolic sizes (torch.compile dynamic dims) stay symbolic: sharding propagation
         # plans from their hints (see dispatch.py); only even, stacked layouts support them.
         outer_size = tuple(outer_size)

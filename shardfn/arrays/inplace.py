@@ -235,12 +235,15 @@ _READS: dict[Any, bool] = {}
 
 
 def reads_values(func: Any) -> bool:
-    """Whether ``func`` reads its array inputs' values: not a view, a write (judged by
-    ``run_mutating``), or a factory that takes only their metadata."""
+    """Whether ``func`` reads its array inputs' values in a way that ends a fresh buffer's
+    freshness: not a view, a write (judged by ``run_mutating``), a factory that takes only
+    their metadata, or a copy (``clone``: the copy holds the value as it was, as torch's
+    would, and the buffer may still be written; autograd copies an in-place op's input
+    before the write when its formula needs it, ``x.clone().clamp_(-1, 1)`` with ``x``
+    requiring grad)."""
     v = _READS.get(func)
     if v is None:
-        v = _READS[func] = not (is_view(func) or func._schema.is_mutable
-                                or (makes_fresh(func) and func.overloadpacket.__name__ in _FACTORIES))
+        v = _READS[func] = not (is_view(func) or func._schema.is_mutable or makes_fresh(func))
     return v
 
 
@@ -297,12 +300,71 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
             raise immutable_error(func)
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
             raise ShardingRuntimeError(_OVERLAP)  # as torch's kernels: the functional update would sum the copies
+    if not accumulating:
+        _check_cast(func, args, kwargs, targets)
     note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
     if _forward_ad_live():
         done = _out_of_place(func, args, kwargs, targets)
         if done is not None:
             return done
     return _functionalized(func, args, kwargs, targets)
+
+
+_CASTS: dict = {}  # (op, operand dtypes and kinds) -> the error torch raises, or None
+
+
+def _check_cast(func: Any, args: tuple, kwargs: dict, targets: list) -> None:
+    """torch's rule for pointwise in-place and ``out=`` ops (TensorIterator's): the computed
+    result type must cast safely to the written tensor's dtype (``int.mul_(1.5)``,
+    ``torch.add(i, 0.5, out=i)`` raise). The functional update casts whatever it computes, so
+    the rule is asked of torch: the op on meta stand-ins of the operands' dtypes and ranks
+    (values and shapes play no part in it), once per such signature."""
+    if torch.Tag.pointwise not in func.tags:
+        return
+    flat = [*args, *kwargs.values()]
+    key = (func, tuple((a.dtype, a.dim() == 0) if isinstance(a, torch.Tensor) else type(a) for a in flat))
+    if key not in _CASTS:
+        _CASTS[key] = _cast_error(func, args, kwargs, targets)
+    if _CASTS[key] is not None:
+        raise RuntimeError(_CASTS[key])
+
+
+def _cast_error(func: Any, args: tuple, kwargs: dict, targets: list) -> str | None:
+    """The message of torch's unsafe-cast error for this call, or None where the cast is safe."""
+    def meta(a: Any) -> Any:
+        return torch.empty((1,) * a.dim(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+
+    margs, mkw = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
+    name = func._schema.name.split("::")[-1]
+    written = [a for a in targets if isinstance(a, torch.Tensor)]
+    if not written:
+        return None
+    try:
+        if name.endswith("_") and not name.endswith("__") and args and args[0] is written[0]:
+            packet = getattr(aten, name[:-1], None)  # the packet picks the overload by the arguments
+            if packet is None:                       # (``pow_.Scalar`` is ``pow.Tensor_Scalar``'s)
+                return None
+            out = packet(*margs, **mkw)
+            if not isinstance(out, torch.Tensor):
+                return None
+            result, want = out.dtype, written[0].dtype
+        else:
+            func(*margs, **mkw)  # an out= op's meta checks its outputs' dtypes
+            return None
+    except RuntimeError as e:
+        return str(e) if "can't be cast" in str(e) else None
+    except Exception:  # noqa: BLE001 - the stand-ins are not the op's business: the op itself decides
+        return None
+    if result == want or torch.can_cast(result, want):
+        return None
+    return f"result type {_dtype_name(result)} can't be cast to the desired output type {_dtype_name(want)}"
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    """torch's C++ name of a dtype (``Float``, ``Long``, ``ComplexDouble``)."""
+    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+            torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}.get(d, str(d))
 
 
 def _forward_ad_live() -> bool:

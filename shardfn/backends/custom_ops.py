@@ -126,13 +126,23 @@ def _einsum_equation(args: tuple) -> tuple[str, Any, Any] | None:
     return eq, ops[0], ops[1]
 
 
+def _forward_ad() -> bool:
+    """Whether forward-mode AD is on (``torch.func.jvp``/``jacfwd``/``hessian``, a
+    ``forward_ad.dual_level``). A ``torch.library`` custom op has no forward-mode formula,
+    and torch runs it without one, dropping the tangents it was given (a zero tangent), so
+    ``contract`` and ``rms_norm`` give way to torch's composites there."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
 def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     """``contract`` for a matmul / einsum call that keeps two or more batch dims, else
     NotImplemented (the caller runs torch's composite)."""
-    if func in _RMS_NORMS:
-        return _rms_norm_call(args, kwargs)
     if func is _SDPA:
         return _attention_math(args, kwargs)
+    if _forward_ad():
+        return NotImplemented
+    if func in _RMS_NORMS:
+        return _rms_norm_call(args, kwargs)
     if kwargs:
         return NotImplemented
     if func is torch.einsum:
@@ -295,7 +305,10 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
     scores = torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
     if bound.get("is_causal"):
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
+    if mask is not None and scores.numel():  # (torch's kernels return empty scores unmasked, the mask unchecked)
+        full = tuple(torch.broadcast_shapes(scores.shape, mask.shape))
+        if full != tuple(scores.shape):  # torch's math path adds the mask in place: it may not grow the scores
+            raise RuntimeError(f"output with shape {list(scores.shape)} doesn't match the broadcast shape {list(full)}")
         scores = scores.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else scores + mask
     attn = torch.ops.aten._safe_softmax(scores, -1)
     return torch.matmul(torch.nn.functional.dropout(attn, float(p)) if p > 0.0 else attn, v)

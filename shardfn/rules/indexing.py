@@ -166,6 +166,12 @@ class IndexPut:
         val_letters[at:at + k] = idx
         if not isinstance(values, torch.Tensor) or values.dim() != len(val_letters):
             return Replicated().candidates(call)
+        # a dim of ``values`` that broadcasts (size 1 against more: vmap's batching rule hands a
+        # 0-d value over as (B, 1, 1)) is whole: split alike, its one element lands on one device
+        sizes = [x_shape[i] for i in range(n) if i not in used]
+        lead = len(before)
+        want = [x_shape[i] for i in range(lead)] + list(torch.broadcast_shapes(*shapes)) + sizes[lead:]
+        val_letters = [L if values.shape[j] == want[j] else None for j, L in enumerate(val_letters)]
         src = tuple(None if i in used else L for i, L in enumerate(ls))
         index_ids = {id(t) for t in indices if isinstance(t, torch.Tensor)}
         ins, partial_ins = [], []

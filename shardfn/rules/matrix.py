@@ -37,6 +37,20 @@ class Einsum:
 
 
 @attrs.frozen
+class Addmm(Einsum):
+    """``addmm``: torch's meta kernel takes an addend that does not expand to the product's
+    ``(m, n)`` and gives the addend's shape (a bias of 5 on a product of 1 column: (m, 5)),
+    where the device kernels raise; the output meta checks it as they do."""
+
+    @staticmethod
+    def out_meta(func: object, args: tuple, kwargs: dict) -> torch.Tensor:
+        out = func(*args, **kwargs)
+        b = bind(func, args, kwargs)
+        b["self"].expand(b["mat1"].shape[0], b["mat2"].shape[1])  # torch's RuntimeError where it does not expand
+        return out
+
+
+@attrs.frozen
 class AddmmActivation:
     """``_addmm_activation`` (CUDA's fused ``addmm`` + relu/gelu): rows and columns shard
     like ``addmm``'s, but the activation is not linear, so the contraction stays whole (no
@@ -153,7 +167,7 @@ TABLE = {
     aten.mv: Einsum("mk,k->m"),
     aten.dot: Einsum("k,k->"),
     aten.vdot: Einsum("k,k->"),
-    aten.addmm: Einsum("mk,kn->mn", addend=True),
+    aten.addmm: Addmm("mk,kn->mn", addend=True),
     aten._addmm_activation: AddmmActivation(),
     aten.baddbmm: Einsum("bmk,bkn->bmn", addend=True),
     aten.addmv: Einsum("mk,k->m", addend=True),

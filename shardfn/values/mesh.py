@@ -6,6 +6,7 @@ import functools
 import math
 import os
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -168,6 +169,7 @@ class Mesh(metaclass=ValueMeta):
             device_type = DEFAULT_DEVICE_TYPES[backend]()
         _check_device_type(device_type)
         self.__attrs_init__(shape, names, backend, device_type)
+        _LIVE.setdefault((shape, names, backend, device_type), self)
 
     @property
     def size(self) -> int:
@@ -265,8 +267,17 @@ def submesh(parent: Mesh, axes: Sequence[str], fixed: Sequence[tuple[str, int]])
     return mesh
 
 
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""(shape, axis_names, backend, device_type) -> a live mesh of those fields (the first one built)."""
+
+
 def _rebuild_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...], backend: str, device_type: str) -> Mesh:
-    return Mesh(shape, axis_names, backend=backend, device_type=device_type)
+    """Unpickling: the live mesh equal to the pickled one where there is one (meshes are immutable
+    values). A compiled program loaded from torch's caches rebuilds its arrays' layouts with it, so
+    arrays it returns are on the caller's mesh object, and comparing their layouts with others'
+    takes the identity shortcut instead of comparing every mesh field (``Mesh.__eq__``)."""
+    mesh = _LIVE.get((tuple(shape), tuple(axis_names), backend, device_type))
+    return mesh if mesh is not None else Mesh(shape, axis_names, backend=backend, device_type=device_type)
 
 
 torch.serialization.add_safe_globals([_rebuild_mesh])
