@@ -335,3 +335,39 @@ def test_properties_of_an_input_arrays_sharding_values(mesh22):
     for spec in (P(), P("x"), P("x", "y"), P("x")):
         x = sf.distribute(X, spec, mesh=mesh22)
         torch.testing.assert_close(compiled(x).full_tensor(), f(x).full_tensor())
+
+
+_BAD_CALLS = {
+    "reshard": lambda v: sf.reshard(v * 2, P("z")),
+    "with_sharding_constraint": lambda v: sf.with_sharding_constraint(v, P(None, None, "x")),
+    "distribute": lambda v: sf.distribute(v.full_tensor(), P("q"), mesh=v.mesh),
+    "redistribute": lambda v: v.redistribute(P("q")),
+    "to_local": lambda v: v.to_local(grad_sharding=P("z")),
+    "an op's shapes": lambda v: v + torch.ones(5),
+    "an in-place op": lambda v: v.add_(1),
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("name", list(_BAD_CALLS))
+def test_user_errors_raised_while_compiling_are_themselves(name, dynamic):
+    """Dynamo runs a call on fake tensors to build its graph and turns what it raises into its
+    TorchRuntimeError: ``except sf.ShardingError`` missed a bad spec given to ``sf.reshard`` in
+    a compiled function. Every user error (ShardingError and its kinds, ImmutableError) now
+    reaches the caller as in eager, same type and message; under fullgraph=True, Dynamo's error
+    names it and has it as its cause (as for an exception a compiled function raises)."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    x = torch.randn(4, 3)
+    X = sf.distribute(x, P("x"), mesh=mesh)
+    fn = _BAD_CALLS[name]
+    with pytest.raises((sf.ShardingError, sf.ImmutableError)) as eager:
+        fn(X)
+    torch._dynamo.reset()
+    with pytest.raises(type(eager.value)) as got:
+        torch.compile(fn, backend="aot_eager", dynamic=dynamic)(X)
+    assert type(got.value) is type(eager.value) and str(got.value) == str(eager.value)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as full:
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(X)
+    assert type(full.value.__cause__) is type(eager.value) and str(eager.value) in str(full.value)
+    assert torch.equal(X.full_tensor(), x)  # nothing half-changed

@@ -68,6 +68,8 @@ FOUND = [
     (5749662553, 3),  # inner of a pending sum (a split size-1 dim) and o / x holding inf (tests/test_pending_contractions.py)
     (5760009717, 3),  # jacfwd of nanquantile: lerp_ functionalized under forward AD asserted, then the next op segfaulted
     (5762093798, 3),  # the same, then var
+    (35002315, 4),  # compile(dynamic): a mesh dim's symbol shared with an equal global dim, pinned in mid-trace
+    (35004348, 4),  # complex pcast (a product by 1+0j) and parts added by torch's complex add (a + 1 * b): -inf j to nan
 ]
 
 

@@ -22,7 +22,8 @@ out. Expected counts per layer, by block structure (the loss adds one scalar all
   decoder architecture: fused query_key_value grouped per kv head);
 - OLMo2: q_norm/k_norm normalise the whole q/k projection (across heads), so a split
   projection needs its sum of squares all-reduced: forward 2 + 2 small, backward 2 + 2
-  small (shardfn issues the two backward ones as reduce_scatter of the gradient).
+  small, less one: OLMo2 is post-norm, so the first layer's q/k/v input gradient goes
+  straight into the embedding's gradient, which stays pending (over tp as over dp).
 
 Fused projections: GPT-NeoX's and Bloom's query_key_value are laid out per head (the
 output is viewed as (heads, 3, head_dim)) and Falcon's per kv-head group, so the plain
@@ -183,8 +184,10 @@ def test_tp_loss_gradients_and_counts(name: str, mode: str) -> None:
         pytest.skip("eager attention under torch.func: test_eager_attention_under_func")
     cc = _backward(name, mode)
     total = MEGATRON[name][1] * LAYERS + 1
-    if name == "olmo2":  # the qk-norm backward statistics arrive as reduce_scatter of the gradient
-        assert cc.total == total and set(cc.counts) <= {"all_reduce", "reduce_scatter"}, cc
+    if name == "olmo2":  # the qk-norm backward statistics may arrive as reduce_scatter of the gradient;
+        # post-norm (no norm before attention): the first layer's q/k/v input gradient goes straight
+        # into the embedding's gradient, which stays pending over tp as over dp: one fewer
+        assert cc.total == total - 1 and set(cc.counts) <= {"all_reduce", "reduce_scatter"}, cc
     else:
         assert dict(cc.counts) == {"all_reduce": total}, cc
 

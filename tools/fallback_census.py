@@ -6,8 +6,9 @@ rule), with whether DTensor has a strategy for it:
 
 - HF Llama, Qwen2, Mistral and Gemma from tiny configs (when ``transformers`` is installed),
   Megatron-sharded over ``tp`` (q/k/v/gate/up by output row, o/down by input column), batch
-  over ``dp``; with ``--families all`` also every family ``tests/test_hf_families.py`` builds
-  (its tensor-parallel rules; when the tests are importable);
+  over ``dp``; with ``--families all`` also every family ``tests/test_hf_families.py`` and
+  ``tests/test_hf_families_more.py`` build (their tensor-parallel rules; when the tests are
+  importable);
 - the project's transformer block (``benchmarks/bench_sim.py``);
 - ``sdpa``: ``F.scaled_dot_product_attention`` itself with grouped-query heads (``enable_gqa``),
   bool / float / causal masks, dropout and a custom scale, heads over ``tp``, batch over ``dp``;
@@ -90,6 +91,8 @@ def sdpa_via(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, att
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k, v = _repeat_kv(q, k, v)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if kernel in ("flash", "cudnn") and q.shape[-1] != v.shape[-1]:
+        kernel = "efficient"  # as CUDA's dispatcher: only the efficient kernel takes a value head dim of its own (MLA)
     if kernel == "flash" and attn_mask is None:
         return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
     if kernel == "cudnn":
@@ -153,8 +156,9 @@ CONFIGS = {"tp": ((2,), ("tp",)), "dp": ((2,), ("dp",)), "dptp": ((2, 2), ("dp",
 
 
 def more_families() -> dict[str, tuple[Callable[[], Any], list]]:
-    """The families ``tests/test_hf_families.py`` builds: name -> (build, TP rules) ({} when
-    the tests or transformers are not importable; families torch.func cannot run left out)."""
+    """The families ``tests/test_hf_families.py`` and ``tests/test_hf_families_more.py`` build:
+    name -> (build, TP rules) ({} when the tests or transformers are not importable; families
+    torch.func cannot run left out)."""
     sys.path.insert(0, str(ROOT / "tests"))
     try:
         import test_hf_families as fam
@@ -173,6 +177,18 @@ def more_families() -> dict[str, tuple[Callable[[], Any], list]]:
             return tf.AutoModelForCausalLM.from_config(make(), attn_implementation=attn, **extra)
 
         out[name] = (build, [(pat, spec) for pat, spec in rules])
+    try:
+        import test_hf_families_more as more
+    except Exception:  # noqa: BLE001 - as above
+        return out
+    for name in sorted(set(more.MEGATRON) | set(more.MLA)):
+        make, attn, rules, auto = more._cfg(name)
+
+        def build_more(make: Any = make, attn: str = attn, auto: Any = auto, moe: bool = name in more.MOE) -> Any:
+            extra = {"experts_implementation": "batched_mm"} if moe else {}
+            return auto.from_config(make(), attn_implementation=attn, **extra)
+
+        out[name] = (build_more, list(rules))
     return out
 
 
@@ -199,7 +215,7 @@ def _hf_step(build: Callable[[], Any], mesh: sf.Mesh, device: str, dtype: torch.
         ids = sf.distribute(ids, P("dp"), mesh=mesh)
     out = torch.func.functional_call(model, params, (ids,))
     loss = out.logits.float().pow(2).mean()
-    grads = torch.autograd.grad(loss, list(params.values()))
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)  # (a masked LM's unused pooler)
     return loss, dict(zip(params, grads))
 
 

@@ -15,7 +15,8 @@ import torch
 
 from ..backends import custom_ops as _contract
 from ..backends.registry import backend_for
-from ..values.errors import ImmutableError, ShardingError
+from ..values.errors import USER_ERRORS, ImmutableError, ShardingError
+from ..values.graph_calls import surface_in_compile, surfaces_in_compile
 from ..values.layout import Layout
 from ..values.mesh import Mesh
 from ..values.sharded import Sharded
@@ -143,6 +144,7 @@ class ShardedArray(torch.Tensor):
         end_fresh(self)  # its value is read (``fresh.py``)
         return [p.clone() for p in backend_for(self.mesh).shard_list(self._local, self.mesh)]
 
+    @surfaces_in_compile
     def to_local(self, grad_sharding: Sharding | None = None) -> Any:
         """The local shards, differentiable: a list (one per device) on the local backend,
         this rank's tensor on dist. The gradient flowing back is read with
@@ -154,10 +156,12 @@ class ShardedArray(torch.Tensor):
         out = _ToLocal.apply(self, grad_layout)
         return backend_for(self.mesh).pack_local(out, self.mesh)
 
+    @surfaces_in_compile
     def full_tensor(self) -> torch.Tensor:
         """The global value as a plain tensor, ready to use (differentiable)."""
         return _FullTensor.forward(self) if _untracked(self) else _FullTensor.apply(self)
 
+    @surfaces_in_compile
     def redistribute(self, sharding: Sharding) -> ShardedArray:
         """Same value, new layout (see :func:`shardfn.reshard`)."""
         return reshard(self, sharding)
@@ -170,6 +174,7 @@ class ShardedArray(torch.Tensor):
         return _to_dtensor(self)
 
     @classmethod
+    @surfaces_in_compile
     def from_local(cls, local: Any, sharding: Sharding, *, mesh: Mesh | None = None,
                    shape: Sequence[int] | None = None, stride: Sequence[int] | None = None,
                    run_check: bool = True) -> ShardedArray:
@@ -185,7 +190,11 @@ class ShardedArray(torch.Tensor):
     # -- torch integration ---------------------------------------------------------------
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return _dispatch_fn(func, args, kwargs or _NO_KWARGS)
+        try:
+            return _dispatch_fn(func, args, kwargs or _NO_KWARGS)
+        except USER_ERRORS as e:  # as themselves under torch.compile too (no cost when nothing is raised)
+            surface_in_compile(e)
+            raise
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         # the storage offset travels in the context (``__tensor_unflatten__`` is given sizes and
@@ -475,6 +484,15 @@ def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> N
     bind as graph inputs: "For root tracer, we only expect to bind basic symbols", a 3-d
     input with two dims sharded on a 2-d mesh, fuzzer seed 5728938585.)"""
     mesh = layout.mesh
+    # The mesh dims first: a constant (the axis size or 1), which ops guard on (batch_consistent).
+    # Dynamo gives them symbols, which duck sizing shares with an equal data dim (a mesh axis of 4
+    # and a global dim 4: both s33); pinned in mid-trace, that dim's size left AOTAutograd's output
+    # metadata of its first pass, where it was a symbol (a compiled-dynamic backward rebuilt an
+    # array from misaligned sizes: strides holding None, --gen 4 seed 35002315). Pinned here, as
+    # the input is made, every pass sees the constant.
+    for k in range(mesh.ndim):
+        if isinstance(local.shape[k], torch.SymInt):
+            _ft.static_int(local.shape[k])
     for d, (n, axes) in enumerate(zip(shape, layout.dims)):
         if isinstance(n, torch.SymInt):
             k = math.prod(mesh.axis_size(a) for a in axes)

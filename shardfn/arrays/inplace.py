@@ -519,7 +519,11 @@ def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
         try:
             fargs = tuple(_swap(a, targets, functional) for a in args)
             fkwargs = {k: _swap(v, targets, functional) for k, v in kwargs.items()}
-            out = func(*fargs, **fkwargs)
+            if len(targets) > 1 and func._schema.name.startswith("aten::_foreach_") and not func._schema.returns:
+                _foreach_in_order(func, fargs, fkwargs, len(fargs[0]))
+                out = None
+            else:
+                out = func(*fargs, **fkwargs)
             out = _unwrapped_all(out)
             for f in functional.values():
                 torch._sync(f)
@@ -531,6 +535,18 @@ def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
             _rebind(r, new[i])
             _regenerate_views(r)
     return _result(func, args, kwargs, out)
+
+
+def _foreach_in_order(func: Any, fargs: tuple, fkwargs: dict, n: int) -> None:
+    """An in-place foreach op one list entry after another, as torch's kernel updates them: an
+    entry reading an earlier one's target sees its new value. (``_foreach_add_([a, b], [b, a])``
+    gives ``b + (a + b)``; run once, functionalization read every entry's old value, a silent
+    wrong value under torch.func.)"""
+    def entry(v: Any, i: int) -> Any:
+        return type(v)([v[i]]) if isinstance(v, (list, tuple)) and len(v) == n else v
+
+    for i in range(n):
+        func(*(entry(a, i) for a in fargs), **{k: entry(v, i) for k, v in fkwargs.items()})
 
 
 # (module functions, not closures: a recursive closure is a reference cycle that would keep

@@ -14,6 +14,7 @@ from ..backends.registry import backend_for, execute
 from ..plans.planner import PLAN_CACHES, plan_layouts
 from ..values import replica_checks as _replicas
 from ..values.errors import ShardingError
+from ..values.graph_calls import surfaces_in_compile
 from ..values.layout import Layout, all_boxes
 from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from ..values.mesh_views import not_a_view, refinement, to_fine
@@ -86,6 +87,7 @@ def _mesh_of(x: Any, mesh: Mesh | None) -> Mesh | None:
 # -- public functions -------------------------------------------------------------------
 
 
+@surfaces_in_compile
 def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = None) -> ShardedArray:
     """Lay out a full tensor over the mesh (each device keeps only its shard).
 
@@ -108,6 +110,7 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
 device_put = distribute
 
 
+@surfaces_in_compile
 def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     """The same global value in a new layout, moved with the cheapest plan; the gradient
     is resharded back. ``x`` may be a pytree of arrays (``sharding`` a matching tree or a
@@ -133,6 +136,7 @@ def reshard(x: ShardedArray, sharding: Sharding) -> ShardedArray:
     return _Reshard.forward(x, dst) if base is x and _untracked(x) else _Reshard.apply(x, dst)
 
 
+@surfaces_in_compile
 def gather(x: ShardedArray) -> torch.Tensor:
     """The global value as a plain tensor (= ``x.full_tensor()``)."""
     if not isinstance(x, ShardedArray) and _ft.base_array(x) is None:

@@ -121,9 +121,17 @@ def _all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int],
 
 def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | None) -> torch.Tensor:
     """all_reduce (``scatter_dim`` None) or reduce_scatter through the library's collective;
-    an average is a sum divided here (floor division for integers, as on the local backend)."""
+    an average is a sum divided here (floor division for integers, as on the local backend);
+    a floating max/min reduces order keys (:func:`_order_keys`), so a nan wins as in torch."""
     wire_op = "sum" if op == "avg" else op
     x = dense(x)
+    if op in ("max", "min") and x.is_floating_point():
+        keys, narrow = _order_keys(x, op)
+        if scatter_dim is None:
+            y = run_collective("all_reduce", group, funcol.all_reduce, keys, op)
+        else:
+            y = run_collective("reduce_scatter", group, _reduce_scatter_single, keys, op, scatter_dim)
+        return _from_order_keys(y, narrow, x.dtype)
     wire = torch.view_as_real(x) if x.is_complex() else x if x.dtype in _WIRE else x.to(torch.int64)
     if scatter_dim is None:
         y = run_collective("all_reduce", group, funcol.all_reduce, wire.contiguous(), wire_op)
@@ -136,6 +144,33 @@ def _native_reduce(x: torch.Tensor, op: str, group: Group, scatter_dim: int | No
     if y.is_floating_point() or y.is_complex():
         return y / group.size
     return torch.div(y, group.size, rounding_mode="floor")
+
+
+def _order_keys(x: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.dtype]:
+    """Integers that order as ``x``'s floats do, with every nan the largest key for max and the
+    smallest for min, and the integer dtype of ``x``'s bits. gloo's (and nccl's) max/min compare
+    with ``<``, so a nan on one rank is dropped or kept by the ring's order; torch's amax/amin
+    (the local backend's reduction) give nan (dist seed 33000356: sqrt, then pmin).
+    A sign-magnitude float's bits as an integer order the non-negative values; flipping the
+    magnitude bits of the negative ones orders those too (-0 below +0). 16-bit keys go on the
+    wire as int32. The extreme keys read back as nan bits (see :func:`_from_order_keys`)."""
+    bits = _INT_BITS[x.dtype]
+    info = torch.iinfo(bits)
+    b = x.view(bits)
+    keys = torch.where(b < 0, b ^ info.max, b)
+    keys = torch.where(x.isnan(), info.max if op == "max" else info.min, keys)
+    return (keys.to(torch.int32) if bits == torch.int16 else keys).contiguous(), bits
+
+
+def _from_order_keys(y: torch.Tensor, bits: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of reduced :func:`_order_keys`: the map is its own inverse on the bits; the
+    nan keys (the integer range's ends) are the bits of a nan."""
+    y = y.to(bits)
+    return torch.where(y < 0, y ^ torch.iinfo(bits).max, y).view(dtype)
+
+
+_INT_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+             torch.bfloat16: torch.int16}
 
 
 def _ordered(x: torch.Tensor, op: str, group: Group) -> bool:

@@ -196,6 +196,9 @@ def reduce_dim(x: torch.Tensor, dim: int, op: str) -> torch.Tensor:
         return reduce_dim(x.to(torch.complex64), dim, op).to(x.dtype)
     if op == "sum":
         if x.dtype in _CHAINED and 2 <= x.shape[dim] <= 8:
+            if x.is_complex():  # component by component, as torch.sum and a collective add
+                dim = dim % x.dim()
+                return torch.view_as_complex(_added(torch.view_as_real(x.resolve_conj().resolve_neg()), dim))
             return _added(x, dim)
         return added_sign(x.sum(dim, keepdim=True, dtype=x.dtype), x, dim)
     if op == "avg":
@@ -215,7 +218,9 @@ def _added(x: torch.Tensor, dim: int) -> torch.Tensor:
     IEEE's zero signs and no pass to fix them (``added_sign`` reads every part again: 5 ops and a
     second read of the parts on every all-reduce). Up to 4 parts add one by one, the order of
     torch's sum kernel (its bits); more add in halves (log2 ops, one add each), as a
-    reduction tree would. 16-bit floats take the sum kernel (it accumulates in float32)."""
+    reduction tree would. 16-bit floats take the sum kernel (it accumulates in float32).
+    Complex parts add as their real views: torch's complex ``add`` computes ``a + alpha * b``, and
+    the product by ``alpha = 1+0j`` turns ``-inf j`` into ``nan - inf j`` (fuzzer seed 35004348)."""
     g = x.shape[dim]
     if g <= 4:
         first, second, *rest = x.split_with_sizes((1,) * g, dim)  # the parts as views: one op, not a narrow each

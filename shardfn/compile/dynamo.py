@@ -91,6 +91,9 @@ def register() -> None:
     _never_trace(graph_calls.GraphCall.__call__)
     graph_calls.install(lambda call: (allow_in_graph(call), _never_trace(call._fn)), torch.compiler.disable)
     _never_trace(array.ShardedArray.__torch_dispatch__)
+    # the graph functions' wrapper (``graph_calls.surfaces_in_compile``: one code object for all):
+    # run eagerly after the graph break a user error makes, it raises the error, untraced
+    _never_trace(redistribute.reshard)
     if not hasattr(torch.Tensor, "__coerce_same_metadata_as_tangent__"):
         torch.Tensor.__coerce_same_metadata_as_tangent__ = _plain_tangent_as_array
     _values_as_bytecode_constants()

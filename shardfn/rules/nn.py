@@ -272,7 +272,6 @@ _POOL_OPS = (
 )
 
 _LN = Leading(("input",), _layer_norm_lead(False))
-_LN_BWD = Leading(("grad_out", "input", "mean", "rstd"), _layer_norm_lead(True), batched_outs=(0,))
 
 
 @attrs.frozen
@@ -288,7 +287,7 @@ class _AnyOf:
 _NLL = _AnyOf((Leading(("self", "target"), _nll_lead, batched_outs=(0,)), ClassSharded(backward=False)))
 @attrs.frozen
 class _Dense:
-    """A rule whose local calls need contiguous inputs: torch's CPU ``nll_loss*_backward``
+    """A rule whose local calls need contiguous inputs (layer norm's backward: below); torch's CPU ``nll_loss*_backward``
     allocates ``grad_input`` like ``self`` and rejects it unless contiguous (a shard, or a
     value torch.func has permuted, may be a view with other strides)."""
 
@@ -298,6 +297,10 @@ class _Dense:
         return [attrs.evolve(c, dense=True) for c in self.rule.candidates(call)]
 
 
+# torch's CPU layer-norm backward reads mean / rstd by flat index (as contiguous): a shard cut
+# along a leading dim other than the first (heads of Persimmon's per-head q/k LayerNorm,
+# whose gradient arrives head-split) is a strided view and gave wrong input gradients
+_LN_BWD = _Dense(Leading(("grad_out", "input", "mean", "rstd"), _layer_norm_lead(True), batched_outs=(0,)))
 _NLL_BWD = _Dense(_AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,),
                                   factors=("weight",)),
                           ClassSharded(backward=True))))
@@ -321,7 +324,7 @@ ATTENTION_RULES = {
     aten._scaled_dot_product_fused_attention_overrideable_backward: Attention(forward=False, reduce=True),
 }
 _RMS = Leading(("input",), _layer_norm_lead(False))
-_RMS_BWD = Leading(("grad_out", "input", "rstd"), _layer_norm_lead(True), batched_outs=(0,))
+_RMS_BWD = _Dense(Leading(("grad_out", "input", "rstd"), _layer_norm_lead(True), batched_outs=(0,)))
 
 TABLE = {
     aten.native_layer_norm: _LN,
@@ -339,5 +342,8 @@ TABLE = {
     aten.pixel_shuffle: Leading(("self",), _pixel_lead),
     aten.pixel_unshuffle: Leading(("self",), _pixel_lead),
     **{getattr(aten, n): _POOL for n in _POOL_OPS if hasattr(aten, n)},
-    aten.embedding_dense_backward: Leading(("grad_output", "indices"), _embedding_bwd_lead, batched_outs=()),
+    # a sum of grad_output rows (by index): a pending grad_output passes through (BERT's position
+    # embeddings, broadcast over a batch split over dp: their gradient stays pending, as DDP's)
+    aten.embedding_dense_backward: Leading(("grad_output", "indices"), _embedding_bwd_lead, linear=("grad_output",),
+                                           batched_outs=()),
 }

@@ -12,6 +12,7 @@ from ..arrays.array import ShardedArray
 from ..arrays.functorch import base_array
 from ..arrays.redistribute import distribute
 from ..values.errors import ShardingError
+from ..values.graph_calls import surfaces_in_compile
 from ..values.spec import NamedSharding, P, Sharding
 from . import boundary as B
 from .coalesce import reshard_tree
@@ -19,6 +20,7 @@ from .lax import _bodies, _in_shard_map, _manual_stack
 from .specs import _layout, _match
 
 
+@surfaces_in_compile
 def with_sharding_constraint(x: Any, sharding: Any) -> Any:
     """Lay ``x`` out as ``sharding`` (free when it already is); the gradient flowing
     back through this point is constrained to the same layout.

@@ -330,7 +330,10 @@ def pcast(x: Any, axis_name: AxisName, *, to: str = "varying") -> Any:
     def cast(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             raise ShardingError(f"sf.lax.pcast takes tensors, got {type(t).__name__}")
-        return t * one.to(t.dtype)
+        if t.is_complex():  # component by component: a complex product by 1+0j turns -inf j into nan - inf j
+            r = torch.view_as_real(t.resolve_conj())
+            return torch.view_as_complex(r * one.to(r.dtype))
+        return t * one.to(t.dtype)  # x * 1 is x for every real x (-0, inf and nan included)
 
     cast = _on_whole(cast)
 

@@ -60,3 +60,8 @@ class SimulationWarning(UserWarning):
     process looks like one of several (torchrun's ``RANK``/``WORLD_SIZE`` set without a process
     group, or an initialised world of another size): every process would run the whole job.
     Shown every time (pass ``backend="local"`` to simulate on purpose)."""
+
+
+# The errors shardfn raises for bad input, which callers catch by type (under torch.compile too:
+# ``values/graph_calls.surface_in_compile``).
+USER_ERRORS: tuple[type[Exception], ...] = (ShardingError, ImmutableError)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import ShardingError
+from .errors import USER_ERRORS
 from .torch_compat import ValueMeta
 
 _pending: weakref.WeakSet = weakref.WeakSet()  # made before the marker was installed
@@ -42,8 +42,8 @@ class GraphCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self._fn(*args, **kwargs)
-        except ShardingError as e:
-            _untraced_error(e)
+        except USER_ERRORS as e:
+            surface_in_compile(e)
             raise
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:  # as a class attribute: a method, like a function
@@ -53,13 +53,40 @@ class GraphCall:
         return f"<shardfn graph call {getattr(self, '__qualname__', '?')}>"
 
 
-def _untraced_error(e: ShardingError) -> None:
-    """A ShardingError while Dynamo runs the call on fake tensors breaks the graph instead, so
-    the call runs eagerly and raises it as itself (Dynamo would wrap it in a TorchRuntimeError)."""
-    if torch._guards.detect_fake_mode() is not None:
-        from torch._dynamo.exc import Unsupported
+def surface_in_compile(e: BaseException) -> None:
+    """Where Dynamo runs a call on fake tensors to build its graph, a graph break (Dynamo's
+    ``Unsupported``) in place of ``e``, one of shardfn's user errors: the call then runs eagerly
+    and raises ``e`` as itself, with its message, as in eager. Dynamo turns every other exception
+    of its fake run (IndexError aside) into a TorchRuntimeError, which ``except ShardingError``
+    misses. Under ``fullgraph=True`` the graph break is Dynamo's error naming ``e``, as for an
+    exception a compiled function raises in Python. Elsewhere (eager, a FakeTensorMode of the
+    caller's, AOTAutograd's passes under functional or proxy modes) nothing: ``e`` goes on."""
+    if not isinstance(e, USER_ERRORS) or torch._guards.TracingContext.try_get() is None:
+        return
+    if torch._guards.detect_fake_mode() is None:
+        return
+    key = torch._C._TorchDispatchModeKey
+    if torch._C._get_dispatch_mode(key.FUNCTIONAL) is not None or torch._C._get_dispatch_mode(key.PROXY) is not None:
+        return
+    from torch._dynamo.exc import Unsupported
 
-        raise Unsupported(f"shardfn raised ShardingError: {e}", gb_type="shardfn: ShardingError") from e
+    name = type(e).__name__
+    raise Unsupported(f"shardfn raised {name}: {e}", gb_type=f"shardfn: {name}") from e
+
+
+def surfaces_in_compile(fn: Callable) -> Callable:
+    """``fn`` (a function torch.compile records as one call) raising its user errors as
+    themselves under torch.compile too (:func:`surface_in_compile`)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as e:
+            surface_in_compile(e)
+            raise
+
+    return run
 
 
 def graph_call(fn: Callable, kind: str, body: Any, params: Any) -> GraphCall:

@@ -173,4 +173,59 @@ def complex_sums_of_copies_add_component_by_component(mesh: sf.Mesh) -> None:
     assert torch.equal(sf.reshard(sf.reshard(x, P(partial=a)), P()).full_tensor(), full)
 
 
+@scenario
+def max_and_min_over_devices_keep_a_nan(mesh: sf.Mesh) -> None:
+    """pmax / pmin / a pending max or min resolved, with a nan on one device: gloo's max/min
+    compare with ``<``, so whether a nan survived depended on the ring's order (dist seed
+    33000356: sqrt of a negative, then pmin, gave a number where torch's amin gives nan).
+    torch's amax/amin give nan, and so do both backends, wherever the nan sits; infinities and
+    zeros order as floats."""
+    a = mesh.axis_names[0]
+    n = mesh.axis_size(a)
+    nan, inf = float("nan"), float("inf")
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
+        parts = torch.zeros(n, 5, dtype=dtype)
+        for j in range(n):  # column j: the nan on device j; column 4: +-inf and numbers
+            parts[:, j % 4] = torch.arange(n, dtype=dtype) - 1.5
+            parts[j, j % 4] = nan
+        parts[:, 4] = torch.tensor([-inf, 2.0, inf, -3.0] * n, dtype=dtype)[:n]
+        want_max, want_min = parts.amax(0, keepdim=True), parts.amin(0, keepdim=True)
+        x = sf.ShardedArray.from_local(shards_for(parts, P(a), mesh), P(a), mesh=mesh, shape=tuple(parts.shape))
+        for lax_op, want in ((sf.lax.pmax, want_max), (sf.lax.pmin, want_min)):
+            got = sf.shard_map(lambda b, op=lax_op: op(b, a), mesh=mesh, in_specs=(P(a),), out_specs=P())(x).full_tensor()
+            assert torch.equal(got.isnan(), want.isnan()), (is_dist(mesh), dtype, lax_op, got, want)
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+        for op, want in (("max", want_max), ("min", want_min)):
+            spec = P(None, partial={a: op})
+            rows = [parts[mesh.coords(d)[0]:][:1] for d in range(mesh.size)]
+            pend = sf.ShardedArray.from_local(shards_for(rows, spec, mesh), spec, mesh=mesh, shape=(1, 5))
+            for dst in (P(), P(None, a)):
+                got = sf.reshard(pend, dst).full_tensor()
+                assert torch.equal(got.isnan(), want.isnan()), (is_dist(mesh), dtype, op, dst, got, want)
+                torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
+@scenario
+def complex_parts_of_a_pending_sum_add_component_by_component(mesh: sf.Mesh) -> None:
+    """Distinct complex parts of a pending sum, resolved and psum'd: the local backend added 2 to
+    8 parts with torch's complex ``add``, which computes ``a + 1 * b`` and turns ``(1.5-inf j) +
+    (1.5-inf j)`` into ``nan-inf j`` (fuzzer seed 35004348, a pcast's transpose); torch.sum of the
+    parts, and the dist backend's collectives, add component by component (``3-inf j``)."""
+    a = mesh.axis_names[0]
+    n = mesh.axis_size(a)
+    inf = float("inf")
+    row = [complex(1.5, -inf), complex(-inf, -inf), complex(inf, 2), complex(-0.0, -0.0), 1 - 2j]
+    parts = torch.tensor([row] * n, dtype=torch.complex128)
+    parts[-1, -1] = 3 + 0.5j
+    want = parts.sum(0, keepdim=True)
+    spec = P(None, partial={a: "sum"})
+    pend = sf.ShardedArray.from_local(shards_for([parts[mesh.coords(d)[0]:][:1] for d in range(mesh.size)], spec, mesh),
+                                      spec, mesh=mesh, shape=(1, len(row)))
+    x = sf.ShardedArray.from_local(shards_for(parts, P(a), mesh), P(a), mesh=mesh, shape=tuple(parts.shape))
+    summed = sf.shard_map(lambda b: sf.lax.psum(b, a), mesh=mesh, in_specs=(P(a),), out_specs=P())(x)
+    for got in (sf.reshard(pend, P()).full_tensor(), sf.reshard(pend, P(None, a)).full_tensor(), summed.full_tensor()):
+        assert torch.equal(torch.view_as_real(got).isnan(), torch.view_as_real(want).isnan()), (is_dist(mesh), got, want)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
 test_local, test_dist = collect(globals())

@@ -1,0 +1,209 @@
+"""Still more Hugging Face model families under Megatron's tensor parallelism (issue 21's
+census): values and gradients against the unsharded model (float32), no FallbackWarning,
+and the collectives of a TP forward and of forward + backward against a hand-written
+Megatron plan for each architecture. ``tests/test_hf_families.py`` holds the first twenty.
+
+Setup as there: tiny random models from configs (2 layers), ``Mesh((2, 2), ("dp", "tp"))``,
+token ids ``P("dp")``, ``torch.func.functional_call``; column-parallel q/k/v/gate/up (and
+their biases), row-parallel o/down, experts replicated. Megatron's counts per layer
+(forward, forward + backward; the loss adds one scalar all_reduce):
+
+- sequential residual (2, 4): Helium, Arcee and Nemotron (up/down MLP), OLMo, SmolLM3
+  (no-RoPE layers), ERNIE 4.5, EXAONE 4 (sliding window, qk-norm per head, post-norms),
+  Seed-OSS (biases), Ministral, HunYuan, Llama 4 text (chunked attention, no-RoPE layers,
+  L2 qk-norm), Persimmon (fused per-head query_key_value, qk LayerNorm per head), BioGPT
+  and the encoders BERT, RoBERTa, XLM-R, DistilBERT, ELECTRA (post-norm, learned
+  positions; BERT's position embeddings broadcast over the batch keep their gradient
+  pending over dp, as DDP does), GLM-4-MoE and ERNIE-4.5-MoE (dense first layer, shared
+  experts column/row-parallel), dots.llm1 (the same);
+- parallel residual, one norm (1, 2): CodeGen (fused qkv_proj in per-head groups), Cohere2;
+- attention only (routed experts replicated) (1, 2): Qwen3-MoE, GraniteMoE,
+  GraniteMoE-shared, PhiMoE;
+- post-norm blocks (EXAONE 4, OLMo3: no norm before attention): one all_reduce fewer than
+  Megatron's ``f`` operator issues, the first layer's q/k/v input gradient going straight into
+  the embedding's gradient, which stays pending over tp as it does over dp;
+- a norm across the split heads (OLMo2's qk-norm): forward 2 + 2 small, backward 2 + 2
+  small (4, 8): OLMo3, BitNet (sub-norms of the attention and MLP inner activations);
+  (3, 6): OLMoE (attention only);
+- DeepSeek V2 / V3 multi-head latent attention (down-projections replicated, q_b/kv_b
+  up-projections column-parallel, o row-parallel): forward 2; backward under autograd the
+  up-projections' latent input gradients (q latent in V3), the shared RoPE key's gradient
+  summed over the split heads, and the MLP input: (2, 6) V2, (2, 8) V3.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfn as sf
+from shardfn import P
+
+from _hf_common import close, parameters_grad_and_value
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS, VOCAB = 2, 128
+COL, ROW = P("tp", None), P(None, "tp")
+_C = r"(q_proj|k_proj|v_proj|(?<!_)gate_proj|(?<!_)up_proj|q_b_proj|kv_b_proj|fc1|fc_in|qkv_proj|dense_h_to_4h)"
+_R = r"(o_proj|down_proj|out_proj|fc2|fc_out|dense_4h_to_h|self_attn\.dense)"
+STD = [(_C + r"\.weight$", COL), (_C + r"\.bias$", P("tp")), (_R + r"\.weight$", ROW)]
+_EC = r"(query|key|value|q_lin|k_lin|v_lin|intermediate\.dense|lin1)"
+_ER = r"(attention\.output\.dense|layer\.\d+\.output\.dense|out_lin|lin2)"
+ENCODER = [(_EC + r"\.weight$", COL), (_EC + r"\.bias$", P("tp")), (_ER + r"\.weight$", ROW)]
+
+
+def _cfg(name: str) -> tuple:
+    """(config factory, attention implementation, TP rules, model class) of a tiny ``name``."""
+    T = transformers
+    c = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    mla = dict(c, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    enc = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+               intermediate_size=128)
+    causal, masked = T.AutoModelForCausalLM, T.AutoModelForMaskedLM
+    table = {
+        "helium": (lambda: T.HeliumConfig(**c, head_dim=16), STD),
+        "arcee": (lambda: T.ArceeConfig(**c), STD),
+        "nemotron": (lambda: T.NemotronConfig(**c, partial_rotary_factor=0.5), STD),
+        "olmo": (lambda: T.OlmoConfig(**c), STD),
+        "smollm3": (lambda: T.SmolLM3Config(**c, no_rope_layer_interval=2, pad_token_id=0), STD),
+        "ernie4_5": (lambda: T.Ernie4_5Config(**c, head_dim=16), STD),
+        "exaone4": (lambda: T.Exaone4Config(**c, sliding_window=4), STD),
+        "seedoss": (lambda: T.SeedOssConfig(**c, head_dim=16), STD),
+        "ministral": (lambda: T.MinistralConfig(**c, head_dim=16, sliding_window=4), STD),
+        "hunyuan": (lambda: T.HunYuanDenseV1Config(**c, head_dim=16), STD),
+        "llama4": (lambda: T.Llama4TextConfig(**c, head_dim=16, intermediate_size_mlp=128, moe_layers=[],
+                                              no_rope_layers=[1, 0], attention_chunk_size=4), STD),
+        "persimmon": (lambda: T.PersimmonConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}), STD),
+        "biogpt": (lambda: T.BioGptConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}), STD),
+        "glm4moe": (lambda: T.Glm4MoeConfig(**c, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                                            topk_group=1), STD),
+        "ernie4_5_moe": (lambda: T.Ernie4_5_MoeConfig(**c, moe_num_experts=4, moe_k=2, moe_intermediate_size=32), STD),
+        "codegen": (lambda: T.CodeGenConfig(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, rotary_dim=8,
+                                            n_positions=64, n_ctx=64), STD),
+        "cohere2": (lambda: T.Cohere2Config(**c, sliding_window=4), STD),
+        "qwen3moe": (lambda: T.Qwen3MoeConfig(**c, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32), STD),
+        "granitemoe": (lambda: T.GraniteMoeConfig(**c, num_local_experts=4, num_experts_per_tok=2), STD),
+        "granitemoeshared": (lambda: T.GraniteMoeSharedConfig(**c, num_local_experts=4, num_experts_per_tok=2,
+                                                              shared_intermediate_size=64), STD),
+        "phimoe": (lambda: T.PhimoeConfig(**c, num_local_experts=4, num_experts_per_tok=2), STD),
+        "olmo3": (lambda: T.Olmo3Config(**c, sliding_window=4), STD),
+        "olmoe": (lambda: T.OlmoeConfig(**c, num_experts=4, num_experts_per_tok=2), STD),
+        "bitnet": (lambda: T.BitNetConfig(**c), STD),
+        "dots1": (lambda: T.Dots1Config(**c, head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1), STD),
+        "deepseekv2": (lambda: T.DeepseekV2Config(**mla, q_lora_rank=None), STD),
+        "deepseekv3": (lambda: T.DeepseekV3Config(**mla, q_lora_rank=32, n_group=1, topk_group=1), STD),
+        "bert": (lambda: T.BertConfig(**enc, max_position_embeddings=64), ENCODER),
+        "roberta": (lambda: T.RobertaConfig(**enc, max_position_embeddings=70), ENCODER),
+        "xlmroberta": (lambda: T.XLMRobertaConfig(**enc, max_position_embeddings=70), ENCODER),
+        "electra": (lambda: T.ElectraConfig(**enc, embedding_size=64, max_position_embeddings=64), ENCODER),
+        "distilbert": (lambda: T.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=LAYERS, n_heads=4, hidden_dim=128,
+                                                  max_position_embeddings=64), ENCODER),
+    }
+    make, rules = table[name]
+    return make, "sdpa", rules, masked if rules is ENCODER else causal
+
+
+SEQUENTIAL = ("helium", "arcee", "nemotron", "olmo", "smollm3", "ernie4_5", "exaone4", "seedoss", "ministral", "hunyuan",
+              "llama4", "persimmon", "biogpt", "glm4moe", "ernie4_5_moe", "dots1", "bert", "roberta", "xlmroberta", "electra",
+              "distilbert")
+# family -> Megatron's (forward all_reduce per layer, forward + backward all_reduce per layer)
+MEGATRON = {**{f: (2, 4) for f in SEQUENTIAL},
+            **{f: (1, 2) for f in ("codegen", "cohere2", "qwen3moe", "granitemoe", "granitemoeshared", "phimoe")},
+            "olmo3": (4, 8), "bitnet": (4, 8), "olmoe": (3, 6)}
+# post-norm blocks (no norm before attention): the first layer's q/k/v input gradient goes
+# straight into the embedding's gradient, which stays pending (over tp as over dp): one fewer
+POST_NORM = {"exaone4", "olmo3"}
+MLA = {"deepseekv2": (2, 6), "deepseekv3": (2, 8)}
+MOE = ("qwen3moe", "granitemoe", "granitemoeshared", "phimoe", "olmoe", "glm4moe", "ernie4_5_moe", "dots1", "deepseekv2",
+       "deepseekv3")
+
+
+def _setup(name: str) -> tuple:
+    make, attn, rules, auto = _cfg(name)
+    torch.manual_seed(0)
+    extra = {"experts_implementation": "batched_mm"} if name in MOE else {}
+    model = auto.from_config(make(), attn_implementation=attn, **extra).eval()
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    params = sf.nn.shard_params(model, rules, mesh=mesh, unmatched="ignore")
+    plain = {n: t.detach().clone() for n, t in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)  # ids from 5: no family's pad token
+    ids, labels = torch.randint(5, VOCAB, (4, 8), generator=g), torch.randint(0, VOCAB, (4, 8), generator=g)
+    return model, params, plain, ids, labels, mesh
+
+
+def _logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
+    kwargs = {"use_cache": False} if "ForCausalLM" in type(model).__name__ else {}
+    return torch.func.functional_call(model, params, (ids,), kwargs).logits
+
+
+def _loss_fn(model: torch.nn.Module):
+    def loss(params: dict, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(_logits(model, params, ids).flatten(0, 1).float(), labels.flatten())
+
+    return loss
+
+
+def _check(name: str, mode: str) -> tuple[sf.debug.CommCounter, sf.debug.CommCounter]:
+    """Forward and forward + backward (``mode``: autograd or func) of ``name``: values and
+    gradients against the unsharded model, no fallback; the two counters."""
+    model, params, plain, ids, labels, mesh = _setup(name)
+    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
+    loss_fn = _loss_fn(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.debug.CommCounter() as fwd:
+            out = _logits(model, params, sids)
+        with sf.debug.CommCounter() as both:
+            if mode == "autograd":
+                leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
+                loss = loss_fn(leaves, sids, slabels)
+                loss.backward()
+                grads = {n: p.grad for n, p in leaves.items() if p.grad is not None}
+            else:
+                grads, loss = parameters_grad_and_value(loss_fn, params, sids, slabels)
+    close(out, _logits(model, plain, ids))
+    want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
+    close(loss, want)
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert set(grads) == trainable, set(grads) ^ trainable
+    for n in trainable:
+        close(grads[n], want_grads[n])
+    return fwd, both
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON))
+def test_megatron_counts_values_and_gradients(name: str) -> None:
+    """TP forward and forward + backward under torch.func: Megatron's all_reduce counts
+    (module doc) and nothing else; values and gradients equal unsharded."""
+    fwd, both = _check(name, "func")
+    assert dict(fwd.counts) == {"all_reduce": MEGATRON[name][0] * LAYERS}, fwd
+    assert dict(both.counts) == {"all_reduce": MEGATRON[name][1] * LAYERS + 1 - (name in POST_NORM)}, both
+
+
+@pytest.mark.parametrize("name", ["llama4", "bert", "olmoe", "codegen", "persimmon"])
+def test_megatron_counts_under_autograd(name: str) -> None:
+    """The same counts by ``loss.backward()`` (a sample of the block structures)."""
+    fwd, both = _check(name, "autograd")
+    assert dict(fwd.counts) == {"all_reduce": MEGATRON[name][0] * LAYERS}, fwd
+    assert dict(both.counts) == {"all_reduce": MEGATRON[name][1] * LAYERS + 1}, both
+
+
+@pytest.mark.parametrize("name", sorted(MLA))
+def test_deepseek_latent_attention(name: str) -> None:
+    """DeepSeek V2 / V3 (MLA; the key states written head-split into a fresh ``new_empty``:
+    no gather): Megatron's counts under autograd (module doc); under torch.func the same
+    values and gradients, no fallback (torch's math attention composite for unequal q/v
+    head dims folds batch and heads: gathered, as test_hf_families' eager attention)."""
+    fwd, both = _check(name, "autograd")
+    assert dict(fwd.counts) == {"all_reduce": MLA[name][0] * LAYERS}, fwd
+    assert dict(both.counts) == {"all_reduce": MLA[name][1] * LAYERS + 1}, both
+    _check(name, "func")

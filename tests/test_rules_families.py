@@ -1,0 +1,99 @@
+"""Rules the model-family census needed (issue 21): each against torch on plain tensors,
+with the collectives it may issue."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn import P
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def mesh() -> sf.Mesh:
+    return sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+
+
+@pytest.mark.parametrize("spec", [P(None, None, "tp"), P("dp", None, "tp"), P(None, "tp"), P("tp")])
+def test_layer_norm_backward_split_gradient_replicated_statistics(mesh: sf.Mesh, spec: P) -> None:
+    """A gradient split along a leading dim other than the first against replicated input,
+    mean and rstd (Persimmon's per-head q/k LayerNorm under a head-split gradient): torch's
+    CPU kernel reads mean / rstd as contiguous, so the local calls get dense shards."""
+    x, w, b = torch.randn(2, 8, 4, 16), torch.randn(16), torch.randn(16)
+    out, mean, rstd = aten.native_layer_norm(x, [16], w, b, 1e-5)
+    g = torch.randn(2, 8, 4, 16)
+    want = aten.native_layer_norm_backward(g, x, [16], mean, rstd, w, b, [True, True, True])
+    rep = [sf.distribute(t, P(), mesh=mesh) for t in (x, mean, rstd, w, b)]
+    got = aten.native_layer_norm_backward(sf.distribute(g, spec, mesh=mesh), rep[0], [16], *rep[1:], [True, True, True])
+    for o, e in zip(got, want):
+        torch.testing.assert_close(o.full_tensor(), e)
+
+
+def test_embedding_backward_keeps_pending_gradient(mesh: sf.Mesh) -> None:
+    """A gradient pending over tp (a row-parallel product's output) into the embedding's
+    backward: the weight's gradient stays pending (no collective), values equal."""
+    x, w, idx = torch.randn(4, 8, 10), torch.randn(10, 6), torch.randint(0, 16, (4, 8))
+    g = sf.distribute(x, P("dp", None, "tp"), mesh=mesh) @ sf.distribute(w, P("tp"), mesh=mesh)
+    assert g.spec == P("dp", partial="tp")
+    for pad in (-1, 3):
+        with sf.debug.CommCounter() as cc:
+            out = aten.embedding_dense_backward(g, sf.distribute(idx, P("dp"), mesh=mesh), 16, pad, False)
+        assert cc.total == 0 and set(out.spec.partial) == {"dp", "tp"}, (cc, out.spec)
+        torch.testing.assert_close(out.full_tensor(), aten.embedding_dense_backward(x @ w, idx, 16, pad, False))
+
+
+def _write_heads(kv: torch.Tensor, kr: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's key states: a fresh ``new_empty`` written through two slices."""
+    kn, _ = torch.split(kv, [16, 16], -1)
+    ks = kv.new_empty(*kv.shape[:-1], 24)
+    ks[..., :16].copy_(kn)
+    ks[..., 16:].copy_(kr.expand(-1, kn.shape[1], -1, -1))
+    return ks
+
+
+def test_write_split_heads_into_fresh_buffer(mesh: sf.Mesh) -> None:
+    """slice_scatter of a head-split value into a replicated fresh buffer takes the value's
+    layout (the buffer is cut locally): no collective; under torch.func the gradient's
+    CopySlices reads and writes boxes through as_strided / as_strided_scatter: no fallback."""
+    kv, kr = torch.randn(4, 4, 8, 32), torch.randn(4, 1, 8, 8)
+    skv, skr = sf.distribute(kv, P("dp", "tp"), mesh=mesh), sf.distribute(kr, P("dp"), mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.debug.CommCounter() as cc:
+            out = _write_heads(skv, skr)
+        assert cc.total == 0 and out.spec == P("dp", "tp"), (cc, out.spec)
+        torch.testing.assert_close(out.full_tensor(), _write_heads(kv, kr))
+        w = torch.randn(4, 4, 8, 24)
+        sw = sf.distribute(w, P("dp", "tp"), mesh=mesh)
+        with sf.debug.CommCounter() as cc:
+            got = torch.func.grad(lambda a, b: (_write_heads(a, b) * sw).sum(), argnums=(0, 1))(skv, skr)
+    want = torch.func.grad(lambda a, b: (_write_heads(a, b) * w).sum(), argnums=(0, 1))(kv, kr)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.full_tensor(), e)
+    assert set(cc.counts) <= {"all_reduce"}, cc  # kr's gradient: a sum over the split heads
+
+
+@pytest.mark.parametrize("spec", [P("dp"), P(None, "tp"), P("dp", None, "tp")])
+def test_as_strided_box(mesh: sf.Mesh, spec: P) -> None:
+    """as_strided that is a box of a dense array: sharded dims taken whole stay sharded,
+    the others are cut locally; values equal torch's."""
+    x = torch.randn(4, 6, 8)
+    sx = sf.distribute(x, spec, mesh=mesh)
+    for size, start in [((4, 6, 3), (0, 0, 2)), ((4, 2, 8), (0, 3, 0)), ((2, 6, 8), (2, 0, 0))]:
+        off = sum(s * st for s, st in zip(start, x.stride()))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = sx.as_strided(size, x.stride(), off)
+        torch.testing.assert_close(got.full_tensor(), x.as_strided(size, x.stride(), off))
+        base = torch.randn(4, 6, 8)
+        src = torch.randn(size)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = aten.as_strided_scatter(sf.distribute(base, spec, mesh=mesh), sf.distribute(src, spec, mesh=mesh),
+                                          size, x.stride(), off)
+        torch.testing.assert_close(got.full_tensor(), aten.as_strided_scatter(base, src, size, x.stride(), off))
