@@ -1564,3 +1564,37 @@ def test_fresh_buffer_written_under_autograd(op):
     _ = b * 2
     with pytest.raises(sf.ImmutableError):
         b.add_(1)
+
+
+_ADD_PRODUCTS = {
+    "addmm": lambda b, x, y, **kw: torch.addmm(b, x, y, **kw),
+    "addbmm": lambda b, x, y, **kw: torch.addbmm(b, torch.stack([x, x]), torch.stack([y, y]), **kw),
+    "baddbmm": lambda b, x, y, **kw: torch.baddbmm(b[None], x[None], y[None], **kw),
+    "addmv": lambda b, x, y, **kw: torch.addmv(b[:, 0], x, y[:, 0], **kw),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_ADD_PRODUCTS))
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+@pytest.mark.parametrize("specs", [(P(None, "x"), P("x"), P()), (P(), P(), P()), (P("x"), P(), P("x")),
+                                   (P(None, "x"), P("x"), P(None, "x"))])
+def test_integer_add_products_with_float_scalars_on_uneven_contractions(op, k, specs):
+    # torch's integral kernels truncate a float alpha/beta, but scale the addend by the float (and
+    # raise "result type Float can't be cast") where the whole contraction is empty; a shard
+    # with an empty piece of it raised where torch computes (seeds 50001618, 53001034, --gen 5)
+    mesh = sf.Mesh((4,), ("x",))
+    g = torch.Generator().manual_seed(k)
+    x, y, b = (torch.randint(-5, 5, s, dtype=torch.int32, generator=g) for s in ((7, k), (k, 3), (7, 3)))
+    f = _ADD_PRODUCTS[op]
+    for kw in (dict(beta=0.5), dict(alpha=0.5), dict(alpha=2.5, beta=-1.5), dict(beta=1.0), dict(beta=0.0)):
+        A, B, X = (sf.distribute(t, s, mesh=mesh) for t, s in zip((b, x, y), (specs[2], specs[0], specs[1])))
+        try:
+            want = f(b, x, y, **kw)
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError, match="can't be cast"):
+                f(A, B, X, **kw)
+            assert "can't be cast" in str(e)
+            continue
+        got = f(A, B, X, **kw)
+        assert got.dtype == want.dtype, kw
+        _close(got, want)
