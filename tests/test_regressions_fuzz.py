@@ -1598,3 +1598,39 @@ def test_integer_add_products_with_float_scalars_on_uneven_contractions(op, k, s
         got = f(A, B, X, **kw)
         assert got.dtype == want.dtype, kw
         _close(got, want)
+
+
+@pytest.mark.parametrize("transform", ["vjp", "grad", "vmap"])
+@pytest.mark.parametrize("op", ["einsum", "matmul", "rms_norm"])
+def test_custom_ops_under_torch_func_with_a_closed_over_array(transform, op):
+    # a 4-d einsum/@ (shardfn::contract) or rms_norm (shardfn::rms_norm) of a torch.func-wrapped
+    # input and a closed-over ShardedArray: torch runs a custom op's autograd formula as an
+    # autograd.Function without setup_context, which functorch refuses ("must override
+    # setup_context"; seed 53002272, --gen 5 --families model); torch's composite runs instead
+    mesh = sf.Mesh((4,), ("x",))
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(3, 4, 4, 2, dtype=torch.float64, generator=g) for _ in range(2))
+    w = torch.randn(2, dtype=torch.float64, generator=g)
+    mask = torch.rand(3, 4, 4, 4, generator=g) > 0.5
+    Y, W, M = sf.distribute(y, P(None, "x"), mesh=mesh), sf.distribute(w, P(), mesh=mesh), sf.distribute(mask, P("x"), mesh=mesh)
+    W.requires_grad_(True)
+
+    def f(v, y, w, m):
+        if op == "rms_norm":
+            return F.rms_norm(v, (2,), w)
+        out = torch.einsum("bhqd,bhkd->bhqk", v, y) if op == "einsum" else v @ y.mT
+        return out.clone().masked_fill_(m, -1.0)
+
+    X = sf.distribute(x, P("x"), mesh=mesh)
+    if transform == "vjp":
+        got, gfn = torch.func.vjp(lambda v: f(v, Y, W, M), X)
+        want, wfn = torch.func.vjp(lambda v: f(v, y, w, mask), x)
+        ct = torch.randn(want.shape, dtype=torch.float64, generator=g)
+        _close(gfn(sf.distribute(ct, P(), mesh=mesh))[0], wfn(ct)[0])
+    elif transform == "grad":
+        got = torch.func.grad(lambda v: f(v, Y, W, M).sum())(X)
+        want = torch.func.grad(lambda v: f(v, y, w, mask).sum())(x)
+    else:
+        got = torch.func.vmap(lambda v: f(v, Y, W, M))(sf.distribute(x[None].expand(2, -1, -1, -1, -1), P(), mesh=mesh))
+        want = torch.func.vmap(lambda v: f(v, y, w, mask))(x[None].expand(2, -1, -1, -1, -1))
+    _close(got, want.detach())
