@@ -1634,3 +1634,24 @@ def test_custom_ops_under_torch_func_with_a_closed_over_array(transform, op):
         got = torch.func.vmap(lambda v: f(v, Y, W, M))(sf.distribute(x[None].expand(2, -1, -1, -1, -1), P(), mesh=mesh))
         want = torch.func.vmap(lambda v: f(v, y, w, mask))(x[None].expand(2, -1, -1, -1, -1))
     _close(got, want.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", [P(None, "z"), P(None, "x"), P(None, ("x", "z"))])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_index_reduce_prod_on_shards_of_one_column(dtype, spec, include_self):
+    """torch's CPU ``index_reduce(prod)`` on 16-bit floats asserts internally where ``self`` has
+    one element per index (shape (1, 1)); a (1, 2) value split in columns gave such shards, which
+    raised where torch computes (fuzzer seed 7701082). A whole value of that form still raises."""
+    mesh = sf.Mesh((2, 1, 4), ("x", "y", "z"))
+    x = torch.tensor([[1.5, -2.0]], dtype=dtype)
+    src = torch.tensor([[2.0, 3.0], [0.5, 1.0], [-1.0, 4.0]], dtype=dtype)
+    idx = torch.tensor([0, 0, 0])
+    got = sf.distribute(x, spec, mesh=mesh).index_reduce(0, idx, sf.distribute(src, spec, mesh=mesh), "prod",
+                                                         include_self=include_self)
+    assert torch.equal(got.full_tensor(), x.index_reduce(0, idx, src, "prod", include_self=include_self))
+    with pytest.raises(RuntimeError):
+        torch.ones(2, 1, dtype=dtype).index_reduce(0, idx, torch.ones(3, 1, dtype=dtype), "prod")
+    with pytest.raises(RuntimeError):
+        sf.distribute(torch.ones(2, 1, dtype=dtype), P("x"), mesh=mesh).index_reduce(
+            0, idx, sf.distribute(torch.ones(3, 1, dtype=dtype), P(), mesh=mesh), "prod")

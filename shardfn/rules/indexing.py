@@ -6,6 +6,9 @@ with a sharded index gives a sharded output dim, no gather of the source).
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import attrs
 import torch
 
@@ -80,7 +83,38 @@ class IndexAlong:
             name = path if isinstance(path, str) else None
             is_index = v.ndim <= 1 and not v.is_floating_point() and (path == 2 or name == "index")
             ins.append((None,) * v.ndim if is_index else ls if v.ndim == n else (None,) * v.ndim)
-        return compile_dims(call, Dims(tuple(ins), (ls,)))
+        cands = compile_dims(call, Dims(tuple(ins), (ls,)))
+        if _narrow_prod_fails(call.func, b, call.shapes[0], call.out_metas[0]):
+            return cands  # torch raises on the whole value too: so do the shards
+        if call.func is torch.ops.aten.index_reduce.default and b.get("reduce") == "prod":
+            return [attrs.evolve(c, local_fn=_NarrowProd(call.func)) for c in cands]
+        return cands
+
+
+def _narrow_prod_fails(func: Any, b: dict, shape: tuple, out: Any) -> bool:
+    """torch's CPU ``index_reduce(reduce="prod")`` on 16-bit floats asserts internally where
+    ``self`` has one element per index along ``dim`` and more than one dim (torch 2.13)."""
+    return (func is torch.ops.aten.index_reduce.default and b.get("reduce") == "prod" and len(shape) > 1
+            and isinstance(out, torch.Tensor) and out.dtype in (torch.float16, torch.bfloat16)
+            and math.prod(shape) == shape[b["dim"] % len(shape)])
+
+
+@attrs.frozen
+class _NarrowProd:
+    """``index_reduce(prod)`` on one device's shards: a shard narrowed to one element per index
+    (where the whole value is not) runs on 1-d views, the form torch's kernel takes."""
+
+    func: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        b = bind(self.func, args, kwargs)
+        x, src = b["self"], b["source"]
+        if not _narrow_prod_fails(self.func, b, tuple(x.shape), x):
+            return self.func(*args, **kwargs)
+        d = b["dim"] % x.dim()
+        flat = self.func(x.reshape(-1), 0, b["index"], src.movedim(d, 0).reshape(-1), "prod",
+                         include_self=b.get("include_self", True))
+        return flat.reshape(x.shape)
 
 
 @attrs.frozen
