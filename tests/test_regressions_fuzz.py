@@ -1680,3 +1680,33 @@ def test_as_strided_of_a_lazily_conjugated_view_reads_torchs_storage(view, mesh_
     want, want_t = torch.func.jvp(f, (x,), (t,))
     _close(out, want)
     _close(tangent, want_t)
+
+
+_SOLVERS = {
+    "lu_solve": lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b),
+    "solve": lambda a, b: torch.linalg.solve(a, b),
+    "solve_triangular": lambda a, b: torch.linalg.solve_triangular(a.triu(), b, upper=True),
+    "cholesky_solve": lambda a, b: torch.cholesky_solve(b, torch.linalg.cholesky(a @ a.mT)),
+}
+
+
+@pytest.mark.parametrize("name", list(_SOLVERS))
+@pytest.mark.parametrize("a_spec", [P(), P("x")])
+@pytest.mark.parametrize("b_shape,b_spec", [((3, 2), P("x")), ((3, 2), P(("y", "x"))), ((3, 3), P("y")),
+                                            ((3, 3), P(None, "y"))])
+def test_batched_solve_with_an_unbatched_right_side_split_in_rows(name, a_spec, b_shape, b_spec):
+    """A batched A (3, 3, 3) with an unbatched B broadcasts B: B's rows are no batch dim, though
+    its leading size may equal A's batch size (they were kept split, and each device solved with
+    its rows only: torch.vmap of lu_solve raised; fuzzer seed 5770608966)."""
+    warnings.simplefilter("ignore", sf.FallbackWarning)  # (cholesky_solve's B comes first: it replicates)
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    a = torch.randn(3, 3, 3, dtype=torch.float64) + 4 * torch.eye(3, dtype=torch.float64)
+    b = torch.randn(b_shape, dtype=torch.float64)  # (3, 3) could be a batch of vectors: torch says a matrix
+    for f in (_SOLVERS[name], torch.vmap(_SOLVERS[name], in_dims=(0, None))):
+        try:
+            want = f(a, b)
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                f(sf.distribute(a, a_spec, mesh=mesh), sf.distribute(b, b_spec, mesh=mesh))
+            continue
+        _close(f(sf.distribute(a, a_spec, mesh=mesh), sf.distribute(b, b_spec, mesh=mesh)), want)

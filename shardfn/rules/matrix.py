@@ -132,14 +132,31 @@ class BatchedLinalg:
         if k < 1:
             return []
         batch, ls = first[:k], letters(k)
+        names = [a.name for a in call.func._schema.arguments]
 
-        def lettered(shape: tuple) -> tuple:
-            head = ls if len(shape) >= k and tuple(shape[:k]) == batch else (None,) * min(k, len(shape))
+        def lettered(shape: tuple, trailing: int | None) -> tuple:
+            fits = len(shape) >= k if trailing is None else len(shape) - trailing == k
+            head = ls if fits and tuple(shape[:k]) == batch else (None,) * min(k, len(shape))
             return tuple(head) + (None,) * (len(shape) - len(head))
 
-        ins = tuple(lettered(s) for s in call.shapes)
-        outs = tuple(lettered(tuple(m.shape)) if isinstance(m, torch.Tensor) else None for m in call.out_metas)
+        def trailing(path: object, shape: tuple) -> int:
+            # an input's batch dims are those before its own matrix (or vector) dims: an
+            # unbatched B next to a batched A broadcasts, its rows are no batch dim
+            name = names[path] if isinstance(path, int) and path < len(names) else path
+            if name in _VECTOR_ARGS:
+                return _VECTOR_ARGS[name]
+            if (call.func is aten.ormqr.default and name == "input2") or (  # tau
+                    call.func is aten._linalg_solve_ex.default and name == "B" and shape == tuple(first[:-1])):
+                return 1
+            return 2
+
+        ins = tuple(lettered(tuple(v.shape), trailing(p, tuple(v.shape))) for p, v in call.arrays)
+        outs = tuple(lettered(tuple(m.shape), None) if isinstance(m, torch.Tensor) else None for m in call.out_metas)
         return compile_dims(call, Dims(ins, outs))
+
+
+# inputs of batched linear algebra that are not matrices: how many dims follow their batch dims
+_VECTOR_ARGS = {"pivots": 1, "LU_pivots": 1, "tau": 1, "atol": 0, "rtol": 0, "rcond": 0}
 
 
 @attrs.frozen
