@@ -1566,6 +1566,76 @@ def test_fresh_buffer_written_under_autograd(op):
         b.add_(1)
 
 
+_ADD_PRODUCTS = {
+    "addmm": lambda b, x, y, **kw: torch.addmm(b, x, y, **kw),
+    "addbmm": lambda b, x, y, **kw: torch.addbmm(b, torch.stack([x, x]), torch.stack([y, y]), **kw),
+    "baddbmm": lambda b, x, y, **kw: torch.baddbmm(b[None], x[None], y[None], **kw),
+    "addmv": lambda b, x, y, **kw: torch.addmv(b[:, 0], x, y[:, 0], **kw),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_ADD_PRODUCTS))
+@pytest.mark.parametrize("k", [0, 1, 3, 5])
+@pytest.mark.parametrize("specs", [(P(None, "x"), P("x"), P()), (P(), P(), P()), (P("x"), P(), P("x")),
+                                   (P(None, "x"), P("x"), P(None, "x"))])
+def test_integer_add_products_with_float_scalars_on_uneven_contractions(op, k, specs):
+    # torch's integral kernels truncate a float alpha/beta, but scale the addend by the float (and
+    # raise "result type Float can't be cast") where the whole contraction is empty; a shard
+    # with an empty piece of it raised where torch computes (seeds 50001618, 53001034, --gen 5)
+    mesh = sf.Mesh((4,), ("x",))
+    g = torch.Generator().manual_seed(k)
+    x, y, b = (torch.randint(-5, 5, s, dtype=torch.int32, generator=g) for s in ((7, k), (k, 3), (7, 3)))
+    f = _ADD_PRODUCTS[op]
+    for kw in (dict(beta=0.5), dict(alpha=0.5), dict(alpha=2.5, beta=-1.5), dict(beta=1.0), dict(beta=0.0)):
+        A, B, X = (sf.distribute(t, s, mesh=mesh) for t, s in zip((b, x, y), (specs[2], specs[0], specs[1])))
+        try:
+            want = f(b, x, y, **kw)
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError, match="can't be cast"):
+                f(A, B, X, **kw)
+            assert "can't be cast" in str(e)
+            continue
+        got = f(A, B, X, **kw)
+        assert got.dtype == want.dtype, kw
+        _close(got, want)
+
+
+@pytest.mark.parametrize("transform", ["vjp", "grad", "vmap"])
+@pytest.mark.parametrize("op", ["einsum", "matmul", "rms_norm"])
+def test_custom_ops_under_torch_func_with_a_closed_over_array(transform, op):
+    # a 4-d einsum/@ (shardfn::contract) or rms_norm (shardfn::rms_norm) of a torch.func-wrapped
+    # input and a closed-over ShardedArray: torch runs a custom op's autograd formula as an
+    # autograd.Function without setup_context, which functorch refuses ("must override
+    # setup_context"; seed 53002272, --gen 5 --families model); torch's composite runs instead
+    mesh = sf.Mesh((4,), ("x",))
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(3, 4, 4, 2, dtype=torch.float64, generator=g) for _ in range(2))
+    w = torch.randn(2, dtype=torch.float64, generator=g)
+    mask = torch.rand(3, 4, 4, 4, generator=g) > 0.5
+    Y, W, M = sf.distribute(y, P(None, "x"), mesh=mesh), sf.distribute(w, P(), mesh=mesh), sf.distribute(mask, P("x"), mesh=mesh)
+    W.requires_grad_(True)
+
+    def f(v, y, w, m):
+        if op == "rms_norm":
+            return F.rms_norm(v, (2,), w)
+        out = torch.einsum("bhqd,bhkd->bhqk", v, y) if op == "einsum" else v @ y.mT
+        return out.clone().masked_fill_(m, -1.0)
+
+    X = sf.distribute(x, P("x"), mesh=mesh)
+    if transform == "vjp":
+        got, gfn = torch.func.vjp(lambda v: f(v, Y, W, M), X)
+        want, wfn = torch.func.vjp(lambda v: f(v, y, w, mask), x)
+        ct = torch.randn(want.shape, dtype=torch.float64, generator=g)
+        _close(gfn(sf.distribute(ct, P(), mesh=mesh))[0], wfn(ct)[0])
+    elif transform == "grad":
+        got = torch.func.grad(lambda v: f(v, Y, W, M).sum())(X)
+        want = torch.func.grad(lambda v: f(v, y, w, mask).sum())(x)
+    else:
+        got = torch.func.vmap(lambda v: f(v, Y, W, M))(sf.distribute(x[None].expand(2, -1, -1, -1, -1), P(), mesh=mesh))
+        want = torch.func.vmap(lambda v: f(v, y, w, mask))(x[None].expand(2, -1, -1, -1, -1))
+    _close(got, want.detach())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", [P(None, "z"), P(None, "x"), P(None, ("x", "z"))])
 @pytest.mark.parametrize("include_self", [True, False])

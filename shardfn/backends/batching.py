@@ -360,7 +360,7 @@ def _outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _bsum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(a, b).sum(-3)
+    return torch.matmul(a, b).sum(-3, dtype=a.dtype)  # (sum widens integers; addbmm keeps the dtype)
 
 
 def _product(product: Callable) -> Callable[[Info], "_Call"]:

@@ -134,12 +134,25 @@ def _forward_ad() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
+def _functorch_refuses(args: tuple, kwargs: dict | None) -> bool:
+    """Whether a ``torch.library`` custom op with an autograd formula would fail here: under a
+    torch.func transform (grad, vjp, vmap, ...) with an input that needs its gradient, torch
+    runs the formula as an ``autograd.Function`` without ``setup_context``, which functorch
+    refuses (a ShardedArray the transformed function closes over, beside a wrapped one), so
+    ``contract`` and ``rms_norm`` give way to torch's composites there."""
+    if not (torch._C._are_functorch_transforms_active() and torch.is_grad_enabled()):
+        return False
+    leaves = [*args, *(kwargs or {}).values()]
+    leaves += [t for a in leaves if isinstance(a, (list, tuple)) for t in a]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves)
+
+
 def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     """``contract`` for a matmul / einsum call that keeps two or more batch dims, else
     NotImplemented (the caller runs torch's composite)."""
     if func is _SDPA:
         return _attention_math(args, kwargs)
-    if _forward_ad():
+    if _forward_ad() or _functorch_refuses(args, kwargs):
         return NotImplemented
     if func in _RMS_NORMS:
         return _rms_norm_call(args, kwargs)

@@ -9,6 +9,8 @@ split into a pending sum locally). Each device runs the op itself on its shards.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
@@ -33,7 +35,61 @@ class Einsum:
         out_shape = tuple(call.out_metas[0].shape)
         if self.addend:
             spec = with_addend(spec, broadcast_letters(spec.outs[0], call.shapes[0], out_shape))
-        return compile_dims(call, spec)
+        cands = compile_dims(call, spec)
+        if self.addend and _float_scalars_on_integers(call):
+            fn = _TruncatedScalars(call.func)
+            cands = [attrs.evolve(c, local_fn=fn) for c in cands]
+        return cands
+
+    @staticmethod
+    def out_meta(func: object, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The op's meta, and torch's error where its integral kernel scales the addend by a
+        float ``beta`` (an empty contraction: ``self * beta``); the meta kernel does not check."""
+        out = func(*args, **kwargs)
+        if func.overloadpacket in _SCALED_WHEN_EMPTY:
+            b = bind(func, args, kwargs)
+            beta = b.get("beta", 1)
+            if _integral(out.dtype) and isinstance(beta, float) and beta != 0 and _no_terms(func, b):
+                torch.zeros((), dtype=out.dtype).mul_(beta)  # torch's RuntimeError: Float can't be cast
+        return out
+
+
+def _integral(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _float_scalars_on_integers(call: OpCall) -> bool:
+    """An integral product with a float ``alpha``/``beta``: torch's kernel truncates them."""
+    meta = call.out_metas[0]
+    return isinstance(meta, torch.Tensor) and _integral(meta.dtype) and any(
+        isinstance(call.kwargs.get(k), float) for k in ("alpha", "beta"))
+
+
+def _no_terms(func: object, b: dict) -> bool:
+    """Whether torch's kernel computes ``self * beta`` alone: the product has no terms (an
+    empty contraction, or no batches for ``addbmm``) and a non-empty output."""
+    x, y = b["batch1" if "batch1" in b else "mat1"], b["batch2" if "batch2" in b else "mat2"]
+    k, out = x.shape[-1], (*x.shape[:-1], y.shape[-1])
+    if func.overloadpacket is aten.addbmm:
+        return x.shape[0] == 0 or (k == 0 and out[1] * out[2] > 0)
+    return k == 0 and math.prod(out) > 0
+
+
+@attrs.frozen
+class _TruncatedScalars:
+    """The op on one device's shards with float ``alpha``/``beta`` truncated to ints, as
+    torch's integral kernel reads them (a shard with an empty piece of the contraction would
+    otherwise scale its addend by the float: "result type Float can't be cast")."""
+
+    func: object
+
+    def __call__(self, *args: object, alpha: object = 1, beta: object = 1, **kwargs: object) -> torch.Tensor:
+        alpha = int(alpha) if isinstance(alpha, float) else alpha
+        beta = int(beta) if isinstance(beta, float) else beta
+        return self.func(*args, alpha=alpha, beta=beta, **kwargs)
+
+
+_SCALED_WHEN_EMPTY = frozenset({aten.addmm, aten.baddbmm, aten.addbmm})
 
 
 @attrs.frozen
@@ -44,7 +100,7 @@ class Addmm(Einsum):
 
     @staticmethod
     def out_meta(func: object, args: tuple, kwargs: dict) -> torch.Tensor:
-        out = func(*args, **kwargs)
+        out = Einsum.out_meta(func, args, kwargs)
         b = bind(func, args, kwargs)
         b["self"].expand(b["mat1"].shape[0], b["mat2"].shape[1])  # torch's RuntimeError where it does not expand
         return out

@@ -254,8 +254,12 @@ class _PlainGrad(torch.autograd.Function):
     value met arrays in the body) is made whole first, for the plain collective behind it."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+    def forward(t: torch.Tensor) -> torch.Tensor:
         return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        pass  # (separate from forward, so torch.func transforms accept the Function)
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
