@@ -1636,6 +1636,7 @@ def test_custom_ops_under_torch_func_with_a_closed_over_array(transform, op):
     _close(got, want.detach())
 
 
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("spec", [P(None, "z"), P(None, "x"), P(None, ("x", "z"))])
 @pytest.mark.parametrize("include_self", [True, False])
@@ -1655,3 +1656,27 @@ def test_index_reduce_prod_on_shards_of_one_column(dtype, spec, include_self):
     with pytest.raises(RuntimeError):
         sf.distribute(torch.ones(2, 1, dtype=dtype), P("x"), mesh=mesh).index_reduce(
             0, idx, sf.distribute(torch.ones(3, 1, dtype=dtype), P(), mesh=mesh), "prod")
+
+
+@pytest.mark.parametrize("view", [
+    lambda v: v.conj(),
+    lambda v: v.conj()[1:],
+    lambda v: torch._neg_view(v),
+    lambda v: torch._neg_view(v.conj()).t(),
+])
+@pytest.mark.parametrize("mesh_shape", [(1,), (2,)])
+def test_as_strided_of_a_lazily_conjugated_view_reads_torchs_storage(view, mesh_shape):
+    """``x.conj().as_strided(...)`` read the root's storage as true values and dropped the
+    conjugation (values and jvp tangents conjugated wrongly; fuzzer seed 5771083211): the
+    storage holds the flagged values, as torch's does."""
+    warnings.simplefilter("ignore", sf.FallbackWarning)  # as_strided of a non-box view replicates
+    mesh = sf.Mesh(mesh_shape, ("x",))
+    x = torch.randn(12, 3, dtype=torch.complex128)
+    t = torch.randn(12, 3, dtype=torch.complex128)
+    f = lambda v: view(v).as_strided((2, 2), (1, 2), 1)  # noqa: E731
+    xs, ts = sf.distribute(x, P(), mesh=mesh), sf.distribute(t, P(), mesh=mesh)
+    _close(f(xs), f(x))
+    out, tangent = torch.func.jvp(f, (xs,), (ts,))
+    want, want_t = torch.func.jvp(f, (x,), (t,))
+    _close(out, want)
+    _close(tangent, want_t)

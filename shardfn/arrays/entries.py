@@ -416,7 +416,7 @@ def _in_storage(v: ShardedArray) -> torch.Tensor:
     root = v._base if v._is_view() and isinstance(v._base, ShardedArray) else v
     n = root.untyped_storage().nbytes() // root.element_size()
     buf = torch.zeros(n, dtype=root.dtype, device=root.device)
-    full = raw_full(root)
+    full = _flipped(raw_full(root), root)  # the storage holds what torch stores: lazy conj/neg flags undone
     at = buf.as_strided(tuple(root.shape), root.stride(), root.storage_offset())
     for d in reversed(range(root.dim())):  # an expanded dim holds one value where it is stored
         if root.stride(d) == 0 and root.shape[d] > 1:
@@ -427,7 +427,17 @@ def _in_storage(v: ShardedArray) -> torch.Tensor:
         return _as_reported(v)
     if v.dtype != root.dtype:
         buf = buf.view(v.dtype)
-    return buf.as_strided(tuple(v.shape), v.stride(), v.storage_offset())
+    # v's true values where torch stores the flagged ones: the whole buffer flipped, so the
+    # op still sees one storage (as_strided's storage offset is the buffer's)
+    return _flipped(buf, v).as_strided(tuple(v.shape), v.stride(), v.storage_offset())
+
+
+def _flipped(t: torch.Tensor, like: ShardedArray) -> torch.Tensor:
+    """``t`` conjugated / negated where ``like`` carries torch's lazy conj / neg flag: an array's
+    values are true values, its storage (as torch keeps it) the flagged ones; both ways alike."""
+    if like.is_conj():
+        t = t.conj_physical()
+    return t.neg() if like.is_neg() else t
 
 
 @attrs.define
