@@ -176,6 +176,36 @@ def test_fresh_buffer_under_compile(mesh22):
     _close(got, fn(t))
 
 
+@pytest.mark.parametrize("mask", [True, False])
+def test_a_compiled_regions_buffer_written_after_a_graph_break_raises_saying_why(mesh22, mask):
+    """A buffer made in a compiled region and written after its graph break is a graph output:
+    never fresh (whether the graph read or aliased it is not known outside it), so the write
+    raises naming the compiled region and the remedy, which works (fuzzer seed 52000311 --gen 5
+    --families model: a 0-d clone then ``w[mask] = 0``, whose unsqueeze view is the target)."""
+    def made(u):
+        w = u.clone()
+        torch._dynamo.graph_break()
+        return w
+
+    t = torch.tensor(5, dtype=torch.int8)
+    x = sf.distribute(t, P(), mesh=mesh22)
+    m = torch.tensor(mask)
+    e = x.clone()
+    e[m] = 0  # eager: the clone is fresh
+    torch._dynamo.reset()
+    w = torch.compile(made, backend="aot_eager")(x)
+    for target in (w, w[None]):
+        with pytest.raises(ImmutableError, match=r"torch.compile'd region returned.*w = w.clone\(\)"):
+            target[m[None] if target.dim() else m] = 0
+    _close(w, t)  # nothing half-changed
+    w = w.clone()
+    w[m] = 0
+    r = t.clone()
+    r[m] = 0
+    _close(w, r)
+    _close(e, r)
+
+
 # -- adversarial: what another holder can see still raises ----------------------------------------
 
 

@@ -1710,6 +1710,28 @@ def _compare_grad(g: torch.Tensor, ref: torch.Tensor, case: Case, prec: torch.dt
             raise plain_branch from None
 
 
+def _compare_either(got: Any, ref: Any, alt: Callable[[], Any], what: str, prec: torch.dtype) -> None:
+    """A reverse-mode result (``vjp``, ``jacrev``) against torch's, where torch has two answers (see
+    ``_compare_grad``): ``alt`` runs the same plain program by ``torch.func.grad``, whose wrapped
+    input is subclass-like, so torch takes the branch ShardedArrays always take (seed 5770475284
+    --gen 4: ``jacrev`` of ``prod`` of ``[inf]`` is nan by torch's ``grad * result / input`` on a
+    plain tensor and 1 by its zero-safe path)."""
+    try:
+        _compare(got, ref, what, prec)
+    except Mismatch as plain_branch:
+        try:
+            _compare(got, alt(), what, prec)
+        except Exception:  # noqa: BLE001 - neither answer (or torch.func cannot run the program)
+            raise plain_branch from None
+
+
+def _grad_rows(case: Case, cts: torch.Tensor) -> torch.Tensor:
+    """``v -> ct . f(v)`` differentiated by ``torch.func.grad`` for each row of ``cts`` (real
+    outputs): torch's other branch of a vector-Jacobian product, one row at a time."""
+    f = lambda v: _chain(case.steps, v, lambda a: a.plain)  # noqa: E731
+    return torch.stack([torch.func.grad(lambda v, c=c: (f(v).reshape(-1) * c).sum())(case.x) for c in cts])
+
+
 def _chain(steps: list[Step], v: Any, lift: Callable[[Aux], Any]) -> Any:
     for s in steps:
         v = s.fn(v, lift)
@@ -1822,7 +1844,7 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 _compare(got, rg[0], "jvp primal", prec)
             elif run == "vjp":
                 got, gfn = torch.func.vjp(lambda v: _chain(case.steps, v, shard), X)
-                _compare(gfn(ct)[0], rg[1], "vjp cotangent", prec)
+                _compare_either(gfn(ct)[0], rg[1], lambda: _grad_rows(case, ct[None]).reshape(x.shape), "vjp cotangent", prec)
             elif run == "vmap":
                 XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
                 got = torch.func.vmap(lambda v: _chain(case.steps, v, shard))(XB)
@@ -1850,7 +1872,11 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             elif run in ("jacrev", "jacfwd", "hessian"):
                 jf = {"jacrev": torch.func.jacrev, "jacfwd": torch.func.jacfwd}.get(run)
                 jac = jf(lambda v: _chain(case.steps, v, shard))(X) if jf else torch.func.hessian(loss_of(shard))(X)
-                _compare(jac, rg, run, prec)
+                if run == "jacrev":
+                    _compare_either(jac, rg, lambda: _grad_rows(case, torch.eye(rg.numel() // max(x.numel(), 1), dtype=rg.dtype))
+                                    .reshape(rg.shape), run, prec)
+                else:
+                    _compare(jac, rg, run, prec)
                 got = _chain(case.steps, X, shard)
             elif run == "vmap_grad":
                 XB = sf.distribute(xb, P(None, *tuple(case.spec)), mesh=mesh)
@@ -1868,6 +1894,10 @@ def run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             if run.startswith("compile") and _compiled_plain(
                     case.steps, x, run == "compile_dynamic", run == "compile_marked")[1] is not None:
                 return None  # torch.compile fails on the plain program too
+            if run.startswith("compile") and isinstance(e, sf.ImmutableError) and "torch.compile'd region returned" in str(e):
+                # documented: a buffer made in a compiled region and written after a graph break is a
+                # graph output, never fresh (API.md, immutability; seed 52000311 --gen 5 --families model)
+                return None
             return f"shardfn raised {stage}where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
         if ref_err is not None and run.startswith("compile"):
             # torch.compile on plain tensors skips some eager kernels' checks too (its decompositions:

@@ -219,8 +219,13 @@ class ShardedArray(torch.Tensor):
             dtype = like.dtype
             if layout.partial and not dtype.is_floating_point:  # (max/min/avg take every float)
                 check_partial_dtype(layout, dtype)
-            return _wrap_output(local, layout, tuple(outer_size), dtype, None,
-                                (None if outer_stride is None else tuple(outer_stride), offset or None))
+            out = _wrap_output(local, layout, tuple(outer_size), dtype, None,
+                               (None if outer_stride is None else tuple(outer_stride), offset or None))
+            # whether a compiled graph's output is a fresh buffer (``fresh.py``) is not carried
+            # out of the graph: a write into it raises, saying so (``inplace.immutable_error``)
+            if type(like) is torch.Tensor and not torch.compiler.is_compiling():  # (not a trace's input, whose shards are fake)
+                out.__dict__["_compiled_out"] = True
+            return out
         # Symbolic sizes (torch.compile dynamic dims) stay symbolic: sharding propagation
         # plans from their hints (see dispatch.py); only even, stacked layouts support them.
         outer_size = tuple(outer_size)

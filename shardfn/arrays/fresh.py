@@ -15,6 +15,10 @@ it. A write into it reads it only as part of that write, so a buffer stays fresh
 is filled piece by piece. A fresh array's key fragment stays unset (``fragments._fragment``),
 so no read slips past dispatch's fast path: a read ends the freshness first (on the slow path,
 or in ``dispatch`` itself, which then builds the fast key again and runs warm).
+
+A torch.compile'd region's outputs are never fresh, even a buffer the region made: whether the
+graph read it, aliased it or returned it twice is not known outside the graph. A write into one
+(after a graph break) raises ImmutableError saying so (``inplace._COMPILED``).
 """
 
 from __future__ import annotations

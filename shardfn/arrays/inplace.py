@@ -110,9 +110,12 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     observed = d.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view")
     fresh = ("_fresh" in d or "_view_of" in d) and fresh_root(base) is not None  # (linked: a fresh root's views)
     if observed and not fresh:
+        compiled = d.get("_compiled_out")  # (a view of a compiled graph's output: for immutable_error's message)
         for o in outs:
             if isinstance(o, ShardedArray):
                 o._aliases_observable = True
+                if compiled:
+                    o._compiled_out = True
         return
     rest = args[1:]
     views = d.get("_views")
@@ -297,7 +300,7 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
         if r is not None:
             fresh[id(r)] = r
         elif not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
-            raise immutable_error(func)
+            raise immutable_error(func, _COMPILED if _root(t).__dict__.get("_compiled_out") else None)
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
             raise ShardingRuntimeError(_OVERLAP)  # as torch's kernels: the functional update would sum the copies
     if not accumulating:
@@ -475,6 +478,24 @@ def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
         return None
     legit = (b["input"], b["weight"], b["bias"], *stats, True, b["momentum"], b["eps"])
     return run_mutating(aten._native_batch_norm_legit.default, legit, {})
+
+
+# a fresh buffer made in a compiled region comes out of the graph as an output rebuilt around
+# the graph's tensors: whether nothing in the graph read it, aliased it or returned it twice is
+# not known there, so it is not fresh (writing it could leave a view or a result stale)
+_COMPILED = ("would modify a ShardedArray in place that a torch.compile'd region returned: a graph's outputs are "
+             "never fresh (whether the graph read or aliased a buffer it made is not known outside it), so they "
+             "are immutable like any other array; clone it before the write (w = w.clone(): a fresh buffer may be "
+             "written in place)")
+
+
+def _root(x: Any) -> Any:
+    """The array ``x`` is a view of, through its ``_view_of`` links (``x`` itself if none)."""
+    link = x.__dict__.get("_view_of")
+    while link is not None:
+        x = link[0]
+        link = x.__dict__.get("_view_of")
+    return x
 
 
 def immutable_error(func: Any, why: str | None = None) -> ImmutableError:
