@@ -1710,3 +1710,14 @@ def test_batched_solve_with_an_unbatched_right_side_split_in_rows(name, a_spec, 
                 f(sf.distribute(a, a_spec, mesh=mesh), sf.distribute(b, b_spec, mesh=mesh))
             continue
         _close(f(sf.distribute(a, a_spec, mesh=mesh), sf.distribute(b, b_spec, mesh=mesh)), want)
+
+
+@pytest.mark.parametrize("spec", [P(None, "y"), P("x", "y"), P(None, ("x", "y"))])
+def test_matrix_exp_of_a_block_of_a_split_batch(spec):
+    """torch's CPU ``matrix_exp`` views its batch dims as one, so a shard strided within them
+    (a square block of a split batch) raised where torch computes (fuzzer seed 5770622060)."""
+    mesh = sf.Mesh((4, 2), ("x", "y"))
+    x = torch.randn(8, 8, 4, 7, dtype=torch.float64) / 4
+    f = lambda v: torch.linalg.matrix_exp(v[..., :4, :4])  # noqa: E731
+    _close(f(sf.distribute(x, spec, mesh=mesh)), f(x))
+    _close(torch.vmap(f, in_dims=-1)(sf.distribute(x, spec, mesh=mesh)), torch.vmap(f, in_dims=-1)(x))
