@@ -11,7 +11,8 @@ import shardfn as sf
 
 
 def logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
-    return functional_call(model, params, (ids,), {"use_cache": False}).logits
+    kwargs = {"use_cache": False} if "ForCausalLM" in type(model).__name__ else {}  # (encoders take no cache)
+    return functional_call(model, params, (ids,), kwargs).logits
 
 
 def make_loss(model: torch.nn.Module):

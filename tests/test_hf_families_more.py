@@ -37,12 +37,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
 
-from _hf_common import close, parameters_grad_and_value
+from _hf_common import close, logits, make_loss, sharded_loss_and_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,37 +139,20 @@ def _setup(name: str) -> tuple:
     return model, params, plain, ids, labels, mesh
 
 
-def _logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
-    kwargs = {"use_cache": False} if "ForCausalLM" in type(model).__name__ else {}
-    return torch.func.functional_call(model, params, (ids,), kwargs).logits
-
-
-def _loss_fn(model: torch.nn.Module):
-    def loss(params: dict, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(_logits(model, params, ids).flatten(0, 1).float(), labels.flatten())
-
-    return loss
-
-
 def _check(name: str, mode: str) -> tuple[sf.debug.CommCounter, sf.debug.CommCounter]:
     """Forward and forward + backward (``mode``: autograd or func) of ``name``: values and
     gradients against the unsharded model, no fallback; the two counters."""
     model, params, plain, ids, labels, mesh = _setup(name)
     sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = _loss_fn(model)
+    loss_fn = make_loss(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with sf.debug.CommCounter() as fwd:
-            out = _logits(model, params, sids)
+            out = logits(model, params, sids)
         with sf.debug.CommCounter() as both:
-            if mode == "autograd":
-                leaves = {n: p.detach().requires_grad_(p.requires_grad) for n, p in params.items()}
-                loss = loss_fn(leaves, sids, slabels)
-                loss.backward()
-                grads = {n: p.grad for n, p in leaves.items() if p.grad is not None}
-            else:
-                grads, loss = parameters_grad_and_value(loss_fn, params, sids, slabels)
-    close(out, _logits(model, plain, ids))
+            loss, grads = sharded_loss_and_grads(loss_fn, params, sids, slabels, mode)
+    grads = {n: g for n, g in grads.items() if g is not None}
+    close(out, logits(model, plain, ids))
     want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
     close(loss, want)
     trainable = {n for n, p in params.items() if p.requires_grad}
