@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-aten = torch.ops.aten
+from ..values.schema import functional_overload, is_inplace
 
 _CASTS: dict = {}  # (op, operand dtypes and kinds) -> the error torch raises, or None
 
@@ -33,16 +33,15 @@ def _cast_error(func: Any, args: tuple, kwargs: dict, targets: list) -> str | No
         return torch.empty((1,) * a.dim(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
 
     margs, mkw = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
-    name = func._schema.name.split("::")[-1]
     written = [a for a in targets if isinstance(a, torch.Tensor)]
     if not written:
         return None
     try:
-        if name.endswith("_") and not name.endswith("__") and args and args[0] is written[0]:
-            packet = getattr(aten, name[:-1], None)  # the packet picks the overload by the arguments
-            if packet is None:                       # (``pow_.Scalar`` is ``pow.Tensor_Scalar``'s)
+        if is_inplace(func) and args and args[0] is written[0]:
+            op = functional_overload(func)  # ``pow_.Scalar`` -> ``pow.Tensor_Scalar``
+            if op is None:
                 return None
-            out = packet(*margs, **mkw)
+            out = op(*margs, **mkw)
             if not isinstance(out, torch.Tensor):
                 return None
             result, want = out.dtype, written[0].dtype

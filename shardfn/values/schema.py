@@ -44,15 +44,20 @@ def replace_arg(func: Any, args: tuple, kwargs: dict, name: str, value: Any) -> 
     return args, {**kwargs, name: value}
 
 
+def is_inplace(func: Any) -> bool:
+    """Whether ``func`` is an in-place op by torch's naming (``add_``; not a dunder such as ``__iand__``)."""
+    name = func._schema.name.split("::")[-1]
+    return name.endswith("_") and not name.endswith("__")
+
+
 @functools.lru_cache(maxsize=None)
 def functional_overload(func: Any) -> Any:
     """The out-of-place overload of an in-place op (``pow_.Scalar`` -> ``pow.Tensor_Scalar``):
     the one taking the same arguments (names, types, keyword-only) and returning one tensor;
     overload names do not always agree (``pow.Scalar`` takes a Scalar base). None if none."""
-    name = func._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.endswith("__"):
+    if not is_inplace(func):
         return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1][:-1], None)
     if packet is None:
         return None
     want = _signature(func)
