@@ -1,4 +1,5 @@
-"""Aten schemas: arguments by name (rules and backends both bind calls)."""
+"""Aten schemas: arguments by name (rules and backends both bind calls); an in-place op's
+out-of-place overload (the in-place policy's casting check and forward-AD route)."""
 
 from __future__ import annotations
 
