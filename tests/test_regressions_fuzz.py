@@ -908,12 +908,12 @@ def test_jvp_with_a_zero_tangent_writes_torchs_plain_buffer(spec, n):
 
 def test_in_place_ops_writing_plain_tensors_gather_their_sharded_inputs():
     # a plain destination holds the full value: the sharded operands are gathered, with a warning
-    from shardfn.arrays import inplace
+    from shardfn.arrays import inplace_plain
 
     mesh = sf.Mesh((2, 2), ("x", "y"))
     a, b = torch.randn(5, 3), torch.randn(5, 3)
     A, B = sf.distribute(a, P("x", "y"), mesh=mesh), sf.distribute(b, P(None, "x"), mesh=mesh)
-    inplace._warned_plain.discard("aten.add_")
+    inplace_plain._warned_plain.discard("aten.add_")
     p = torch.ones(5, 3)
     with pytest.warns(sf.FallbackWarning, match="aten.add_ writes a plain tensor"):
         assert p.add_(A) is p
