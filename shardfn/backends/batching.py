@@ -493,6 +493,15 @@ def _all_dims(reduce: Callable[[torch.Tensor, list, tuple, dict], Any]) -> Calla
     return build
 
 
+def _median_all(op: Any, flat: torch.Tensor) -> torch.Tensor:
+    """median() / nanmedian() of each device's flattened values: ``op.dim`` over the last dim,
+    or where there are no elements what torch's all-dims overload gives (nan in the dtype),
+    as ``op.dim`` raises on an empty dim."""
+    if flat.shape[-1] == 0:
+        return op.default(flat.new_empty(0)).expand(flat.shape[:-1]).clone()
+    return op.dim(flat, -1)[0]
+
+
 def _flat_index(op: Any) -> Callable[[Info], "_Call | None"]:
     """argmax/argmin: ``dim=None`` indexes the flattened logical dims."""
     def build(info: Info) -> "_Call | None":
@@ -748,8 +757,8 @@ _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.any.default: _all_dims(lambda x, d, r, k: aten.any.dims(x, d)),
     aten.all.default: _all_dims(lambda x, d, r, k: aten.all.dims(x, d)),
     aten.prod.default: _all_dims(lambda x, d, r, k: aten.prod.dim_int(x.flatten(-len(d)), -1, False, **k)),
-    aten.median.default: _all_dims(lambda x, d, r, k: aten.median.dim(x.flatten(-len(d)), -1)[0]),
-    aten.nanmedian.default: _all_dims(lambda x, d, r, k: aten.nanmedian.dim(x.flatten(-len(d)), -1)[0]),
+    aten.median.default: _all_dims(lambda x, d, r, k: _median_all(aten.median, x.flatten(-len(d)))),
+    aten.nanmedian.default: _all_dims(lambda x, d, r, k: _median_all(aten.nanmedian, x.flatten(-len(d)))),
     aten.var.default: _all_dims(lambda x, d, r, k: aten.var.dim(x, d, *r)),
     aten.std.default: _all_dims(lambda x, d, r, k: aten.std.dim(x, d, *r)),
     aten.var_mean.default: _all_dims(lambda x, d, r, k: aten.var_mean.dim(x, d, *r)),
