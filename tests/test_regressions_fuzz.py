@@ -1818,3 +1818,19 @@ def test_batched_addbmm_keeps_small_integer_dtypes(dtype, spec):
         full = got.full_tensor()
         assert got.dtype == full.dtype == want.dtype, (kw, got.dtype, full.dtype)
         assert torch.equal(full, want), kw
+
+
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_eigvals_of_a_non_finite_matrix_raises_as_on_torchs_subclass_branch(spec):
+    """torch.linalg.eigvals of a plain CPU matrix holding nan crashes the process (torch 2.13 with
+    MKL: "Parameter 3 was incorrect on entry to SGEBAL", then a segfault: torch's values-only
+    kernel skips eig's check). On a ShardedArray, as on any subclass-like input or one requiring
+    grad, torch runs linalg_eig, which raises: shardfn raises that error; finite values match."""
+    mesh = sf.Mesh((2,), ("x",))
+    a = torch.randn(2, 4, 4, dtype=torch.float32)
+    _close(torch.linalg.eigvals(sf.distribute(a, spec, mesh=mesh)), torch.linalg.eigvals(a))
+    a[1, 0, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="infs or NaNs"):
+        torch.linalg.eigvals(a.clone().requires_grad_())  # torch's subclass-like branch: not the crash
+    with pytest.raises(RuntimeError, match="infs or NaNs"):
+        torch.linalg.eigvals(sf.distribute(a, spec, mesh=mesh))

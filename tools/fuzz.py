@@ -1031,6 +1031,14 @@ def random_ops(c: Ctx, x: torch.Tensor) -> Step | None:
     return Step("random_" + kind, fn, f"x + sf.random.{kind}(key, x.shape, {spec})")
 
 
+def _eigvals(m: Any) -> Any:
+    """``torch.linalg.eigvals`` as torch runs it on a ShardedArray: by ``linalg_eig`` (its branch for
+    subclass-like inputs), which raises on a matrix holding inf or nan. On a plain CPU tensor torch
+    calls its values-only kernel, which does not check and crashes there (torch 2.13, MKL: "Parameter
+    3 was incorrect on entry to SGEBAL", then a segfault; a torch bug): the oracle takes eig's branch."""
+    return torch.linalg.eigvals(m) if isinstance(m, sf.ShardedArray) else torch.linalg.eig(m)[0]
+
+
 @op("wide", since=3)
 def wide(c: Ctx, x: torch.Tensor) -> Step | None:
     """Generator 3: the rule table's ops the older families never reach (activations, padding
@@ -1121,7 +1129,7 @@ def wide(c: Ctx, x: torch.Tensor) -> Step | None:
                                                                         A(y)[..., :sq, :])),
         "solve_triangular": (n >= 2 and wide_, lambda v, A: torch.linalg.solve_triangular(
             square(v).triu(), A(y)[..., :sq, :], upper=True)),
-        "eigvals": (n >= 2 and wide_, lambda v, A: torch.linalg.eigvals(square(v)).abs().sort(-1)[0]),
+        "eigvals": (n >= 2 and wide_, lambda v, A: _eigvals(square(v)).abs().sort(-1)[0]),
         "cholesky_solve": (n >= 2 and wide_,
                            lambda v, A: torch.cholesky_solve(A(y)[..., :sq, :], torch.linalg.cholesky(square(v)))),
         "cholesky_inverse": (n == 2 and wide_, lambda v, A: torch.cholesky_inverse(torch.linalg.cholesky(square(v)))),
