@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from .array import ShardedArray, _tf_call
-from .fresh import fresh_root, mark_fresh, note_reads, writing
+from .fresh import fresh_root, note_reads, writing
 from .redistribute import raw_full
 from ..values.errors import FallbackWarning, ImmutableError, ShardingRuntimeError
 from ..values.schema import op_name
@@ -108,7 +108,8 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     d = base.__dict__
     observed = d.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view")
-    fresh = ("_fresh" in d or "_view_of" in d) and fresh_root(base) is not None  # (linked: a fresh root's views)
+    # (linked: a fresh root's views; a root's own flag read inline)
+    fresh = fresh_root(base) is not None if "_view_of" in d else "_fresh" in d and "_aliases_observable" not in d
     if observed and not fresh:
         compiled = d.get("_compiled_out")  # (a view of a compiled graph's output: for immutable_error's message)
         for o in outs:
@@ -127,7 +128,8 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if isinstance(o, ShardedArray) and o is not base:
             o._view_of = (base, func, rest, kwargs, i if outs is out else None)
             views.append(weakref.ref(o))
-            if fresh:  # no fast-key fragment while its root is fresh (``fresh.py``)
+            if fresh:  # its fast-key fragment held back while its root is fresh (``dispatch._held_back``)
+                o.__dict__["_kfh"] = o._kf
                 o._kf = None
 
 
@@ -219,18 +221,18 @@ def calibrate() -> None:
 
 # -- fresh arrays ------------------------------------------------------------------------------------
 
-# the factory ops whose output is fresh (``fresh.py``); those without ``clone`` read no values
+# the ops that read only their inputs' metadata (factories), or copy them (``clone``): no reads
 _FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "zeros_like", "ones_like",
               "empty_like", "full_like", "rand_like", "randn_like", "randint_like")
-_MAKES_FRESH: dict[Any, bool] = {}
+_NOT_READING: dict[Any, bool] = {}
 
 
-def makes_fresh(func: Any) -> bool:
-    """Whether ``func``'s output is fresh: a factory op, or ``clone``."""
-    v = _MAKES_FRESH.get(func)
+def _not_reading(func: Any) -> bool:
+    """Whether ``func`` is a factory op (its inputs' metadata only) or ``clone``."""
+    v = _NOT_READING.get(func)
     if v is None:
         name = func.overloadpacket.__name__
-        v = _MAKES_FRESH[func] = name in _FACTORIES or name in ("clone", "_lazy_clone")
+        v = _NOT_READING[func] = name in _FACTORIES or name in ("clone", "_lazy_clone")
     return v
 
 
@@ -246,25 +248,8 @@ def reads_values(func: Any) -> bool:
     requiring grad)."""
     v = _READS.get(func)
     if v is None:
-        v = _READS[func] = not (is_view(func) or func._schema.is_mutable or makes_fresh(func))
+        v = _READS[func] = not (is_view(func) or func._schema.is_mutable or _not_reading(func))
     return v
-
-
-class FreshEntry:
-    """A factory op's dispatch cache entry: its warm outputs are fresh too."""
-
-    __slots__ = ("entry",)
-
-    def __init__(self, entry: Any) -> None:
-        self.entry = entry
-
-    def warm(self, args: tuple, kwargs: dict) -> Any:
-        out = self.entry.warm(args, kwargs)
-        mark_fresh(out)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.entry, name)
 
 
 # -- the policy ------------------------------------------------------------------------------------
@@ -297,7 +282,7 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
         if not isinstance(t, ShardedArray):
             raise immutable_error(func, "writes a plain tensor and a ShardedArray together")
         r = fresh_root(t)
-        if r is not None:
+        if r is not None and not _calibrating:  # (``calibrate``'s private target is a fresh op output)
             fresh[id(r)] = r
         elif not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
             raise immutable_error(func, _COMPILED if _root(t).__dict__.get("_compiled_out") else None)
@@ -606,6 +591,10 @@ def _rebind(x: Any, new: Any) -> None:
             aten.as_strided_.default(x, tuple(new.shape), tuple(new.stride()))
     x._local, x._layout = new._local, new._layout
     x._kf = None  # dispatch's cached key fragment describes the old layout and shape
+    d = x.__dict__
+    if d.get("_fresh") is not None:
+        d["_fresh"] = None  # so does the one a fresh root holds back (``fresh.mark_fresh``)
+    d.pop("_kfh", None)  # (and a view's)
 
 
 def _result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:

@@ -429,14 +429,45 @@ class AsStridedBox:
         at = x.storage_offset() if at is None else at
         with torch._C.DisableTorchFunctionSubclass():
             shape, strides, offset = tuple(x.shape), tuple(x.stride()), x.storage_offset()
-        starts = _box(shape, strides, offset, size, stride, at)
-        if starts is None or not all(isinstance(n, int) for n in size):
+        if not all(isinstance(n, int) for n in size):
             return []
+        starts = _box(shape, strides, offset, size, stride, at)
+        if starts is None:
+            return self._reshape(call, x, shape, strides, offset, size, stride, at)
         cut = {i for i in range(len(shape)) if (starts[i], size[i]) != (0, shape[i])}
         lay = x._layout
         src = Layout(call.mesh, tuple(() if i in cut else d for i, d in enumerate(lay.dims)), lay.partial)
         fn = _Narrowed(tuple((i, starts[i], size[i]) for i in sorted(cut)))
         return [Candidate((src,), (src,), local_fn=fn)]
+
+
+    @staticmethod
+    def _reshape(call: OpCall, x: Any, shape: tuple, strides: tuple, offset: int, size: list, stride: list,
+                 at: int) -> list[Candidate]:
+        """as_strided of a contiguous ``x`` to all of its elements in contiguous order, of another
+        shape: a reshape (functorch's CopySlices reads a view's gradient off a flat buffer this way,
+        a write into ``bmm(..).squeeze(1)``): sharded as ``view``, each device viewing its shard."""
+        if not _all_in_order(shape, strides, offset, size, stride, at):
+            return []
+        src, dst = view_layouts(x._layout, shape, tuple(size))
+        return [Candidate((src,), (dst,), local_op=aten.view.default, local_sizes=(("size", 0),))]
+
+
+def _all_in_order(shape: tuple, strides: tuple, offset: int, size: Sequence[int], stride: Sequence[int],
+                  at: int) -> bool:
+    """Whether ``as_strided(size, stride, at)`` of a tensor (``shape``, ``strides``, ``offset``)
+    reads all of a contiguous tensor's elements in their order (a reshape)."""
+    return (not offset and not at and strides == _contiguous(shape) and math.prod(size) == math.prod(shape)
+            and tuple(stride) == _contiguous(tuple(size)))
+
+
+def _contiguous(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (torch's: a size-1 dim's is its neighbour's)."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
 
 
 @attrs.frozen
@@ -450,6 +481,14 @@ class _NarrowedScatter:
         out = x.clone()
         _Narrowed(self.cuts)(out).copy_(src)
         return out
+
+
+@attrs.frozen
+class _SrcReshaped:
+    """One device's ``as_strided_scatter`` that overwrites all of ``input``: ``src`` in its shape."""
+
+    def __call__(self, x: torch.Tensor, src: torch.Tensor, *rest: Any, **facts: Any) -> torch.Tensor:
+        return src.reshape(x.shape).to(x.dtype)
 
 
 @attrs.frozen
@@ -468,8 +507,15 @@ class AsStridedScatterBox:
         at = b.get("storage_offset")
         with torch._C.DisableTorchFunctionSubclass():
             shape, strides, offset = tuple(x.shape), tuple(x.stride()), x.storage_offset()
+        if tuple(v.shape) != tuple(size):
+            return []
         starts = _box(shape, strides, offset, size, stride, offset if at is None else at)
-        if starts is None or tuple(v.shape) != tuple(size):
+        if starts is None:
+            if _all_in_order(shape, strides, offset, size, stride, offset if at is None else at):
+                # the view is all of ``input`` in order: the output is ``src`` reshaped, laid out as
+                # ``src`` views to ``input``'s shape (``input`` there too: each device's shape)
+                src, dst = view_layouts(v._layout, tuple(size), shape)
+                return [Candidate((dst, src), (dst,), local_fn=_SrcReshaped())]
             return []
         cut = {i for i in range(len(shape)) if (starts[i], size[i]) != (0, shape[i])}
         fn = _NarrowedScatter(tuple((i, starts[i], size[i]) for i in sorted(cut)))
