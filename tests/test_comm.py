@@ -404,6 +404,31 @@ def test_coalesced_sync_of_shares_and_own_parts() -> None:
         close(got.grad, want.grad, 1e-4)
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_pending_average_adds_the_parts_and_divides(n: int) -> None:
+    """A pending average over 2 to 8 devices on the local backend adds the parts as a pending
+    sum's (IEEE signs: parts all -0.0 average -0.0, as a collective's adds and a division give)
+    and divides once: no mean kernel and no pass over the parts for the sign (2 parts: a split,
+    an add, a division); values against torch."""
+    mesh = sf.Mesh((n,), ("dp",), backend="local")
+    g = torch.Generator().manual_seed(n)
+    parts = [torch.randn(5, 3, generator=g) for _ in range(n)]
+    for t in parts:
+        t[0, 0] = -0.0
+    parts[1][1, 1] = float("inf")
+    sf.reshard(sf.ShardedArray.from_local(parts, P(partial={"dp": "avg"}), mesh=mesh), P())  # the plan made
+    x = sf.ShardedArray.from_local(parts, P(partial={"dp": "avg"}), mesh=mesh)  # (a reduction is kept per array)
+    with _ShardOps() as mode:
+        y = sf.reshard(x, P())
+    got = y.full_tensor()
+    want = torch.stack(parts).mean(0)
+    torch.testing.assert_close(got, want)
+    assert got[0, 0].item() == 0.0 and got[0, 0].signbit()  # torch's mean kernel starts at +0: it gives +0.0
+    assert not {"mean", "amax", "where", "copysign"} & set(mode.ops), mode.ops
+    if n == 2:
+        assert mode.ops == {"split_with_sizes": 1, "add": 1, "div_": 1}, mode.ops
+
+
 def _pending(full: list[torch.Tensor], mesh: sf.Mesh, op: str = "sum", axis: str = "dp") -> list:
     """Each tensor as a value pending a reduction over ``axis`` (every part a share of it)."""
     n = mesh.axis_size(axis)
