@@ -1,0 +1,108 @@
+"""CUDA kernels' rules on meta meshes and their values through test-only CPU kernels: the
+cases a meta-mesh suite asks beyond ``test_cuda_rules`` / ``test_attention_kernels`` --
+biases of every broadcast shape, every output's metadata against torch's meta result,
+layouts the kernels cannot keep (gathered, never wrong), meshes bigger than the dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn import P
+
+import test_attention_kernels as bshd
+import test_cuda_rules as bhsd
+
+aten = torch.ops.aten
+B, H, S, D = 4, 4, 8, 16
+
+
+@pytest.fixture(scope="module")
+def cpu_kernels() -> Iterator[None]:
+    lib = torch.library.Library("aten", "IMPL")
+    for name, fn in [("_scaled_dot_product_flash_attention", bhsd._flash),
+                     ("_scaled_dot_product_flash_attention_backward", bhsd._flash_bwd),
+                     ("_scaled_dot_product_efficient_attention", bhsd._efficient),
+                     ("_scaled_dot_product_efficient_attention_backward", bhsd._efficient_bwd),
+                     ("_scaled_dot_product_cudnn_attention", bhsd._cudnn),
+                     ("_scaled_dot_product_cudnn_attention_backward", bhsd._cudnn_bwd),
+                     ("_efficient_attention_forward", bshd._eff_fwd),
+                     ("_efficient_attention_backward", bshd._eff_bwd)]:
+        lib.impl(name, fn, "CPU")
+    yield
+    lib._destroy()
+
+
+def _sdpa_efficient(q, k, v, b):  # noqa: ANN001, ANN202
+    return aten._scaled_dot_product_efficient_attention(q, k, v, b, True, 0.0, False)
+
+
+def _sdpa_cudnn(q, k, v, b):  # noqa: ANN001, ANN202
+    return aten._scaled_dot_product_cudnn_attention(q, k, v, b, True, 0.0, True, False, scale=0.3)
+
+
+def _bshd_efficient(q, k, v, b):  # noqa: ANN001, ANN202
+    return aten._efficient_attention_forward(q, k, v, b, None, None, q.shape[1], k.shape[1], 0.0, 0, True)
+
+
+KERNELS = {"sdpa_efficient": (_sdpa_efficient, False), "sdpa_cudnn": (_sdpa_cudnn, False),
+           "bshd_efficient": (_bshd_efficient, True)}
+# a bias broadcasts against the scores (batch, heads, seq_q, seq_k), right-aligned; B == H so that
+# a (heads, ...) bias aligned from the left would be read as a batch one
+BIASES = [(H, S, S), (S, S), (1, S, S), (B, 1, S, S), (1, H, S, S), (B, H, 1, S)]
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("bias_shape", BIASES, ids=str)
+@pytest.mark.parametrize("layout", ["heads", "batch", "heads_over_8", "batch_over_8"])
+def test_broadcast_bias_values_and_grads_equal_unsharded(kernel: str, bias_shape: tuple, layout: str,
+                                                         cpu_kernels: None) -> None:
+    fn, seq_first = KERNELS[kernel]
+    heads_dim = 2 if seq_first else 1
+    mesh = sf.Mesh((8,) if "8" in layout else (2, 2), ("x",) if "8" in layout else ("dp", "tp"), backend="local")
+    spec = {"heads": P("dp", "tp") if not seq_first else P("dp", None, "tp"), "batch": P("dp"),
+            "heads_over_8": P(*[None] * heads_dim, "x"), "batch_over_8": P("x")}[layout]
+    g = torch.Generator().manual_seed(0)
+    shape = (B, S, H, D) if seq_first else (B, H, S, D)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3))
+    b = torch.randn(bias_shape, generator=g, dtype=torch.float64)
+    plain = [t.clone().requires_grad_(i < 3 or kernel != "sdpa_cudnn") for i, t in enumerate((q, k, v, b))]
+    want = fn(*plain)[0]
+    wgrads = torch.autograd.grad((want ** 2).sum(), [t for t in plain if t.requires_grad])
+    sharded = [sf.distribute(t, spec, mesh=mesh).requires_grad_() for t in (q, k, v)]
+    sharded.append(sf.distribute(b, P(), mesh=mesh).requires_grad_(kernel != "sdpa_cudnn"))
+    with sf.debug.CommCounter() as cc:
+        got = fn(*sharded)[0]
+    assert cc.records == [] and got.spec == spec  # a broadcast bias splits like the scores
+    torch.testing.assert_close(got.full_tensor(), want)
+    need = sharded if kernel != "sdpa_cudnn" else sharded[:3]  # cuDNN's backward gives no bias gradient
+    grads = torch.autograd.grad((got ** 2).sum(), need)
+    for i, (gr, w) in enumerate(zip(grads, wgrads)):
+        assert gr.shape == w.shape
+        torch.testing.assert_close(gr.full_tensor(), w, msg=f"grad {i}")
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("bias_shape", BIASES, ids=str)
+def test_broadcast_bias_heads_sharded_on_meta_mesh_moves_nothing(kernel: str, bias_shape: tuple) -> None:
+    fn, seq_first = KERNELS[kernel]
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    spec = P("dp", None, "tp") if seq_first else P("dp", "tp")
+    shape = (B, S, H, D) if seq_first else (B, H, S, D)
+    q, k, v = (torch.randn(shape, device="meta") for _ in range(3))
+    b = torch.randn(bias_shape, device="meta")
+    want = fn(q, k, v, b)
+    qs, ks, vs = (sf.distribute(t, spec, mesh=mesh).requires_grad_() for t in (q, k, v))
+    bs = sf.distribute(b, P(), mesh=mesh).requires_grad_(kernel != "sdpa_cudnn")
+    with sf.debug.CommCounter() as cc:
+        outs = fn(qs, ks, vs, bs)
+        grads = torch.autograd.grad(outs[0].sum(), (qs, ks, vs, bs) if kernel != "sdpa_cudnn" else (qs, ks, vs))
+    assert [r.kind for r in cc.records if r.op != "aten.sum.default"] == []
+    for w, o in zip(want, outs):
+        if isinstance(w, torch.Tensor):
+            assert (o.shape, o.dtype, o.device) == (w.shape, w.dtype, w.device)
+    assert [g.shape for g in grads] == [t.shape for t in (q, k, v, b)][:len(grads)]
