@@ -106,3 +106,71 @@ def test_broadcast_bias_heads_sharded_on_meta_mesh_moves_nothing(kernel: str, bi
         if isinstance(w, torch.Tensor):
             assert (o.shape, o.dtype, o.device) == (w.shape, w.dtype, w.device)
     assert [g.shape for g in grads] == [t.shape for t in (q, k, v, b)][:len(grads)]
+
+
+# -- the mesh owns the device: moves between meshes, accelerator moves refused on every rank ------
+
+
+@pytest.mark.parametrize("sharding", ["bare_spec", "named"])
+def test_distribute_of_an_array_onto_a_meta_mesh_moves_its_shards(sharding: str) -> None:
+    cpu_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    meta_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    x = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=cpu_mesh)
+    y = (sf.distribute(x, P("dp"), mesh=meta_mesh) if sharding == "bare_spec"
+         else sf.distribute(x, sf.NamedSharding(meta_mesh, P("dp"))))
+    assert y.mesh == meta_mesh and y.spec == P("dp") and y.shape == (4, 6)
+    assert {s.device.type for s in y.local_shards()} == {"meta"} and y.device.type == "meta"
+    z = sf.reshard(x, sf.NamedSharding(meta_mesh, P(None, "tp")))
+    assert z.mesh == meta_mesh and {s.device.type for s in z.local_shards()} == {"meta"}
+
+
+def test_distribute_of_an_array_takes_the_mesh_argument() -> None:
+    """A bare spec with ``mesh=`` lays the array out on that mesh (a view of its devices), not its own."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    flat = mesh.flatten(("dp", "tp"), "x")
+    t = torch.randn(8, 6, requires_grad=True)
+    x = sf.distribute(t, P("dp", "tp"), mesh=mesh)
+    y = sf.distribute(x, P("x"), mesh=flat)
+    assert y.mesh == flat and y.spec == P("x")
+    torch.testing.assert_close(y.full_tensor(), t)
+    (g,) = torch.autograd.grad((y * y).sum().full_tensor(), (t,))
+    torch.testing.assert_close(g, 2 * t)
+    with pytest.raises(sf.ShardingError, match="not a view"):
+        sf.distribute(x, P("x"), mesh=sf.Mesh((3,), ("x",), backend="local"))  # not the same devices
+
+
+def test_an_array_on_a_meta_mesh_cannot_move_onto_a_data_mesh() -> None:
+    meta_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    cpu_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    x = sf.distribute(torch.randn(4, 6), P("dp"), mesh=meta_mesh)
+    with pytest.raises(sf.ShardingError, match=r"meta mesh holds no values.*'cpu'"):
+        sf.distribute(x, P("tp"), mesh=cpu_mesh)
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("call", [
+    lambda x: x.cuda(), lambda x: x.cuda(0), lambda x: x.cuda(non_blocking=True), lambda x: x.to("cuda"),
+    lambda x: x.to("cuda:0", torch.float16), lambda x: x.to(device="cuda", dtype=torch.float16),
+    lambda x: x.to(torch.device("cuda", 0), non_blocking=True), lambda x: x.type("torch.cuda.FloatTensor"),
+    lambda x: x.xpu(), lambda x: torch.zeros_like(x, device="cuda") if x.dim() >= 3 else x.to("cuda"),
+], ids=["cuda", "cuda0", "cuda_nb", "to", "to_dtype", "to_kw", "to_device", "type_str", "xpu", "zeros_like"])
+def test_an_accelerator_move_off_the_mesh_device_is_a_sharding_error_on_any_machine(ndim: int, call) -> None:  # noqa: ANN001
+    """Refused before torch starts the accelerator's runtime (on a CPU-only machine that failed
+    with torch's 'not compiled with CUDA' rather than the mesh's error)."""
+    meta_mesh = sf.Mesh((2,), ("x",), backend="local", device_type="meta")
+    x = sf.distribute(torch.randn((4, 3, 2)[:ndim]), P("x"), mesh=meta_mesh)
+    with pytest.raises(sf.ShardingError, match=r"device='(cuda|xpu)(:0)?'\).*mesh's device type 'meta'"):
+        call(x)
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_moves_onto_the_mesh_device_and_casts_still_work(ndim: int) -> None:
+    meta_mesh = sf.Mesh((2,), ("x",), backend="local", device_type="meta")
+    x = sf.distribute(torch.randn((4, 3, 2)[:ndim]), P("x"), mesh=meta_mesh)
+    other = torch.zeros(1, dtype=torch.float16, device="meta")
+    for y in (x.to("meta"), x.to(torch.float64), x.to("meta", torch.float64, True, True), x.to(other, copy=True),
+              x.to(other, non_blocking=True), x.to(device="meta", dtype=torch.bfloat16, copy=True),
+              x.type(torch.float64), x.to(x)):
+        assert isinstance(y, sf.ShardedArray) and y.spec == P("x") and y.device.type == "meta"
+        assert {s.device.type for s in y.local_shards()} == {"meta"}
+    assert x.to(other, copy=True).dtype == torch.float16 and x.type() == "torch.meta.FloatTensor"
