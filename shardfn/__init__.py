@@ -56,7 +56,7 @@ from .compile.dynamo import install as _install_dynamo  # noqa: E402
 
 _install_dynamo()  # torch.compile support, registered when torch._dynamo is imported
 
-from .arrays.inplace import calibrate as _calibrate_inplace  # noqa: E402
+from .arrays.observed import calibrate as _calibrate_inplace  # noqa: E402
 
 _calibrate_inplace()  # the in-place policy's reference counts of a private array
 

@@ -115,6 +115,33 @@ def test_architecture_doc_lists_every_module() -> None:
                           f"'Modules, by layer' saying what the module holds")
 
 
+def _module_list() -> list[tuple[str, str]]:
+    """(package heading, module path) for each line of the doc's "Modules, by layer" list."""
+    text = DOC.read_text()
+    section = text[text.index("### Modules, by layer"):text.index("Where a lower layer needs")]
+    rows, package = [], None
+    for line in section.splitlines():
+        if m := re.match(r"^- `([\w/]+)/`", line):
+            package = m.group(1)
+        elif m := re.match(r"^  - `([\w/]+\.py)`:", line):
+            rows.append((package, m.group(1)))
+    return rows
+
+
+def test_module_list_names_each_module_once_under_its_package() -> None:
+    """The module list has one line per module of shardfn (``__init__.py`` aside), each under
+    its top-level package's heading: none missing, none twice, none that does not exist."""
+    rows = _module_list()
+    listed = [path for _, path in rows]
+    twice = sorted({path for path in listed if listed.count(path) > 1})
+    assert not twice, f"docs/architecture.md's module list names {twice} more than once"
+    modules = [m for m in MODULES if not m.endswith("__init__.py")]
+    assert sorted(listed) == modules, (f"module list vs shardfn: missing {sorted(set(modules) - set(listed))}, "
+                                       f"not modules {sorted(set(listed) - set(modules))}")
+    misplaced = [(package, path) for package, path in rows if path.split("/")[0] != package]
+    assert not misplaced, f"listed under another package's heading: {misplaced}"
+
+
 def test_package_inits_only_re_export() -> None:
     """A package's ``__init__.py`` holds imports (re-exports), ``__all__`` and a docstring only."""
     import ast

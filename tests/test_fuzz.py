@@ -70,6 +70,7 @@ FOUND = [
     (5762093798, 3),  # the same, then var
     (35002315, 4),  # compile(dynamic): a mesh dim's symbol shared with an equal global dim, pinned in mid-trace
     (5770475284, 4),  # jacrev of prod of [inf]: nan by torch's plain branch, 1 by its zero-safe one (oracle: either)
+    (5772895398, 3),  # float16 split x @ x.mT then pow by -1.8: one step's legit rounding amplified (oracle: step by step)
     (35004348, 4),  # complex pcast (a product by 1+0j) and parts added by torch's complex add (a + 1 * b): -inf j to nan
 ]
 
@@ -79,6 +80,49 @@ def test_pending_values_hold_no_negative_zero():
     t = fuzz.on_grid(torch.tensor([-1e-5, 1e-5, -0.0, 0.3], dtype=torch.float64))
     assert not torch.signbit(t[t == 0]).any()
     assert fuzz.on_grid(torch.tensor([-0.3 + 0j], dtype=torch.complex128)).real.item() == -0.2998046875
+
+
+# float16 rows whose dot products cancel: with the contraction split over 2 devices, each partial
+# sum is rounded to float16 before they are added, so some entries of x @ x.mT differ from torch's
+# single-kernel ones by far more than their own size (normwise still close)
+_CANCELLING = [
+    [-5.0390625, 0.626953125, 2.01171875, -0.0216217041015625, 1.5576171875, -8.84375, -2.361328125, -2.056640625],
+    [3.486328125, 2.693359375, -3.134765625, -3.51171875, 0.2919921875, -3.302734375, -0.52490234375, 4.265625],
+    [0.451904296875, 1.1513671875, -3.1796875, -2.740234375, 2.880859375, 5.0, -4.5546875, 2.841796875],
+    [-2.314453125, -6.09375, 2.697265625, -5.84375, -1.201171875, -1.3212890625, -0.93798828125, -0.837890625],
+]
+
+
+def _split_product_case(*middle, mode="value"):
+    x = torch.tensor(_CANCELLING, dtype=torch.float16)
+    steps = [fuzz.Step("xxT", lambda v, A: v @ v.mT, "xxT"), *middle,
+             fuzz.Step("reciprocal", lambda v, A: v.reciprocal(), "reciprocal")]
+    return fuzz.Case(None, (2,), x, fuzz.P(None, "x"), steps, mode, loosest=torch.float16)
+
+
+@pytest.mark.parametrize("mode", ["value", "vmap"])
+def test_split_rounding_amplified_by_a_later_step_is_torchs_own(mode):
+    """A split float16 contraction is one ulp off where its terms cancel, and 1/x of that entry is
+    far off: torch's reciprocal of shardfn's product gives the same, so the oracle accepts it."""
+    x = torch.tensor(_CANCELLING, dtype=torch.float16)
+    X = fuzz.sf.distribute(x, fuzz.P(None, "x"), mesh=fuzz.sf.Mesh((2,), ("x",), backend="local"))
+    got = (X @ X.mT).full_tensor()
+    halves = x[:, :4] @ x[:, :4].mT + x[:, 4:] @ x[:, 4:].mT  # each device's partial sum rounded, then added
+    assert torch.equal(got, halves)  # shardfn computes the split product exactly
+    rel = ((got.reciprocal().double() - (x @ x.mT).reciprocal().double()).abs() / (x @ x.mT).double().abs().reciprocal())
+    assert rel.max() > 0.1  # amplified far past any 16-bit tolerance
+    assert fuzz.run_case(_split_product_case(mode=mode)) is None
+
+
+def test_step_by_step_oracle_still_catches_a_wrong_step():
+    """The step-by-step verdict runs torch's op on shardfn's input to each step: a step shardfn
+    gets wrong (here 10% off on ShardedArrays only) still fails the case."""
+    wrong = fuzz.Step("wrong", lambda v, A: v * 1.1 if isinstance(v, fuzz.sf.ShardedArray) else v, "wrong")
+    assert fuzz.run_case(_split_product_case(wrong)) is not None
+    off_last = fuzz.Step("off", lambda v, A: v.reciprocal() * (1.1 if isinstance(v, fuzz.sf.ShardedArray) else 1), "off")
+    case = _split_product_case()
+    case.steps[-1] = off_last
+    assert fuzz.run_case(case) is not None
 
 
 TORCH_2_13 = _compat._release(torch.__version__) >= (2, 13)

@@ -908,12 +908,12 @@ def test_jvp_with_a_zero_tangent_writes_torchs_plain_buffer(spec, n):
 
 def test_in_place_ops_writing_plain_tensors_gather_their_sharded_inputs():
     # a plain destination holds the full value: the sharded operands are gathered, with a warning
-    from shardfn.arrays import inplace
+    from shardfn.arrays import inplace_plain
 
     mesh = sf.Mesh((2, 2), ("x", "y"))
     a, b = torch.randn(5, 3), torch.randn(5, 3)
     A, B = sf.distribute(a, P("x", "y"), mesh=mesh), sf.distribute(b, P(None, "x"), mesh=mesh)
-    inplace._warned_plain.discard("aten.add_")
+    inplace_plain._warned_plain.discard("aten.add_")
     p = torch.ones(5, 3)
     with pytest.warns(sf.FallbackWarning, match="aten.add_ writes a plain tensor"):
         assert p.add_(A) is p
@@ -1721,3 +1721,20 @@ def test_matrix_exp_of_a_block_of_a_split_batch(spec):
     f = lambda v: torch.linalg.matrix_exp(v[..., :4, :4])  # noqa: E731
     _close(f(sf.distribute(x, spec, mesh=mesh)), f(x))
     _close(torch.vmap(f, in_dims=-1)(sf.distribute(x, spec, mesh=mesh)), torch.vmap(f, in_dims=-1)(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+@pytest.mark.parametrize("spec", [P(None, None, "x"), P("x"), P(None, "x"), P()])
+def test_batched_addbmm_keeps_small_integer_dtypes(dtype, spec):
+    # the local backend's batched addbmm summed the batch's products with sum(), which widens
+    # integers to int64: the stored shards were int64 under an int8 array (dist seed 5769910005:
+    # the dist backend and torch gave int8, the simulated mesh int64)
+    mesh = sf.Mesh((4,), ("x",))
+    x = torch.randint(-3, 4, (8, 4, 8), generator=torch.Generator().manual_seed(5)).to(dtype)
+    X = sf.distribute(x, spec, mesh=mesh)
+    for kw in ({}, dict(beta=2, alpha=3), dict(beta=0.5)):
+        want = torch.addbmm(x[0] @ x[0].mT, x, x.mT, **kw)
+        got = torch.addbmm(X[0] @ X[0].mT, X, X.mT, **kw)
+        full = got.full_tensor()
+        assert got.dtype == full.dtype == want.dtype, (kw, got.dtype, full.dtype)
+        assert torch.equal(full, want), kw

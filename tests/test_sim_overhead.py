@@ -16,7 +16,7 @@ import shardfn as sf
 from _shard_ops import TorchCalls
 from shardfn import P
 from shardfn.arrays import dispatch as _dispatch
-from shardfn.arrays import inplace as _inplace
+from shardfn.arrays import aliases as _aliases
 from shardfn.arrays.redistribute import raw_reshard
 from shardfn.backends import stacked_matmul
 from shardfn.values.spec import to_layout
@@ -133,18 +133,18 @@ def test_fast_key_of_int_lists():
 
 
 def test_a_bases_view_list_forgets_dead_views():
-    """A private base's live views: weak references without callbacks (``inplace._live_count``,
+    """A private base's live views: weak references without callbacks (``aliases.live_count``,
     ``_live_views`` skip the dead ones; the list is pruned as it grows) and no reference cycle with
     its base."""
     a, b = torch.zeros(1), torch.zeros(2)
     views = [weakref.ref(a), weakref.ref(b)]
-    assert _inplace._live_count(views) == 2 and _inplace._live_count(None) == 0
+    assert _aliases.live_count(views) == 2 and _aliases.live_count(None) == 0
     del a
     gc.collect()
-    assert _inplace._live_count(views) == 1
+    assert _aliases.live_count(views) == 1
     holder = torch.zeros(3)
     holder._views = views
-    live = _inplace._live_views(holder)
+    live = _aliases.live_views(holder)
     assert len(live) == 1 and live[0] is b
     gone = weakref.ref(holder)
     del holder, live
@@ -156,17 +156,17 @@ def test_private_base_view_list_is_pruned(monkeypatch):
     many times over its life keeps a short list), and the live ones are still found."""
     mesh = sf.Mesh((2,), ("x",), backend="local")
     base = sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh) * 2
-    monkeypatch.setattr(_inplace, "_observed", lambda *a: False)  # as if only C++ held the base
+    monkeypatch.setattr(_aliases, "is_observed", lambda *a: False)  # as if only C++ held the base
     keep = []
     for i in range(100):
         out = base * 1  # (a stand-in for a view's output)
-        _inplace.note_views(aten.view.default, (base, [24]), {}, out)
+        _aliases.note_views(aten.view.default, (base, [24]), {}, out)
         if i % 25 == 0:
             keep.append(out)
         del out
     views = base.__dict__["_views"]
-    assert len(views) <= 16 and _inplace._live_count(views) == 4
-    assert {id(v) for v in _inplace._live_views(base)} == {id(v) for v in keep}
+    assert len(views) <= 16 and _aliases.live_count(views) == 4
+    assert {id(v) for v in _aliases.live_views(base)} == {id(v) for v in keep}
     assert all(v._view_of[0] is base for v in keep)
 
 

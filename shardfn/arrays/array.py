@@ -59,7 +59,7 @@ def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | N
     """Batched matmul / einsum / rms_norm run as one op (``backends/custom_ops.py``: torch's composite
     would fold the batch dims into one); an in-place method's ``self`` is packed into a
     new argument tuple here, one reference more than torch's C++ path makes, which the
-    in-place policy discounts (``_inplace._observed``; an id, which holds no reference)."""
+    in-place policy discounts (``observed.is_observed``; an id, which holds no reference)."""
     if func in DEVICE_FUNCS:  # the mesh owns the device: another one is refused before torch starts its runtime
         if args and isinstance(args[0], ShardedArray):
             check_call_device(func, args, kwargs or {}, args[0]._layout.mesh)
@@ -226,7 +226,7 @@ class ShardedArray(torch.Tensor):
             out = _wrap_output(local, layout, tuple(outer_size), dtype, None,
                                (None if outer_stride is None else tuple(outer_stride), offset or None))
             # whether a compiled graph's output is a fresh buffer (``fresh.py``) is not carried
-            # out of the graph: a write into it raises, saying so (``inplace.immutable_error``)
+            # out of the graph: a write into it raises, saying so (``inplace_errors.immutable_error``)
             if type(like) is torch.Tensor and not torch.compiler.is_compiling():  # (not a trace's input, whose shards are fake)
                 out.__dict__["_compiled_out"] = True
             return out

@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 import torch
 
+from . import aliases as _aliases
 from . import array as _array
 from . import explicit as _explicit
+from . import fresh_ops as _fresh_ops
 from . import functorch as _ft
 from . import inplace as _inplace
 from . import rule_table as _rules
@@ -46,7 +48,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     ``ones_like`` seeding a backward, a ``.contiguous()`` copy) ends its freshness, as ``_dispatch``
     would first, and then takes the fast path too."""
     fkey = _fast_key(func, args, kwargs)
-    if fkey is None and _inplace.reads_values(func) and note_reads(args, kwargs):
+    if fkey is None and _fresh_ops.reads_values(func) and note_reads(args, kwargs):
         fkey = _fast_key(func, args, kwargs)
     if fkey is not None and not _explicit._stack:
         entry = _cache.get(fkey)
@@ -57,18 +59,18 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 # note_views counts the references to args[0])
                 if type(args[0]) not in _ARRAY_TYPES or _dispatch_keys(args[0]).raw_repr() & _FLAG_BITS:
                     keep_math_bits(func, args, out)
-                _inplace.note_views(func, args, kwargs, out)
+                _aliases.note_views(func, args, kwargs, out)
                 if entry.pending_view:
                     _note_derived(func, args, kwargs, out)
             elif type(out) in _ARRAY_TYPES and out._layout.partial and "_fresh" not in out.__dict__:
                 note_recomputed(func, args, kwargs, out, aten.view.default)
             return out
     out = _dispatch(func, args, kwargs, fkey)
-    if _inplace.is_view(func):
+    if _aliases.is_view(func):
         keep_math_bits(func, args, out)
-        _inplace.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
+        _aliases.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
         _note_derived(func, args, kwargs, out)
-    elif _inplace.makes_fresh(func):  # a buffer its maker may fill in place (``fresh.py``): never a recomputation
+    elif _fresh_ops.makes_fresh(func):  # a buffer its maker may fill in place (``fresh.py``): never a recomputation
         mark_fresh(out)
     elif isinstance(out, ShardedArray) and out._layout.partial and not func._schema.is_mutable:
         note_recomputed(func, args, kwargs, out, aten.view.default)
@@ -103,13 +105,13 @@ def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         note_derived(func, base, args[1:], kwargs, out)
 
 
-# the ops seen to return an alias of an input (``_inplace.is_view``), by id (fast keys hold
+# the ops seen to return an alias of an input (``_aliases.is_view``), by id (fast keys hold
 # ids); holding the op keeps its id from being reused
 _VIEWS: dict[int, Any] = {}
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
-    if _inplace.reads_values(func):
+    if _fresh_ops.reads_values(func):
         note_reads(args, kwargs)  # a fresh array read is fresh no longer (``fresh.py``; only this path sees them)
     # factories (*_like, new_*, random): the mesh owns the device (casts: ``_to_copy``'s rule; ``aten.to``
     # itself reaches here only from torch.func's internals, which decompose it)
@@ -157,9 +159,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
 def _remember_fast(fkey: tuple, func: Any, entry: Any) -> None:
     """Cache ``entry`` under dispatch's fast key: the next such call takes the fast path (a
     view op noted for the in-place policy's alias tracking; a factory's outputs fresh)."""
-    if _inplace.is_view(func):
+    if _aliases.is_view(func):
         _VIEWS[id(func)] = func
-    _remember(fkey, _inplace.FreshEntry(entry) if _inplace.makes_fresh(func) else entry)
+    _remember(fkey, _fresh_ops.FreshEntry(entry) if _fresh_ops.makes_fresh(func) else entry)
 
 
 def _remember(key: tuple, entry: Any) -> Any:

@@ -18,7 +18,7 @@ or in ``dispatch`` itself, which then builds the fast key again and runs warm).
 
 A torch.compile'd region's outputs are never fresh, even a buffer the region made: whether the
 graph read it, aliased it or returned it twice is not known outside the graph. A write into one
-(after a graph break) raises ImmutableError saying so (``inplace._COMPILED``).
+(after a graph break) raises ImmutableError saying so (``inplace_errors.COMPILED``).
 """
 
 from __future__ import annotations

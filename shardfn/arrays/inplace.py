@@ -36,238 +36,33 @@ array it writes, not by who issued it:
   ``.grad`` in place (``aten.add_``), as torch documents; while a backward runs that one op
   is run functionally even when ``.grad`` is held elsewhere.
 
-"Python holds a reference" is read from the object's reference count, compared with the
-count of a C++-only temporary measured once at import (:func:`calibrate`) on the same code
-path: C++ holders own one reference to a tensor's Python object however many C++ handles
-exist, while a Python holder adds its own reference and that of the code passing it on. Whether a view's base is observable is
-decided when the view is made (the base is then an argument of the view op).
+"Python holds a reference" is read from the object's reference count (``observed.py``).
+Whether a view's base is observable is decided when the view is made (the base is then an
+argument of the view op; ``aliases.py``). The parts: ``aliases.py`` (views and rebinding),
+``observed.py``, ``fresh_ops.py`` (which ops make and read fresh arrays), ``inplace_casts.py``
+(torch's casting rule), ``inplace_functional.py`` (the functionalized run),
+``inplace_forward_ad.py``, ``inplace_plain.py`` and ``inplace_errors.py`` (the messages).
 """
 
 from __future__ import annotations
 
-import functools
 import sys
-import warnings
-import weakref
 from typing import Any
 
 import torch
 
-from .array import ShardedArray, _tf_call
-from .fresh import fresh_root, mark_fresh, note_reads, writing
-from .redistribute import raw_full
-from ..values.errors import FallbackWarning, ImmutableError, ShardingRuntimeError
-from ..values.schema import op_name
+from .aliases import root
+from .array import ShardedArray
+from .fresh import fresh_root, note_reads
+from .inplace_casts import check_cast
+from .inplace_errors import COMPILED, OVERLAP, immutable_error
+from .inplace_forward_ad import forward_ad_live, out_of_place
+from .inplace_functional import run_functionalized
+from .inplace_plain import into_plain
+from .observed import is_observed
+from ..values.errors import ShardingRuntimeError
 
 aten = torch.ops.aten
-
-# reference counts of a private (C++-only) array at the two measuring points
-_BASE: dict[str, int] = {}
-_VIEW_OPS: dict[Any, bool] = {}
-_META_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.PythonTLSSnapshot
-)
-
-_HINTS = {
-    "copy": "sf.reshard(x, sharding) to change a layout, or build a new array",
-    "index_put": "x.index_put(indices, values) or torch.where(mask, values, x)",
-    "fill": "torch.full_like(x, value) or x.masked_fill(mask, value)",
-    "zero": "torch.zeros_like(x)",
-    "bernoulli": "torch.bernoulli(x, p)",
-    "uniform": "torch.rand_like(x) * (high - low) + low",
-    "normal": "torch.randn_like(x) * std + mean",
-    "exponential": "torch.ops.aten.exponential(x, lambd)",
-    "random": "torch.randint_like(x, low, high)",
-    "set": "a new array (sf.distribute / ShardedArray.from_local)",
-    "resize": "x.reshape(...) or torch.nn.functional.pad(...)",
-}
-
-
-# -- views ---------------------------------------------------------------------------------------
-
-
-def is_view(func: Any) -> bool:
-    """Whether ``func`` returns an alias of an input (its schema says so)."""
-    v = _VIEW_OPS.get(func)
-    if v is None:
-        s = func._schema
-        v = _VIEW_OPS[func] = (
-            not s.is_mutable
-            and any(r.alias_info is not None and not r.alias_info.is_write for r in s.returns)
-        )
-    return v
-
-
-def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """Record on each output of a view op what it aliases: for a private base, the link to
-    replay (base, op, arguments, output index); for an observable one, a flag."""
-    refs = sys.getrefcount(args[0]) if args else 0  # first, before this frame names it
-    base = args[0] if args else None
-    if not isinstance(base, ShardedArray):
-        return
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    d = base.__dict__
-    observed = d.get("_aliases_observable") or _observed(base, refs - 1, args, kwargs, "view")
-    fresh = ("_fresh" in d or "_view_of" in d) and fresh_root(base) is not None  # (linked: a fresh root's views)
-    if observed and not fresh:
-        compiled = d.get("_compiled_out")  # (a view of a compiled graph's output: for immutable_error's message)
-        for o in outs:
-            if isinstance(o, ShardedArray):
-                o._aliases_observable = True
-                if compiled:
-                    o._compiled_out = True
-        return
-    rest = args[1:]
-    views = d.get("_views")
-    if views is None:
-        views = base._views = []
-    elif len(views) >= _PRUNE_AT and not len(views) & (len(views) - 1):  # at 8, 16, 32, ...: amortised O(1)
-        views[:] = [r for r in views if r() is not None]
-    for i, o in enumerate(outs):
-        if isinstance(o, ShardedArray) and o is not base:
-            o._view_of = (base, func, rest, kwargs, i if outs is out else None)
-            views.append(weakref.ref(o))
-            if fresh:  # no fast-key fragment while its root is fresh (``fresh.py``)
-                o._kf = None
-
-
-# A base's live views: a plain list of weak references without callbacks (made and read by
-# C-level calls only; a callback dropping each dead view was a Python call at every view's
-# death). Dead references are pruned as the list grows (``_PRUNE_AT``) and skipped when read.
-_PRUNE_AT = 8
-_deref = weakref.ref.__call__
-
-
-def _live_count(views: list | None) -> int:
-    """How many of ``views`` are alive (each holds a reference to its base: ``_observed``)."""
-    return len(views) - list(map(_deref, views)).count(None) if views else 0
-
-
-def _live_views(base: Any) -> list:
-    return [v for v in map(_deref, list(base.__dict__.get("_views") or ())) if v is not None]
-
-
-def _replay(link: tuple, base: Any) -> Any:
-    _, func, rest, kwargs, i = link
-    out = func(base, *rest, **kwargs)
-    return out if i is None else out[i]
-
-
-def _root(x: Any) -> Any:
-    while "_view_of" in x.__dict__:
-        x = x._view_of[0]
-    return x
-
-
-# -- observability -------------------------------------------------------------------------------
-
-
-def _observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bool:
-    """Whether something other than C++ and this call holds ``x`` (see the module doc).
-    ``count`` is its reference count taken as the op reached Python, before shardfn's
-    own frames bound it to names: how many references those frames add depends on the
-    interpreter's state (it grows by two after a torch.compile failed on a dynamic dim,
-    whose frames change how CPython specialises calls), not on who holds ``x``."""
-    n = 0  # how often ``x`` is an argument (itself or in a list) of this call: plain loops, inline
-    for a in (*args, *kwargs.values()) if kwargs else args:
-        if a is x:
-            n += 1
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if b is x:
-                    n += 1
-    views = x.__dict__.get("_views")  # each live view holds a reference to ``x`` (``_live_count``, inline)
-    refs = count - n - (len(views) - list(map(_deref, views)).count(None) if views else 0)
-    tf = getattr(_tf_call, "args", None)
-    if tf is not None and tf == id(x):  # in the argument tuple of _BatchedArray.__torch_function__
-        refs -= 1
-    if _calibrating:
-        _BASE[point] = min(_BASE.get(point, refs), refs)
-        return False
-    return refs > _BASE[point] + _SLACK
-
-
-_calibrating = False
-# A C++-only array measures 0 over the calibrated count; an unnamed Python temporary
-# (``(a - b).clamp_min_(0)``, which no one can see afterwards) measures 1; anything Python
-# holds by a name, a container or an attribute measures at least 2 (the holder and the
-# reference passing it on). One reference of slack separates the private from the held.
-_SLACK = 1
-
-
-def calibrate() -> None:
-    """Measure the reference counts of C++-only arrays: ``matmul`` of a vector and a matrix
-    updates its private ``mm`` result in place (``squeeze_``), and the backward of
-    ``t().sum()`` takes a view (``t``) of a private gradient."""
-    global _calibrating
-    _BASE.clear()
-    from .redistribute import distribute
-    from ..values.mesh import Mesh
-    from ..values.spec import P
-
-    mesh = Mesh((1,), ("_calibrate",), backend="local")
-    _calibrating = True
-    try:
-        v = distribute(torch.ones(2), P(), mesh=mesh)
-        w = distribute(torch.ones(2, 2), P(), mesh=mesh)
-        torch.matmul(v, w)
-        leaf = distribute(torch.ones(2, 2), P(), mesh=mesh).requires_grad_()
-        torch.autograd.grad(leaf.t().sum(), leaf)
-    finally:
-        _calibrating = False
-
-
-# -- fresh arrays ------------------------------------------------------------------------------------
-
-# the factory ops whose output is fresh (``fresh.py``); those without ``clone`` read no values
-_FACTORIES = ("new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "zeros_like", "ones_like",
-              "empty_like", "full_like", "rand_like", "randn_like", "randint_like")
-_MAKES_FRESH: dict[Any, bool] = {}
-
-
-def makes_fresh(func: Any) -> bool:
-    """Whether ``func``'s output is fresh: a factory op, or ``clone``."""
-    v = _MAKES_FRESH.get(func)
-    if v is None:
-        name = func.overloadpacket.__name__
-        v = _MAKES_FRESH[func] = name in _FACTORIES or name in ("clone", "_lazy_clone")
-    return v
-
-
-_READS: dict[Any, bool] = {}
-
-
-def reads_values(func: Any) -> bool:
-    """Whether ``func`` reads its array inputs' values in a way that ends a fresh buffer's
-    freshness: not a view, a write (judged by ``run_mutating``), a factory that takes only
-    their metadata, or a copy (``clone``: the copy holds the value as it was, as torch's
-    would, and the buffer may still be written; autograd copies an in-place op's input
-    before the write when its formula needs it, ``x.clone().clamp_(-1, 1)`` with ``x``
-    requiring grad)."""
-    v = _READS.get(func)
-    if v is None:
-        v = _READS[func] = not (is_view(func) or func._schema.is_mutable or makes_fresh(func))
-    return v
-
-
-class FreshEntry:
-    """A factory op's dispatch cache entry: its warm outputs are fresh too."""
-
-    __slots__ = ("entry",)
-
-    def __init__(self, entry: Any) -> None:
-        self.entry = entry
-
-    def warm(self, args: tuple, kwargs: dict) -> Any:
-        out = self.entry.warm(args, kwargs)
-        mark_fresh(out)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.entry, name)
-
-
-# -- the policy ------------------------------------------------------------------------------------
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list:
@@ -291,7 +86,7 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     accumulating = func is aten.add_.Tensor and torch._C._current_graph_task_id() != -1
     if targets and not any(isinstance(t, ShardedArray) for t in targets):
         note_reads(args, kwargs)
-        return _into_plain(func, args, kwargs)
+        return into_plain(func, args, kwargs)
     fresh: dict[int, Any] = {}
     for t, n in zip(targets, counts):
         if not isinstance(t, ShardedArray):
@@ -299,171 +94,18 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
         r = fresh_root(t)
         if r is not None:
             fresh[id(r)] = r
-        elif not accumulating and (t.__dict__.get("_aliases_observable") or _observed(t, n, args, kwargs, "target")):
-            raise immutable_error(func, _COMPILED if _root(t).__dict__.get("_compiled_out") else None)
+        elif not accumulating and (t.__dict__.get("_aliases_observable") or is_observed(t, n, args, kwargs, "target")):
+            raise immutable_error(func, COMPILED if root(t).__dict__.get("_compiled_out") else None)
         if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
-            raise ShardingRuntimeError(_OVERLAP)  # as torch's kernels: the functional update would sum the copies
+            raise ShardingRuntimeError(OVERLAP)  # as torch's kernels: the functional update would sum the copies
     if not accumulating:
-        _check_cast(func, args, kwargs, targets)
+        check_cast(func, args, kwargs, targets)
     note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
-    if _forward_ad_live():
-        done = _out_of_place(func, args, kwargs, targets)
+    if forward_ad_live():
+        done = out_of_place(func, args, kwargs, targets)
         if done is not None:
             return done
-    return _functionalized(func, args, kwargs, targets)
-
-
-_CASTS: dict = {}  # (op, operand dtypes and kinds) -> the error torch raises, or None
-
-
-def _check_cast(func: Any, args: tuple, kwargs: dict, targets: list) -> None:
-    """torch's rule for pointwise in-place and ``out=`` ops (TensorIterator's): the computed
-    result type must cast safely to the written tensor's dtype (``int.mul_(1.5)``,
-    ``torch.add(i, 0.5, out=i)`` raise). The functional update casts whatever it computes, so
-    the rule is asked of torch: the op on meta stand-ins of the operands' dtypes and ranks
-    (values and shapes play no part in it), once per such signature."""
-    if torch.Tag.pointwise not in func.tags:
-        return
-    flat = [*args, *kwargs.values()]
-    key = (func, tuple((a.dtype, a.dim() == 0) if isinstance(a, torch.Tensor) else type(a) for a in flat))
-    if key not in _CASTS:
-        _CASTS[key] = _cast_error(func, args, kwargs, targets)
-    if _CASTS[key] is not None:
-        raise RuntimeError(_CASTS[key])
-
-
-def _cast_error(func: Any, args: tuple, kwargs: dict, targets: list) -> str | None:
-    """The message of torch's unsafe-cast error for this call, or None where the cast is safe."""
-    def meta(a: Any) -> Any:
-        return torch.empty((1,) * a.dim(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
-
-    margs, mkw = tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()}
-    name = func._schema.name.split("::")[-1]
-    written = [a for a in targets if isinstance(a, torch.Tensor)]
-    if not written:
-        return None
-    try:
-        if name.endswith("_") and not name.endswith("__") and args and args[0] is written[0]:
-            packet = getattr(aten, name[:-1], None)  # the packet picks the overload by the arguments
-            if packet is None:                       # (``pow_.Scalar`` is ``pow.Tensor_Scalar``'s)
-                return None
-            out = packet(*margs, **mkw)
-            if not isinstance(out, torch.Tensor):
-                return None
-            result, want = out.dtype, written[0].dtype
-        else:
-            func(*margs, **mkw)  # an out= op's meta checks its outputs' dtypes
-            return None
-    except RuntimeError as e:
-        return str(e) if "can't be cast" in str(e) else None
-    except Exception:  # noqa: BLE001 - the stand-ins are not the op's business: the op itself decides
-        return None
-    if result == want or torch.can_cast(result, want):
-        return None
-    return f"result type {_dtype_name(result)} can't be cast to the desired output type {_dtype_name(want)}"
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    """torch's C++ name of a dtype (``Float``, ``Long``, ``ComplexDouble``)."""
-    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-            torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}.get(d, str(d))
-
-
-def _forward_ad_live() -> bool:
-    """Whether forward-mode AD (``torch.func.jvp``/``jacfwd``, ``forward_ad``) is on."""
-    if torch.autograd.forward_ad._current_level >= 0:
-        return True
-    if not torch._C._are_functorch_transforms_active():
-        return False
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
-
-
-def _out_of_place(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
-    """An in-place op on one root array (``x.op_(...)``) as its out-of-place overload and a
-    rebind, where functionalizing it breaks under forward-mode AD: torch's Python meta of an
-    in-place op (``lerp_``) prints a functional tensor there, whose ``unpack_dual`` asserts
-    and leaves torch's state broken (the next op segfaulted). None where it does not apply
-    (views, several targets, no such overload, another dtype or shape)."""
-    x = targets[0] if len(targets) == 1 else None
-    if x is None or not args or args[0] is not x or "_view_of" in x.__dict__:
-        return None
-    op = _functional_overload(func)
-    if op is None:
-        return None
-    new = op(*args, **kwargs)
-    if not isinstance(new, ShardedArray) or new.dtype != x.dtype or tuple(new.shape) != tuple(x.shape):
-        return None
-    with writing():
-        _rebind(x, new)
-        _regenerate_views(x)
-    return x
-
-
-@functools.lru_cache(maxsize=None)
-def _functional_overload(func: Any) -> Any:
-    """The out-of-place overload of an in-place op (``pow_.Scalar`` -> ``pow.Tensor_Scalar``):
-    the one taking the same arguments (names, types, keyword-only) and returning one tensor;
-    overload names do not always agree (``pow.Scalar`` takes a Scalar base). None if none."""
-    name = func._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.endswith("__"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    if packet is None:
-        return None
-    want = _signature(func)
-    for overload in packet.overloads():
-        op = getattr(packet, overload)
-        if _signature(op) == want and len(op._schema.returns) == 1 and not op._schema.is_mutable:
-            return op
-    return None
-
-
-def _signature(op: Any) -> tuple:
-    return tuple((a.name, str(a.type), a.kwarg_only) for a in op._schema.arguments)
-
-
-# torch's error for a write into a tensor some of whose elements share memory (``expand``)
-_OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
-            "location. Please clone() the tensor before performing the operation.")
-_warned_plain: set[str] = set()
-
-
-def _into_plain(func: Any, args: tuple, kwargs: dict) -> Any:
-    """An op writing only plain tensors: its ShardedArray inputs as full plain values (a
-    plain tensor can hold nothing else), the op run as torch runs it."""
-    name = op_name(func)
-    if name not in _warned_plain and not _all_replicated((*args, *kwargs.values())):  # (a replica is no gather)
-        _warned_plain.add(name)
-        warnings.warn(f"{name} writes a plain tensor: its ShardedArray inputs are gathered to full tensors "
-                      "(the out-of-place form keeps the result sharded)",
-                      FallbackWarning, stacklevel=5)
-    full = functools.partial(_full_values, memo={})
-    return func(*(full(a) for a in args), **{k: full(v) for k, v in kwargs.items()})
-
-
-def _all_replicated(vs: Any) -> bool:
-    """Whether every ShardedArray among ``vs`` (and in lists) is replicated, nothing pending."""
-    for v in vs:
-        if isinstance(v, (list, tuple)):
-            if not _all_replicated(v):
-                return False
-        elif isinstance(v, ShardedArray) and not v._layout.is_replicated():
-            return False
-    return True
-
-
-def _full_values(v: Any, memo: dict) -> Any:
-    if isinstance(v, (list, tuple)):
-        return type(v)(_full_values(b, memo) for b in v)
-    if not isinstance(v, ShardedArray):
-        return v
-    if id(v) not in memo:
-        memo[id(v)] = raw_full(v)
-    return memo[id(v)]
+    return run_functionalized(func, args, kwargs, targets)
 
 
 def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -478,164 +120,3 @@ def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
         return None
     legit = (b["input"], b["weight"], b["bias"], *stats, True, b["momentum"], b["eps"])
     return run_mutating(aten._native_batch_norm_legit.default, legit, {})
-
-
-# a fresh buffer made in a compiled region comes out of the graph as an output rebuilt around
-# the graph's tensors: whether nothing in the graph read it, aliased it or returned it twice is
-# not known there, so it is not fresh (writing it could leave a view or a result stale)
-_COMPILED = ("would modify a ShardedArray in place that a torch.compile'd region returned: a graph's outputs are "
-             "never fresh (whether the graph read or aliased a buffer it made is not known outside it), so they "
-             "are immutable like any other array; clone it before the write (w = w.clone(): a fresh buffer may be "
-             "written in place)")
-
-
-def _root(x: Any) -> Any:
-    """The array ``x`` is a view of, through its ``_view_of`` links (``x`` itself if none)."""
-    link = x.__dict__.get("_view_of")
-    while link is not None:
-        x = link[0]
-        link = x.__dict__.get("_view_of")
-    return x
-
-
-def immutable_error(func: Any, why: str | None = None) -> ImmutableError:
-    name = func.overloadpacket.__name__
-    base = name[:-1] if name.endswith("_") else name
-    what = why or "would modify a ShardedArray in place, but ShardedArrays are immutable"
-    return ImmutableError(f"aten.{name} {what}; {_advice(base)}. {_TRAINING}")
-
-
-# in-place updates of parameters and gradients: what a training loop uses instead
-_TRAINING = ("To train, step parameters with sf.optim (sf.optim.SGD / Adam / AdamW, or sf.optim.from_torch(cls) "
-             "for another torch.optim optimizer) and clip with sf.optim.clip_grad_norm in place of "
-             "torch.nn.utils.clip_grad_norm_")
-
-
-def _advice(base: str) -> str:
-    """What to call instead of the in-place op whose functional name is ``base``."""
-    if base in _HINTS:
-        return f"use the out-of-place form {_HINTS[base]} and rebind the result"
-    if base.startswith("_fused_"):
-        return "this is an optimizer kernel that updates its inputs in place"
-    forms = [f"torch.{base}(...)"] if hasattr(torch, base) else []
-    if hasattr(torch.Tensor, base):
-        forms.append(f"x.{base}(...)")
-    if not forms:
-        return "use the op's out-of-place form and rebind the result"
-    what = " (it returns new tensors)" if base.startswith("_foreach_") else ""
-    return f"use the out-of-place form {' / '.join(forms)}{what} and rebind the result"
-
-
-def _functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
-    """Run ``func`` under functionalization on the targets' roots; rebind what changed."""
-    roots: dict[int, Any] = {}
-    for t in targets:
-        r = _root(t)
-        roots[id(r)] = r
-    functional: dict[int, Any] = {i: torch._to_functional_tensor(r) for i, r in roots.items()}
-    # inside __torch_dispatch__ the Functionalize key is excluded: let it run again
-    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.Functionalize)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), writing():
-        torch._enable_functionalization(reapply_views=True)
-        try:
-            fargs = tuple(_swap(a, targets, functional) for a in args)
-            fkwargs = {k: _swap(v, targets, functional) for k, v in kwargs.items()}
-            if len(targets) > 1 and func._schema.name.startswith("aten::_foreach_") and not func._schema.returns:
-                _foreach_in_order(func, fargs, fkwargs, len(fargs[0]))
-                out = None
-            else:
-                out = func(*fargs, **fkwargs)
-            out = _unwrapped_all(out)
-            for f in functional.values():
-                torch._sync(f)
-            new = {i: torch._from_functional_tensor(functional[i]) for i in roots}
-        finally:
-            torch._disable_functionalization()
-    with writing():
-        for i, r in roots.items():
-            _rebind(r, new[i])
-            _regenerate_views(r)
-    return _result(func, args, kwargs, out)
-
-
-def _foreach_in_order(func: Any, fargs: tuple, fkwargs: dict, n: int) -> None:
-    """An in-place foreach op one list entry after another, as torch's kernel updates them: an
-    entry reading an earlier one's target sees its new value. (``_foreach_add_([a, b], [b, a])``
-    gives ``b + (a + b)``; run once, functionalization read every entry's old value, a silent
-    wrong value under torch.func.)"""
-    def entry(v: Any, i: int) -> Any:
-        return type(v)([v[i]]) if isinstance(v, (list, tuple)) and len(v) == n else v
-
-    for i in range(n):
-        func(*(entry(a, i) for a in fargs), **{k: entry(v, i) for k, v in fkwargs.items()})
-
-
-# (module functions, not closures: a recursive closure is a reference cycle that would keep
-# the arrays alive, and counted as observable, until the next garbage collection)
-def _swap(v: Any, targets: list, functional: dict) -> Any:
-    """``v`` with each write target replaced by its functional counterpart."""
-    if isinstance(v, (list, tuple)):
-        return type(v)(_swap(b, targets, functional) for b in v)
-    return _as_functional(v, functional) if any(v is t for t in targets) else v
-
-
-def _as_functional(x: Any, functional: dict) -> Any:
-    """The functional tensor standing for ``x``: its root's wrapper, views replayed on it."""
-    f = functional.get(id(x))
-    if f is None:
-        link = x._view_of
-        f = functional[id(x)] = _replay(link, _as_functional(link[0], functional))
-    return f
-
-
-def _regenerate_views(base: Any) -> None:
-    """Bring every live view of ``base`` (transitively) up to date after ``base`` changed."""
-    for v in _live_views(base):
-        link = v.__dict__.get("_view_of")
-        if link is None or link[0] is not base:
-            continue
-        with torch.no_grad():
-            _rebind(v, _replay(link, base))
-        _regenerate_views(v)
-
-
-def _rebind(x: Any, new: Any) -> None:
-    """Make wrapper ``x`` hold ``new``'s shards (and its shape, for in-place view ops)."""
-    if tuple(new.shape) != tuple(x.shape) or new.stride() != x.stride():
-        with torch._C._ExcludeDispatchKeyGuard(_META_KEYS), torch._C._AutoDispatchBelowADInplaceOrView():
-            aten.as_strided_.default(x, tuple(new.shape), tuple(new.stride()))
-    x._local, x._layout = new._local, new._layout
-    x._kf = None  # dispatch's cached key fragment describes the old layout and shape
-
-
-def _result(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-    """What the in-place / out= op returns: its written arguments where the schema says
-    so, the functional run's other outputs (e.g. batch norm's saved statistics)."""
-    rets = func._schema.returns
-    written = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    outs = []
-    for r in rets:
-        src = next((a for a in written if r.alias_info is not None and a.alias_info.before_set == r.alias_info.before_set), None)
-        if src is None:
-            outs.append(None)
-            continue
-        idx = [a.name for a in func._schema.arguments].index(src.name)
-        outs.append(kwargs.get(src.name) if src.kwarg_only or idx >= len(args) else args[idx])
-    if not rets:
-        return None
-    computed = out if isinstance(out, (tuple, list)) else (out,)
-    outs = [o if o is not None else c for o, c in zip(outs, computed)]
-    return outs[0] if len(rets) == 1 else tuple(outs)
-
-
-def _unwrapped_all(out: Any) -> Any:
-    if isinstance(out, (tuple, list)):
-        return type(out)(_unwrapped(o) for o in out)
-    return _unwrapped(out)
-
-
-def _unwrapped(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and torch._is_functional_tensor(x):
-        torch._sync(x)
-        return torch._from_functional_tensor(x)
-    return x

@@ -158,6 +158,19 @@ def with_locals(args: tuple, positional: tuple, index: Any = None) -> list:
     return a
 
 
+def empty_outputs(cand: Any, out_shapes: Sequence[Any]) -> dict[int, list]:
+    """Per device: its local output shapes where every output is an array with no elements
+    there while the global outputs have some (an empty shard of a valid call: nothing to
+    compute, and kernels may reject the empty piece; an empty global output keeps torch's
+    checks, e.g. of indices). Devices not listed compute their outputs."""
+    layouts = cand.out_layouts
+    if not (layouts and all(layout is not None for layout in layouts)
+            and all(0 not in tuple(shape) for shape in out_shapes)):
+        return {}
+    local = [local_shapes(layout, tuple(shape)) for layout, shape in zip(layouts, out_shapes)]
+    return {dev: list(shapes) for dev, shapes in enumerate(zip(*local)) if all(0 in sh for sh in shapes)}
+
+
 def raw_op(fn: Any) -> Any:
     """An aten op's C++ callable (``OpOverload.__call__`` is one Python frame around it,
     a measurable share of a warm call), anything else as it is."""

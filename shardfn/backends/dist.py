@@ -38,7 +38,7 @@ from ..plans.planner import Step
 from ..values.errors import ShardingError
 from ..values.layout import Layout, describe, local_shapes
 from ..values.mesh import Mesh
-from .device_call import DeviceCall, call_is_complex, raw_op, substitute, with_locals
+from .device_call import DeviceCall, call_is_complex, empty_outputs, raw_op, substitute, with_locals
 from .dist_collectives import CollectiveError as CollectiveError  # documented here (docs/dist.md)
 from .dist_collectives import _all_gather_single, dense, pin_in_real_trace, run_collective
 from .dist_groups import Group as Group
@@ -236,10 +236,12 @@ class RankCall:
         # this rank's local output shapes where every output is empty here while the global
         # outputs are not (as the local backend: nothing to compute, and a kernel may reject
         # the empty piece), with their dtypes
-        self.empty = _empty_here(cand, call, out_shapes, self.rank)
+        metas = getattr(call, "out_metas", None) or ()
+        typed = len(metas) == len(cand.out_layouts or ()) and all(isinstance(m, torch.Tensor) for m in metas)
+        empty = empty_outputs(cand, out_shapes) if typed else {}
+        self.empty = [(sh, m.dtype) for sh, m in zip(empty[self.rank], metas)] if self.rank in empty else None
         # the same decision on every rank: whether any rank's outputs are all empty
-        some_empty = any(_empty_here(cand, call, out_shapes, r) is not None for r in range(call.mesh.size))
-        raises = _raises_on_values(func, call) or _empty_on_some(cand, call) or some_empty
+        raises = _raises_on_values(func, call) or _empty_on_some(cand, call) or bool(empty)
         self.mesh = call.mesh if call.mesh.size > 1 and raises else None
 
     def lean(self, args: tuple, kwargs: dict) -> Any:
@@ -313,16 +315,6 @@ def _raises_on_values(func: Any, call: Any) -> bool:
     if name not in _INTEGER_DIVISION or (name.startswith("div") and call.kwargs.get("rounding_mode") is None):
         return False  # true division never raises
     return all(not (v.is_floating_point() or v.is_complex()) for _, v in call.arrays if isinstance(v, torch.Tensor))
-
-
-def _empty_here(cand: Any, call: Any, out_shapes: Sequence[Any], rank: int) -> list | None:
-    metas = getattr(call, "out_metas", None) or ()
-    if not (cand.out_layouts and all(layout is not None for layout in cand.out_layouts)
-            and len(metas) == len(cand.out_layouts) and all(isinstance(m, torch.Tensor) for m in metas)
-            and all(0 not in tuple(shape) for shape in out_shapes)):
-        return None
-    shapes = [local_shapes(layout, tuple(shape))[rank] for layout, shape in zip(cand.out_layouts, out_shapes)]
-    return [(sh, m.dtype) for sh, m in zip(shapes, metas)] if all(0 in sh for sh in shapes) else None
 
 
 def _empty_on_some(cand: Any, call: Any) -> bool:

@@ -10,9 +10,9 @@ from typing import Any, Sequence
 import torch
 
 from ..values.errors import ShardingError
-from ..values.layout import is_even, local_shapes
+from ..values.layout import is_even
 from ..values.mesh import Mesh
-from .device_call import DeviceCall, _reshape, call_is_complex, raw_op, substitute
+from .device_call import DeviceCall, _reshape, call_is_complex, empty_outputs, raw_op, substitute
 from .local_values import SHARES, batch_consistent, canonical_sizes, device_view, from_parts, full, settle
 
 
@@ -260,18 +260,7 @@ class PerDeviceCall:
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes,
                                       range(call.mesh.size), call_is_complex(call))
         self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
-        # per device: its local output shapes where every output is an array with no elements
-        # there while the global outputs have some (an empty shard of a valid call: nothing to
-        # compute, and kernels may reject the empty piece; an empty global output keeps
-        # torch's checks, e.g. of indices)
-        self.empty = {}
-        if (cand.out_layouts and all(layout is not None for layout in cand.out_layouts)
-                and all(0 not in tuple(shape) for shape in out_shapes)):
-            local = [local_shapes(layout, tuple(shape)) for layout, shape in zip(cand.out_layouts, out_shapes)]
-            for dev in range(call.mesh.size):
-                shapes = [ls[dev] for ls in local]
-                if all(0 in sh for sh in shapes):
-                    self.empty[dev] = shapes
+        self.empty = empty_outputs(cand, out_shapes)  # where a kernel rejecting the empty piece is forgiven
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
         mesh = self.mesh

@@ -1,8 +1,12 @@
-"""Aten schemas: arguments by name (rules and backends both bind calls)."""
+"""Aten schemas: arguments by name (rules and backends both bind calls); an in-place op's
+out-of-place overload (the in-place policy's casting check and forward-AD route)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import torch
 
 
 def _schema_info(func: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
@@ -39,3 +43,32 @@ def replace_arg(func: Any, args: tuple, kwargs: dict, name: str, value: Any) -> 
     if i < len(args):
         return args[:i] + (value,) + args[i + 1:], kwargs
     return args, {**kwargs, name: value}
+
+
+def is_inplace(func: Any) -> bool:
+    """Whether ``func`` is an in-place op by torch's naming (``add_``; not a dunder such as ``__iand__``)."""
+    name = func._schema.name.split("::")[-1]
+    return name.endswith("_") and not name.endswith("__")
+
+
+@functools.lru_cache(maxsize=None)
+def functional_overload(func: Any) -> Any:
+    """The out-of-place overload of an in-place op (``pow_.Scalar`` -> ``pow.Tensor_Scalar``):
+    the one taking the same arguments (names, types, keyword-only) and returning one tensor;
+    overload names do not always agree (``pow.Scalar`` takes a Scalar base). None if none."""
+    if not is_inplace(func):
+        return None
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1][:-1], None)
+    if packet is None:
+        return None
+    want = _signature(func)
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        if _signature(op) == want and len(op._schema.returns) == 1 and not op._schema.is_mutable:
+            return op
+    return None
+
+
+def _signature(op: Any) -> tuple:
+    """An overload's arguments as (name, type, keyword-only) triples."""
+    return tuple((a.name, str(a.type), a.kwarg_only) for a in op._schema.arguments)
