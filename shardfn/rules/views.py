@@ -376,114 +376,6 @@ class ViewScatter:
         return cands
 
 
-def _box(shape: tuple[int, ...], strides: tuple[int, ...], offset: int, size: Sequence[int], stride: Sequence[int],
-         at: int) -> list[int] | None:
-    """The start along each dim when ``as_strided(size, stride, at)`` of a non-overlapping
-    dense tensor (``shape``, ``strides``, ``offset``) is a box of it (a slice along every dim,
-    its own strides), else None."""
-    if len(size) != len(shape) or len(stride) != len(shape):
-        return None
-    if any(n > 1 and st != xs for n, st, xs in zip(size, stride, strides)):
-        return None
-    live = sorted((i for i in range(len(shape)) if shape[i] > 1), key=lambda i: strides[i])
-    expect = 1
-    for i in live:  # dense and non-overlapping: each stride the product of the smaller dims' sizes
-        if strides[i] != expect:
-            return None
-        expect *= shape[i]
-    rem, starts = at - offset, [0] * len(shape)
-    if rem < 0:
-        return None
-    for i in reversed(live):
-        starts[i], rem = divmod(rem, strides[i])
-    if rem or any(starts[i] + size[i] > shape[i] for i in range(len(shape))):
-        return None
-    return starts
-
-
-@attrs.frozen
-class _Narrowed:
-    """One device's box: its shard narrowed along the dims the box takes part of (those are whole)."""
-
-    cuts: tuple[tuple[int, int, int], ...]  # (dim, start, length)
-
-    def __call__(self, x: torch.Tensor, *rest: Any, **facts: Any) -> torch.Tensor:
-        for d, start, n in self.cuts:
-            x = x.narrow(d, start, n)
-        return x
-
-
-@attrs.frozen
-class AsStridedBox:
-    """as_strided(x, size, stride, offset) that is a box of a dense ``x`` (a slice along every
-    dim with ``x``'s own strides: autograd's CopySlices reads a gradient's slice this way under
-    torch.func): the dims taken whole keep their sharding, the others are whole and narrowed."""
-
-    def candidates(self, call: OpCall) -> list[Candidate]:
-        if len(call.arrays) != 1:
-            return []
-        (_, x), = call.arrays
-        b = bind(call.func, call.args, call.kwargs)
-        size, stride = list(b["size"]), list(b["stride"])
-        at = b.get("storage_offset")
-        at = x.storage_offset() if at is None else at
-        with torch._C.DisableTorchFunctionSubclass():
-            shape, strides, offset = tuple(x.shape), tuple(x.stride()), x.storage_offset()
-        starts = _box(shape, strides, offset, size, stride, at)
-        if starts is None or not all(isinstance(n, int) for n in size):
-            return []
-        cut = {i for i in range(len(shape)) if (starts[i], size[i]) != (0, shape[i])}
-        lay = x._layout
-        src = Layout(call.mesh, tuple(() if i in cut else d for i, d in enumerate(lay.dims)), lay.partial)
-        fn = _Narrowed(tuple((i, starts[i], size[i]) for i in sorted(cut)))
-        return [Candidate((src,), (src,), local_fn=fn)]
-
-
-@attrs.frozen
-class _NarrowedScatter:
-    """One device's ``as_strided_scatter`` box: a copy of its ``input`` shard with ``src``
-    written into the narrowed dims."""
-
-    cuts: tuple[tuple[int, int, int], ...]
-
-    def __call__(self, x: torch.Tensor, src: torch.Tensor, *rest: Any, **facts: Any) -> torch.Tensor:
-        out = x.clone()
-        _Narrowed(self.cuts)(out).copy_(src)
-        return out
-
-
-@attrs.frozen
-class AsStridedScatterBox:
-    """as_strided_scatter(input, src, size, stride, offset) whose view is a box of a dense
-    ``input`` (see :class:`AsStridedBox`; the write of CopySlices' gradient): ``input``, ``src``
-    and the output sharded alike on the dims the box takes whole (as ``input`` or as ``src``
-    is), the others whole."""
-
-    def candidates(self, call: OpCall) -> list[Candidate]:
-        if len(call.arrays) != 2 or [p for p, _ in call.arrays] != [0, 1]:
-            return []
-        (_, x), (_, v) = call.arrays
-        b = bind(call.func, call.args, call.kwargs)
-        size, stride = list(b["size"]), list(b["stride"])
-        at = b.get("storage_offset")
-        with torch._C.DisableTorchFunctionSubclass():
-            shape, strides, offset = tuple(x.shape), tuple(x.stride()), x.storage_offset()
-        starts = _box(shape, strides, offset, size, stride, offset if at is None else at)
-        if starts is None or tuple(v.shape) != tuple(size):
-            return []
-        cut = {i for i in range(len(shape)) if (starts[i], size[i]) != (0, shape[i])}
-        fn = _NarrowedScatter(tuple((i, starts[i], size[i]) for i in sorted(cut)))
-        partial = x._layout.partial if v._layout.partial == x._layout.partial else ()
-        out = []
-        for lay in (x._layout, v._layout):
-            dims = tuple(() if i in cut else d for i, d in enumerate(lay.dims))
-            if any(c.in_layouts[0].dims == dims for c in out):
-                continue
-            both = Layout(call.mesh, dims, partial)
-            out.append(Candidate((both, both), (both,), local_fn=fn))
-        return out
-
-
 @attrs.frozen
 class PadLast:
     """constant_pad_nd(x, pad): the last ``len(pad) // 2`` dims whole."""
@@ -537,8 +429,6 @@ TABLE = {
     aten.constant_pad_nd: PadLast(),
     aten.select_scatter: ViewScatter(_select_map),
     aten.slice_scatter: ViewScatter(_slice_map),
-    aten.as_strided.default: AsStridedBox(),
-    aten.as_strided_scatter.default: AsStridedScatterBox(),
     aten.diagonal_scatter: ViewScatter(_diagonal_map),
     aten.view_as_complex: Mapped(_as_complex_map, dense=True),
     aten.view_as_real: Mapped(_as_real_map, dense=True),
