@@ -174,3 +174,34 @@ def test_moves_onto_the_mesh_device_and_casts_still_work(ndim: int) -> None:
         assert isinstance(y, sf.ShardedArray) and y.spec == P("x") and y.device.type == "meta"
         assert {s.device.type for s in y.local_shards()} == {"meta"}
     assert x.to(other, copy=True).dtype == torch.float16 and x.type() == "torch.meta.FloatTensor"
+
+
+# -- factories on the mesh's device ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((10,), {}), ((2, 11, 3), {}), ((0.5, 3.0, 0.1), {}), ((1, 2.5, 0.25), {"dtype": torch.bfloat16}),
+    ((10,), {"dtype": torch.float16}), ((-3, 7), {"dtype": torch.int32}), ((5, 0, -1), {}), ((0,), {}),
+    ((2 ** 40, 2 ** 40 + 7, 2), {}),
+], ids=str)
+def test_arange_equals_torch_and_lands_on_the_mesh_device(args: tuple, kwargs: dict) -> None:
+    want = torch.arange(*args, **kwargs)
+    mesh = sf.Mesh((3,), ("x",), backend="local")  # uneven pieces, some empty
+    for spec in (P("x"), P()):
+        got = sf.arange(*args, sharding=spec, mesh=mesh, **kwargs)
+        assert got.dtype == want.dtype and got.shape == want.shape and got.spec == spec
+        assert torch.equal(got.full_tensor(), want)
+    meta_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    m = sf.arange(*args, sharding=P(("dp", "tp")), mesh=meta_mesh, **kwargs)
+    assert m.shape == want.shape and m.dtype == want.dtype and {s.device.type for s in m.local_shards()} == {"meta"}
+    assert torch.equal(sf.arange(*args, **kwargs), want)  # no sharding: a plain tensor
+
+
+def test_make_array_from_callback_moves_shards_onto_the_mesh_device() -> None:
+    meta_mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    full = torch.randn(4, 6)
+    x = sf.make_array_from_callback((4, 6), P("dp", "tp"), lambda idx: full[idx], mesh=meta_mesh)
+    assert x.device.type == "meta" and {s.device.type for s in x.local_shards()} == {"meta"}
+    cpu_mesh = sf.Mesh((2,), ("x",), backend="local")
+    with pytest.raises(sf.ShardingError, match="meta tensor"):
+        sf.make_array_from_callback((4,), P("x"), lambda idx: torch.empty(2, device="meta"), mesh=cpu_mesh)
