@@ -205,3 +205,30 @@ def test_make_array_from_callback_moves_shards_onto_the_mesh_device() -> None:
     cpu_mesh = sf.Mesh((2,), ("x",), backend="local")
     with pytest.raises(sf.ShardingError, match="meta tensor"):
         sf.make_array_from_callback((4,), P("x"), lambda idx: torch.empty(2, device="meta"), mesh=cpu_mesh)
+
+
+@pytest.mark.parametrize("bias_shape, bias_spec, spec", [
+    ((1, H, S, S), P(None, "tp"), P("dp", "tp")),  # the bias's heads split like the query's: nothing moves
+    ((1, H, S, S), P(None, "dp"), P("dp", "tp")),  # split over another axis: moved to the query's
+    ((B, H, S, S), P(None, None, None, "tp"), P("dp", "tp")),  # keys split: moved, never read in pieces
+    ((H, S, S), P("tp"), P("dp", "tp")),  # a 3-d bias's heads (right-aligned) split like the query's
+    ((H, S, S), P(None, "dp"), P(None, "tp")),
+    ((S, S), P("tp"), P("dp")),
+    ((B, 1, S, S), P("tp"), P("dp", "tp")),
+], ids=str)
+def test_sharded_bias_values_and_grads_equal_unsharded(bias_shape: tuple, bias_spec: P, spec: P,
+                                                        cpu_kernels: None) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(3))
+    b = torch.randn(bias_shape, generator=g, dtype=torch.float64)
+    plain = [t.clone().requires_grad_() for t in (q, k, v, b)]
+    want = _sdpa_efficient(*plain)[0]
+    wgrads = torch.autograd.grad((want ** 2).sum(), plain)
+    sharded = [sf.distribute(t, spec, mesh=mesh).requires_grad_() for t in (q, k, v)]
+    sharded.append(sf.distribute(b, bias_spec, mesh=mesh).requires_grad_())
+    got = _sdpa_efficient(*sharded)[0]
+    assert got.spec == spec
+    torch.testing.assert_close(got.full_tensor(), want)
+    for gr, w in zip(torch.autograd.grad((got ** 2).sum(), sharded), wgrads):
+        torch.testing.assert_close(gr.full_tensor(), w)
