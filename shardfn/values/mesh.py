@@ -225,6 +225,8 @@ class Mesh(metaclass=ValueMeta):
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        if self.device_type != "cpu":  # arrays on meshes of other devices do not mix: say which
+            axes += f", device_type={self.device_type!r}"
         if self.within is not None:
             parent, fixed = self.within
             at = ", ".join(f"{a}={c}" for a, c in fixed)
