@@ -1712,6 +1712,56 @@ def test_batched_solve_with_an_unbatched_right_side_split_in_rows(name, a_spec, 
         _close(f(sf.distribute(a, a_spec, mesh=mesh), sf.distribute(b, b_spec, mesh=mesh)), want)
 
 
+_SOLVERS_EX = {**_SOLVERS, "solve_ex": lambda a, b: torch.linalg.solve_ex(a, b)}
+
+
+@pytest.mark.parametrize("name", list(_SOLVERS_EX))
+@pytest.mark.parametrize("a_batch,b_batch", [((2,), (2, 2)), ((4,), (4, 4)), ((4,), (3, 4)), ((1,), (4,)),
+                                             ((4,), (1, 4)), ((), (4, 2))])
+@pytest.mark.parametrize("a_spec,b_spec", [(P("x"), P()), (P(), P("x")), (P(), P(None, "x")), (P("x"), P(None, "x"))])
+def test_batched_solve_broadcasts_batch_dims_from_the_right(name, a_batch, b_batch, a_spec, b_spec):
+    """Batch dims broadcast aligned from the right: A of batch (4,) against B of batch (4, 4)
+    solves A[j] with B[i, j], so A's split batch dim is the output's dim 1. They were aligned
+    from the left, so each device solved its part of A with the whole B (fuzzer seed
+    5777923501: jacfwd of lu_factor, whose forward formula solves with a vmapped B)."""
+    warnings.simplefilter("ignore", sf.FallbackWarning)
+    mesh = sf.Mesh((2,), ("x",))
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(*a_batch, 3, 3, dtype=torch.float64, generator=g) + 4 * torch.eye(3, dtype=torch.float64)
+    b = torch.randn(*b_batch, 3, 2, dtype=torch.float64, generator=g)
+    if len(a_spec) > len(a_batch) or len(b_spec) > len(b_batch):
+        pytest.skip("no such batch dim")
+    f = _SOLVERS_EX[name]
+    _close(f(sf.distribute(a, a_spec, mesh=mesh), sf.distribute(b, b_spec, mesh=mesh)), f(a, b))
+
+
+def test_batched_solve_keeps_a_right_aligned_batch_split():
+    """A's split batch dim stays split as the output's matching (right-aligned) dim: no gather."""
+    mesh = sf.Mesh((2,), ("x",))
+    a = torch.randn(4, 3, 3, dtype=torch.float64) + 4 * torch.eye(3, dtype=torch.float64)
+    b = torch.randn(5, 4, 3, 2, dtype=torch.float64)
+    out = torch.linalg.solve_triangular(sf.distribute(a, P("x"), mesh=mesh).triu(), b, upper=True)
+    assert tuple(out.spec)[:2] == (None, "x")
+    _close(out, torch.linalg.solve_triangular(a.triu(), b, upper=True))
+
+
+@pytest.mark.parametrize("fn", ["lu_factor", "lu_solve", "solve", "cholesky"])
+def test_jacfwd_of_factorizations_over_a_split_batch(fn):
+    """jacfwd vmaps a factorization's forward formula over the basis: its solves get a B of one
+    more (leading) batch dim than A's split batch (fuzzer seed 5777923501: the basis size 9
+    against a shard of 5 raised)."""
+    warnings.simplefilter("ignore", sf.FallbackWarning)  # (forward AD's _new_zeros_with_same_feature_meta)
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(9, 2, 2, dtype=torch.float64) + 3 * torch.eye(2, dtype=torch.float64)
+    y = torch.randn(9, 2, 1, dtype=torch.float64)
+    f = {"lu_factor": lambda v: torch.linalg.lu_factor(v)[0],
+         "lu_solve": lambda v: torch.linalg.lu_solve(*torch.linalg.lu_factor(v), y),
+         "solve": lambda v: torch.linalg.solve(v, y),
+         "cholesky": lambda v: torch.linalg.cholesky(v @ v.mT)}[fn]
+    X = sf.distribute(x, P("x"), mesh=mesh)
+    _close(torch.func.jacfwd(f)(X), torch.func.jacfwd(f)(x))
+
+
 @pytest.mark.parametrize("spec", [P(None, "y"), P("x", "y"), P(None, ("x", "y"))])
 def test_matrix_exp_of_a_block_of_a_split_batch(spec):
     """torch's CPU ``matrix_exp`` views its batch dims as one, so a shard strided within them
@@ -1721,6 +1771,36 @@ def test_matrix_exp_of_a_block_of_a_split_batch(spec):
     f = lambda v: torch.linalg.matrix_exp(v[..., :4, :4])  # noqa: E731
     _close(f(sf.distribute(x, spec, mesh=mesh)), f(x))
     _close(torch.vmap(f, in_dims=-1)(sf.distribute(x, spec, mesh=mesh)), torch.vmap(f, in_dims=-1)(x))
+
+
+@pytest.mark.parametrize("batch", [(3, 1), (3, 2, 1)])
+@pytest.mark.parametrize("mesh_shape,spec", [((1,), P()), ((2,), P()), ((2,), P("x")), ((2,), P(None, None, "x")),
+                                             ((2, 3), P(None, "y"))])
+def test_lu_solve_with_a_size_one_batch_dim_before_the_matrix(batch, mesh_shape, spec):
+    """torch's CPU ``lu_solve`` steps through LU's batch by ``LU.stride(-3)``: a view of a
+    stacked shard gives a size-1 dim there the next dim's extent (4 for a column-major 4x4
+    LU, not 16), so each device solved with the wrong matrices, or read past them (fuzzer
+    seed 5777338629 --modes jvp,jacfwd,hessian,vmap_grad); values and gradients."""
+    warnings.simplefilter("ignore", sf.FallbackWarning)  # (lu_factor's error check runs replicated)
+    mesh = sf.Mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
+    a = torch.randn(*batch, 4, 4, dtype=torch.float64)
+    a = a @ a.mT + 4 * torch.eye(4, dtype=torch.float64)
+    b = torch.randn(*batch, 4, 5, dtype=torch.float64)
+    lu, piv = torch.linalg.lu_factor(a)
+    want = torch.linalg.lu_solve(lu, piv, b)
+    lay = functools.partial(sf.distribute, mesh=mesh)
+    _close(torch.linalg.lu_solve(lay(lu, spec), lay(piv, P(*tuple(spec)[:len(batch)])), lay(b, spec)), want)
+    _close(torch.linalg.lu_solve(lay(lu, spec), lay(piv, P(*tuple(spec)[:len(batch)])), lay(b, spec), adjoint=True),
+           torch.linalg.lu_solve(lu, piv, b, adjoint=True))
+
+    def f(m, r):
+        return torch.linalg.lu_solve(*torch.linalg.lu_factor(m), r)
+
+    _close(f(lay(a, spec), lay(b, spec)), want)
+    ga, gb = torch.func.grad(lambda m, r: f(m, r).square().sum(), argnums=(0, 1))(a, b)
+    got = torch.func.grad(lambda m, r: f(m, r).square().sum(), argnums=(0, 1))(lay(a, spec), lay(b, spec))
+    _close(got[0], ga)
+    _close(got[1], gb)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])

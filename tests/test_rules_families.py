@@ -97,3 +97,79 @@ def test_as_strided_box(mesh: sf.Mesh, spec: P) -> None:
             got = aten.as_strided_scatter(sf.distribute(base, spec, mesh=mesh), sf.distribute(src, spec, mesh=mesh),
                                           size, x.stride(), off)
         torch.testing.assert_close(got.full_tensor(), aten.as_strided_scatter(base, src, size, x.stride(), off))
+
+
+_WRITTEN_VIEWS = {
+    "rows": lambda y: y[1:],
+    "t": lambda y: y.transpose(0, 1),
+    "permute": lambda y: y.permute(2, 0, 1),
+    "mT_slice": lambda y: y.mT[1:3],
+    "select": lambda y: y[:, 2],
+    "step": lambda y: y[::2],
+    "diagonal": lambda y: y.diagonal(0, 0, 1),
+    "unsqueeze": lambda y: y.unsqueeze(1),
+    "flatten": lambda y: y.view(8, 24)[:, 3:9],
+    "flat_all": lambda y: y.view(-1)[5:50],
+    "unflatten": lambda y: y.unflatten(1, (3, 2))[:, 1],
+    "chain": lambda y: y[2:6].transpose(1, 2)[:, 1:],
+}
+
+
+@pytest.mark.parametrize("view", sorted(_WRITTEN_VIEWS))
+@pytest.mark.parametrize("spec", [P("dp"), P(None, "tp"), P("dp", "tp"), P(None, None, ("dp", "tp")), P()])
+def test_func_grad_of_inplace_op_on_a_view(mesh: sf.Mesh, view: str, spec: P) -> None:
+    """torch.func.grad of an in-place op on a view of a ShardedArray: autograd's CopySlices reads
+    and writes the view through as_strided / as_strided_scatter, which fell back to replicated
+    (FallbackWarning) for any view but a box (a transpose, a select, a step slice, ...)."""
+    vf = _WRITTEN_VIEWS[view]
+
+    def f(v):
+        y = v.clone()
+        vf(y).mul_(2)
+        vf(y).add_(v[:1].sum())
+        return (y * y.sin()).sum()
+
+    for dtype in (torch.float64, torch.complex128):
+        x = torch.randn(8, 6, 4, dtype=dtype)
+        if dtype.is_complex:
+            g = lambda v: f(v).real  # noqa: E731
+        else:
+            g = f
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", sf.FallbackWarning)
+            got = torch.func.grad(g)(sf.distribute(x, spec, mesh=mesh))
+            val = f(sf.distribute(x, spec, mesh=mesh))
+        torch.testing.assert_close(got.full_tensor(), torch.func.grad(g)(x))
+        torch.testing.assert_close(val.full_tensor(), f(x))
+
+
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x")])
+def test_as_strided_of_a_transpose_keeps_the_sharding(spec: P) -> None:
+    """as_strided that is a permute (or select, step slice) of a dense array keeps the sharding of
+    the dims it takes whole, on uneven shards too, with no collective; a view it cannot read as
+    index arithmetic (beyond the array's elements) still replicates, as torch reads it."""
+    mesh = sf.Mesh((4,), ("x",))
+    x = torch.randn(6, 5, 3)
+    sx = sf.distribute(x, spec, mesh=mesh)
+    sharded = 0 if spec == P("x") else 1
+    # (size, stride, offset, the input dims taken whole): a transpose, a select of dim 1, a permute,
+    # a step slice of dim 0, a select of dim 2 with a size-1 dim inserted
+    cases = [((5, 6, 3), (3, 15, 1), 0, {0, 1, 2}), ((6, 3), (15, 1), 5, {0, 2}), ((3, 5, 6), (1, 3, 15), 0, {0, 1, 2}),
+             ((3, 5), (30, 3), 1, {1}), ((6, 1, 5), (15, 7, 3), 2, {0, 1})]
+    for size, stride, at, whole in cases:
+        with warnings.catch_warnings(), sf.debug.CommCounter() as cc:
+            warnings.simplefilter("error", sf.FallbackWarning)
+            got = sx.as_strided(size, stride, at)
+        assert (cc.total == 0) == (sharded in whole), (size, cc)
+        torch.testing.assert_close(got.full_tensor(), x.as_strided(size, stride, at))
+        base, src = torch.randn(6, 5, 3), torch.randn(size)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", sf.FallbackWarning)
+            out = aten.as_strided_scatter(sf.distribute(base, spec, mesh=mesh), sf.distribute(src, P(), mesh=mesh),
+                                          size, stride, at)
+        torch.testing.assert_close(out.full_tensor(), aten.as_strided_scatter(base, src, size, stride, at))
+    got = sx.as_strided((6, 5), (15, 3), 0)
+    assert got.spec == P(*spec[:2]), got.spec
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sf.FallbackWarning)  # (warned once per op and process)
+        torch.testing.assert_close(sx[1:].as_strided((4,), (1,), 0).full_tensor(), x[1:].as_strided((4,), (1,), 0))

@@ -62,27 +62,14 @@ from .inplace_plain import into_plain
 from . import observed
 from .observed import is_observed
 from ..values.errors import ShardingRuntimeError
+from ..values.schema import written
 
 aten = torch.ops.aten
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list:
-    """The arguments the op writes (``(a!)`` in its schema), flattened."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
-        if isinstance(v, (list, tuple)):
-            out.extend(v)
-        elif v is not None:
-            out.append(v)
-    return out
-
-
 def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run an in-place / ``out=`` op on ShardedArrays by the policy in the module doc."""
-    targets = _written(func, args, kwargs)
+    targets = written(func, args, kwargs)
     counts = [sys.getrefcount(t) - 1 for t in targets]  # before any frame here names a target
     accumulating = func is aten.add_.Tensor and torch._C._current_graph_task_id() != -1
     if targets and not any(isinstance(t, ShardedArray) for t in targets):

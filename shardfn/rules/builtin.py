@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..arrays import rule_table
-from . import attention_kernels, foreach, fused, indexing, loss, matrix, nn, pointwise, reductions, views
+from . import attention_kernels, foreach, fused, indexing, loss, matrix, nn, pointwise, reductions, strided, views
 
-for _family in (pointwise, matrix, reductions, views, indexing, nn, attention_kernels, foreach, fused):
+for _family in (pointwise, matrix, reductions, views, strided, indexing, nn, attention_kernels, foreach, fused):
     rule_table.install(_family.TABLE)
 rule_table.set_pointwise_rule(pointwise.POINTWISE)
 rule_table.SPECIAL.update(loss.SPECIAL)

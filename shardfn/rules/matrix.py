@@ -122,22 +122,14 @@ class AddmmActivation:
 
 @attrs.frozen
 class BatchedLinalg:
-    """Linear algebra on the last two dims of the first input: its leading (batch) dims
-    keep their sharding in every input and output that starts with the same batch
-    shape (pivots, tau, eigenvalues too); the matrix dims are whole."""
+    """Linear algebra on the last two dims of matrices: the batch dims (those before an
+    input's own matrix or vector dims) broadcast as torch broadcasts them, aligned from the
+    right, and keep their sharding in every input and output holding them (pivots, tau,
+    eigenvalues too); a broadcast size-1 dim and the matrix dims are whole."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
-        first = call.shapes[0]
-        k = len(first) - 2
-        if k < 1:
-            return []
-        batch, ls = first[:k], letters(k)
         names = [a.name for a in call.func._schema.arguments]
-
-        def lettered(shape: tuple, trailing: int | None) -> tuple:
-            fits = len(shape) >= k if trailing is None else len(shape) - trailing == k
-            head = ls if fits and tuple(shape[:k]) == batch else (None,) * min(k, len(shape))
-            return tuple(head) + (None,) * (len(shape) - len(head))
+        first = tuple(call.arrays[0][1].shape) if call.arrays else ()
 
         def trailing(path: object, shape: tuple) -> int:
             # an input's batch dims are those before its own matrix (or vector) dims: an
@@ -146,20 +138,48 @@ class BatchedLinalg:
             if name in _VECTOR_ARGS:
                 return _VECTOR_ARGS[name]
             if (call.func is aten.ormqr.default and name == "input2") or (  # tau
-                    call.func is aten._linalg_solve_ex.default and name == "B" and shape == tuple(first[:-1])):
-                return 1
+                    name in _RHS.get(call.func, ()) and (len(shape) == 1 or shape == first[:-1])):
+                return 1  # a right-hand side of vectors (torch's linalg_solve_is_vector_rhs)
             return 2
 
-        ins = tuple(lettered(tuple(v.shape), trailing(p, tuple(v.shape))) for p, v in call.arrays)
-        outs = tuple(lettered(tuple(m.shape), None) if isinstance(m, torch.Tensor) else None for m in call.out_metas)
+        batches = [tuple(v.shape)[: max(v.dim() - trailing(p, tuple(v.shape)), 0)] for p, v in call.arrays]
+        try:
+            full = tuple(torch.broadcast_shapes(*batches))
+        except RuntimeError:
+            return []
+        if not full:
+            return []
+        ls = letters(len(full))
+
+        def lettered(shape: tuple, batch: tuple) -> tuple:
+            # batch dims right-aligned against the broadcast batch; a size-1 dim broadcast is whole
+            if tuple(shape[: len(batch)]) != batch:
+                return (None,) * len(shape)
+            off = len(full) - len(batch)
+            head = tuple(ls[off + j] if n == full[off + j] else None for j, n in enumerate(batch))
+            return head + (None,) * (len(shape) - len(batch))
+
+        ins = tuple(lettered(tuple(v.shape), b) for (_, v), b in zip(call.arrays, batches))
+        own = _FIRST_BATCH_OUTS.get(call.func, ())  # outputs of the first input's own batch
+        outs = tuple(lettered(tuple(m.shape), batches[0] if i in own else full) if isinstance(m, torch.Tensor)
+                     else None for i, m in enumerate(call.out_metas))
         cands = compile_dims(call, Dims(ins, outs))
         if call.func is aten.linalg_matrix_exp.default:  # torch's CPU kernel views its batch as one dim:
             return [attrs.evolve(c, dense=True) for c in cands]  # a shard strided within it raised
+        if call.func is aten.linalg_lu_solve.default:
+            # torch's CPU kernel steps through LU's batch by LU.stride(-3) (pivots': stride(-2)),
+            # which a view of a stacked shard sets for a size-1 dim there to the next dim's
+            # extent: it read the wrong matrices (fuzzer seed 5777338629), past the end too
+            return [attrs.evolve(c, dense="size_one") for c in cands]
         return cands
 
 
 # inputs of batched linear algebra that are not matrices: how many dims follow their batch dims
 _VECTOR_ARGS = {"pivots": 1, "LU_pivots": 1, "tau": 1, "atol": 0, "rtol": 0, "rcond": 0}
+# right-hand sides that are vectors where 1-D or of A's shape less its last dim
+_RHS = {aten._linalg_solve_ex.default: ("B",), aten.linalg_lstsq.default: ("b",)}
+# outputs that keep the first input's own batch, not the broadcast one (A's LU, pivots, info)
+_FIRST_BATCH_OUTS = {aten._linalg_solve_ex.default: (1, 2, 3)}
 
 
 @attrs.frozen

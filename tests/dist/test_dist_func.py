@@ -188,4 +188,27 @@ def grad_of_grad_and_distribute_inside(mesh: sf.Mesh) -> None:
     _close(got, grad(lambda w: (d["x"] @ w).pow(2).sum())(d["w"]), "distribute inside grad")
 
 
+@scenario
+def grad_of_inplace_ops_on_views(mesh: sf.Mesh) -> None:
+    """An in-place op on a view (a transpose, a select, a step slice, a flatten) of a clone
+    under grad: CopySlices' as_strided / as_strided_scatter run on the shards (no fallback to
+    replicated) and the gradient equals the unsharded one."""
+    import warnings
+
+    a = mesh.axis_names[-1]
+    x = torch.randn(8, 6, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    views = [lambda y: y.transpose(0, 1), lambda y: y[:, 2], lambda y: y[::2], lambda y: y.view(8, 24)[:, 3:9]]
+    for spec in (P(a), P(None, a), P(None, None, a)):
+        for vf in views:
+            def f(v, vf=vf):
+                y = v.clone()
+                vf(y).mul_(2)
+                return (y * y.sin()).sum()
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", sf.FallbackWarning)
+                got = grad(f)(sf.distribute(x, spec, mesh=mesh))
+            _close(got, grad(f)(x), f"{spec}")
+
+
 test_local, test_dist = collect(globals())
