@@ -23,6 +23,7 @@ from .values.errors import ShardingIndexError as ShardingIndexError
 from .values.errors import ShardingRuntimeError as ShardingRuntimeError
 from .values.errors import ShardingTypeError as ShardingTypeError
 from .values.errors import SimulationWarning as SimulationWarning
+from .arrays.factories import arange as arange
 from .arrays.factories import empty as empty
 from .arrays.factories import full as full
 from .arrays.factories import make_array_from_callback as make_array_from_callback

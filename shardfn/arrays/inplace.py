@@ -59,6 +59,7 @@ from .inplace_errors import COMPILED, OVERLAP, immutable_error
 from .inplace_forward_ad import forward_ad_live, out_of_place
 from .inplace_functional import run_functionalized
 from .inplace_plain import into_plain
+from . import observed
 from .observed import is_observed
 from ..values.errors import ShardingRuntimeError
 from ..values.schema import written
@@ -79,7 +80,7 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
         if not isinstance(t, ShardedArray):
             raise immutable_error(func, "writes a plain tensor and a ShardedArray together")
         r = fresh_root(t)
-        if r is not None:
+        if r is not None and not observed.calibrating():  # (``calibrate``'s private target is a fresh result)
             fresh[id(r)] = r
         elif not accumulating and (t.__dict__.get("_aliases_observable") or is_observed(t, n, args, kwargs, "target")):
             raise immutable_error(func, COMPILED if root(t).__dict__.get("_compiled_out") else None)
