@@ -1773,6 +1773,36 @@ def test_matrix_exp_of_a_block_of_a_split_batch(spec):
     _close(torch.vmap(f, in_dims=-1)(sf.distribute(x, spec, mesh=mesh)), torch.vmap(f, in_dims=-1)(x))
 
 
+@pytest.mark.parametrize("batch", [(3, 1), (3, 2, 1)])
+@pytest.mark.parametrize("mesh_shape,spec", [((1,), P()), ((2,), P()), ((2,), P("x")), ((2,), P(None, None, "x")),
+                                             ((2, 3), P(None, "y"))])
+def test_lu_solve_with_a_size_one_batch_dim_before_the_matrix(batch, mesh_shape, spec):
+    """torch's CPU ``lu_solve`` steps through LU's batch by ``LU.stride(-3)``: a view of a
+    stacked shard gives a size-1 dim there the next dim's extent (4 for a column-major 4x4
+    LU, not 16), so each device solved with the wrong matrices, or read past them (fuzzer
+    seed 5777338629 --modes jvp,jacfwd,hessian,vmap_grad); values and gradients."""
+    warnings.simplefilter("ignore", sf.FallbackWarning)  # (lu_factor's error check runs replicated)
+    mesh = sf.Mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
+    a = torch.randn(*batch, 4, 4, dtype=torch.float64)
+    a = a @ a.mT + 4 * torch.eye(4, dtype=torch.float64)
+    b = torch.randn(*batch, 4, 5, dtype=torch.float64)
+    lu, piv = torch.linalg.lu_factor(a)
+    want = torch.linalg.lu_solve(lu, piv, b)
+    lay = functools.partial(sf.distribute, mesh=mesh)
+    _close(torch.linalg.lu_solve(lay(lu, spec), lay(piv, P(*tuple(spec)[:len(batch)])), lay(b, spec)), want)
+    _close(torch.linalg.lu_solve(lay(lu, spec), lay(piv, P(*tuple(spec)[:len(batch)])), lay(b, spec), adjoint=True),
+           torch.linalg.lu_solve(lu, piv, b, adjoint=True))
+
+    def f(m, r):
+        return torch.linalg.lu_solve(*torch.linalg.lu_factor(m), r)
+
+    _close(f(lay(a, spec), lay(b, spec)), want)
+    ga, gb = torch.func.grad(lambda m, r: f(m, r).square().sum(), argnums=(0, 1))(a, b)
+    got = torch.func.grad(lambda m, r: f(m, r).square().sum(), argnums=(0, 1))(lay(a, spec), lay(b, spec))
+    _close(got[0], ga)
+    _close(got[1], gb)
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
 @pytest.mark.parametrize("spec", [P(None, None, "x"), P("x"), P(None, "x"), P()])
 def test_batched_addbmm_keeps_small_integer_dtypes(dtype, spec):

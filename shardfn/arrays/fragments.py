@@ -17,14 +17,17 @@ _fragments: dict[tuple, Any] = {}
 _FRAGMENTS_MAX = 65536
 
 
-def _fragment(x: Any) -> Any:
+def _fragment(x: Any, held: bool = False) -> Any:
     """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
     it); None while its shape is symbolic or its storage is not in the canonical form. A
     pending value's fragment also names the reductions already at hand (free to read:
     strategies are costed with them), and is not kept on a view linked to its base. None
-    for a fresh array (``fresh.py``): its first read must take dispatch's slow path."""
+    for a fresh array (``fresh.py``: its first read must end the freshness), unless ``held``
+    (dispatch's ``_held_back`` ends it): then computed and not kept."""
     d = x.__dict__
-    if ("_fresh" in d or "_view_of" in d) and fresh_root(x) is not None:
+    if held:
+        pass
+    elif ("_fresh" in d or "_view_of" in d) and fresh_root(x) is not None:
         return None
     layout = x._layout
     if layout.partial:
@@ -38,7 +41,7 @@ def _fragment(x: Any) -> Any:
         return None
     if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
         return None  # fast-path calls assume the canonical form (``_Entry.warm``)
-    if "_derived" not in x.__dict__:
+    if "_derived" not in d and not held:
         x._kf = k
     return k
 
