@@ -19,8 +19,10 @@ which the in-place policy runs as functional updates (unread results are fresh: 
   and the encoders BERT, RoBERTa, XLM-R, DistilBERT, ELECTRA (post-norm, learned
   positions; BERT's position embeddings broadcast over the batch keep their gradient
   pending over dp, as DDP does), GLM-4-MoE and ERNIE-4.5-MoE (dense first layer, shared
-  experts column/row-parallel), dots.llm1 (the same);
-- parallel residual, one norm (1, 2): CodeGen (fused qkv_proj in per-head groups), Cohere2;
+  experts column/row-parallel), dots.llm1 (the same), HunYuan-MoE (shared expert
+  column/row-parallel);
+- parallel residual, one norm (1, 2): CodeGen (fused qkv_proj in per-head groups), Cohere2, Cohere2-MoE
+  (routed experts replicated);
 - attention only (routed experts replicated) (1, 2): Qwen3-MoE, GraniteMoE,
   GraniteMoE-shared, PhiMoE (also in training mode: its router's backward), GPT-OSS;
 - Llama 4 with MoE layers (the shared expert column/row-parallel, routed experts replicated): (2, 4),
@@ -30,7 +32,7 @@ which the in-place policy runs as functional updates (unread results are fresh: 
   the embedding's gradient, which stays pending over tp as it does over dp;
 - a norm across the split heads (OLMo2's qk-norm): forward 2 + 2 small, backward 2 + 2
   small (4, 8): OLMo3, BitNet (sub-norms of the attention and MLP inner activations);
-  (3, 6): OLMoE (attention only);
+  (3, 6): OLMoE, MiniMax-M2 (attention only);
 - DeepSeek V2 / V3 multi-head latent attention (down-projections replicated, q_b/kv_b
   up-projections column-parallel, o row-parallel): forward 2; backward under autograd the
   up-projections' latent input gradients (q latent in V3), the shared RoPE key's gradient
@@ -87,6 +89,10 @@ def _cfg(name: str) -> tuple:
         "llama4moe": (lambda: T.Llama4TextConfig(**c, head_dim=16, intermediate_size_mlp=128, num_local_experts=4,
                                                  num_experts_per_tok=1, no_rope_layers=[1, 0],
                                                  attention_chunk_size=4), STD),
+        "hunyuanmoe": (lambda: T.HunYuanMoEV1Config(**c, head_dim=16, num_experts=4, moe_topk=2), STD),
+        "minimaxm2": (lambda: T.MiniMaxM2Config(**c, head_dim=16, num_local_experts=4, num_experts_per_tok=2), STD),
+        "cohere2moe": (lambda: T.Cohere2MoeConfig(**c, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=4), STD),
         "gptoss": (lambda: T.GptOssConfig(**c, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                                           sliding_window=4), STD, "eager"),
         "persimmon": (lambda: T.PersimmonConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}), STD),
@@ -123,12 +129,13 @@ def _cfg(name: str) -> tuple:
 
 
 SEQUENTIAL = ("helium", "arcee", "nemotron", "olmo", "smollm3", "ernie4_5", "exaone4", "seedoss", "ministral", "hunyuan",
-              "llama4", "llama4moe", "persimmon", "biogpt", "glm4moe", "ernie4_5_moe", "dots1", "bert", "roberta", "xlmroberta", "electra",
+              "llama4", "llama4moe", "hunyuanmoe", "persimmon", "biogpt", "glm4moe", "ernie4_5_moe", "dots1", "bert", "roberta", "xlmroberta", "electra",
               "distilbert")
 # family -> Megatron's (forward all_reduce per layer, forward + backward all_reduce per layer)
 MEGATRON = {**{f: (2, 4) for f in SEQUENTIAL},
-            **{f: (1, 2) for f in ("codegen", "cohere2", "qwen3moe", "granitemoe", "granitemoeshared", "phimoe")},
-            "olmo3": (4, 8), "bitnet": (4, 8), "olmoe": (3, 6)}
+            **{f: (1, 2) for f in ("codegen", "cohere2", "cohere2moe", "qwen3moe", "granitemoe", "granitemoeshared",
+                                   "phimoe")},
+            "olmo3": (4, 8), "bitnet": (4, 8), "olmoe": (3, 6), "minimaxm2": (3, 6)}
 # post-norm blocks (no norm before attention): the first layer's q/k/v input gradient goes
 # straight into the embedding's gradient, which stays pending (over tp as over dp): one fewer
 POST_NORM = {"exaone4", "olmo3"}
@@ -138,7 +145,7 @@ POST_NORM = {"exaone4", "olmo3"}
 DP_GATHERS = {"llama4moe": (2, 3)}
 MLA = {"deepseekv2": (2, 6), "deepseekv3": (2, 8)}
 MOE = ("qwen3moe", "granitemoe", "granitemoeshared", "phimoe", "olmoe", "glm4moe", "ernie4_5_moe", "dots1", "deepseekv2",
-       "deepseekv3", "llama4moe", "gptoss")
+       "deepseekv3", "llama4moe", "gptoss", "hunyuanmoe", "minimaxm2", "cohere2moe")
 
 
 def _setup(name: str) -> tuple:
