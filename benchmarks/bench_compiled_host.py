@@ -111,9 +111,7 @@ class _Run(bench_sim._Run):
             ("update", lambda _: {k: v.detach().requires_grad_() for k, v in self.params.items()}),
             ("forward", lambda p: (p, self.loss_of(p, x, y, heads))),
             ("backward", lambda pl: (pl[0], pl[1], torch.autograd.grad(pl[1], list(pl[0].values())))),
-            ("reshards", lambda plg: (plg[0], plg[1], [
-                sf.reshard(g, p.sharding) if isinstance(p, sf.ShardedArray) else g
-                for p, g in zip(plg[0].values(), plg[2])])),
+            ("reshards", lambda plg: (plg[0], plg[1], bench_sim.sync_grads(plg[0], plg[2]))),
             ("update", lambda plg: (plg[1], {k: (p - bench_sim.LR * g).detach()
                                              for (k, p), g in zip(plg[0].items(), plg[2])})),
         ]

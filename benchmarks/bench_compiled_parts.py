@@ -47,7 +47,7 @@ def timed_step(run: Any, s: int) -> list[float]:
     t.append(time.perf_counter())
     grads = torch.autograd.grad(loss, list(params.values()))
     t.append(time.perf_counter())
-    grads = [sf.reshard(g, p.sharding) if isinstance(p, sf.ShardedArray) else g for p, g in zip(params.values(), grads)]
+    grads = bench_sim.sync_grads(params, grads)
     t.append(time.perf_counter())
     run.params = {k: (p - bench_sim.LR * g).detach() for (k, p), g in zip(params.items(), grads)}
     t.append(time.perf_counter())

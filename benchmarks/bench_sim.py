@@ -103,17 +103,27 @@ def loss_fn(p: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: int) -> 
 
 def train_step(params: dict[str, Any], x: torch.Tensor, y: torch.Tensor, heads: int,
                loss_of: Any = None) -> tuple[dict, torch.Tensor]:
-    """Forward, backward, SGD; gradients laid out like their parameters (the dp all-reduce).
+    """Forward, backward, SGD; gradients laid out like their parameters by one ``sf.reshard`` of
+    the list (the dp all-reduces bucketed, as DDP and ``sf.optim``'s optimizers sync gradients).
     ``loss_of``: ``loss_fn`` or a compiled form of it."""
     params = {k: v.detach().requires_grad_() for k, v in params.items()}
     loss = (loss_of or loss_fn)(params, x, y, heads)
-    grads = torch.autograd.grad(loss, list(params.values()))
-    new = {}
-    for (k, p), g in zip(params.items(), grads):
-        if isinstance(p, sf.ShardedArray):
-            g = sf.reshard(g, p.sharding)
-        new[k] = (p - LR * g).detach()
+    grads = sync_grads(params, torch.autograd.grad(loss, list(params.values())))
+    new = {k: (p - LR * g).detach() for (k, p), g in zip(params.items(), grads)}
     return new, loss.detach()
+
+
+def sync_grads(params: dict[str, Any], grads: Any) -> list:
+    """The gradients laid out like their parameters (sharded ones; plain ones as they are), in one
+    ``sf.reshard`` of the list: same-plan all-reduces run as one per bucket."""
+    sharded = [i for i, p in enumerate(params.values()) if isinstance(p, sf.ShardedArray)]
+    grads = list(grads)
+    if sharded:
+        specs = list(params.values())
+        moved = sf.reshard([grads[i] for i in sharded], [specs[i].sharding for i in sharded])
+        for i, g in zip(sharded, moved):
+            grads[i] = g
+    return grads
 
 
 def _shard(cfg: dict[str, int], config: str, device: str = "cpu") -> tuple[dict, Any]:

@@ -23,21 +23,22 @@ from .values.errors import ShardingIndexError as ShardingIndexError
 from .values.errors import ShardingRuntimeError as ShardingRuntimeError
 from .values.errors import ShardingTypeError as ShardingTypeError
 from .values.errors import SimulationWarning as SimulationWarning
+from .arrays.factories import arange as arange
 from .arrays.factories import empty as empty
 from .arrays.factories import full as full
 from .arrays.factories import make_array_from_callback as make_array_from_callback
 from .arrays.factories import ones as ones
+from .arrays.factories import zeros as zeros
 from .random.keys import rand as rand
 from .random.keys import randn as randn
-from .arrays.factories import zeros as zeros
 from .interop.dtensor import from_dtensor as from_dtensor
 from .values.mesh import Mesh as Mesh
 from .values.mesh import current_mesh as current_mesh
 from .plans.planner import Plan as Plan
-from .transforms.products import einsum as einsum
-from .transforms.products import matmul as matmul
 from .plans.planner import Step as Step
 from .plans.planner import plan_redistribute as plan_redistribute
+from .transforms.products import einsum as einsum
+from .transforms.products import matmul as matmul
 from .rules.custom import register_sharding as register_sharding
 from .transforms.smap import smap as smap
 from .values.spec import NamedSharding as NamedSharding
@@ -52,6 +53,8 @@ from .transforms.constraints import with_sharding_constraint as with_sharding_co
 __version__ = "0.1.0"
 
 from .arrays import dispatch as _dispatch  # noqa: E402,F401  (installs ShardedArray's op dispatcher)
+from .random import torch_ops as _random_ops  # noqa: E402,F401  (fills the rule table: torch's random ops)
+from .rules import builtin as _builtin_rules  # noqa: E402,F401  (fills the rule table: every op family's rules)
 from .compile.dynamo import install as _install_dynamo  # noqa: E402
 
 _install_dynamo()  # torch.compile support, registered when torch._dynamo is imported

@@ -155,3 +155,7 @@ def test_package_inits_only_re_export() -> None:
             all_ = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
             assert isinstance(node, (ast.Import, ast.ImportFrom)) or doc or all_, (
                 f"{init.relative_to(ROOT)} line {node.lineno}: only re-exports belong in a package's __init__.py")
+        for n, line in enumerate(init.read_text().splitlines(), 1):
+            assert "noqa: F401" not in line, (
+                f"{init.relative_to(ROOT)} line {n} imports a module for what importing it does: shardfn/__init__.py "
+                f"installs such things, after every layer is loaded")

@@ -270,6 +270,165 @@ def test_pytree_reshard_coalesces_tp_sharded_gradients() -> None:
         close(o, t)
 
 
+class _ShardOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run on plain tensors (the simulated devices' work) by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, sf.ShardedArray) for t in types):
+            with self:
+                return sf.ShardedArray.__torch_dispatch__(func, types, args, kwargs)
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+def _device_parts(shapes: list, mesh: sf.Mesh, seed: int) -> tuple[list, list]:
+    """Per leaf: every device's own part of a pending sum over 'dp' (with -0.0 parts everywhere
+    in one position and an inf in another, whose sums keep IEEE's signs), and the leaves."""
+    g = torch.Generator().manual_seed(seed)
+    parts, leaves = [], []
+    for s in shapes:
+        ps = [torch.randn(s, generator=g) for _ in range(mesh.size)]
+        if ps[0].numel() > 1:
+            for t in ps:
+                t.view(-1)[0] = -0.0
+            ps[1].view(-1)[1] = float("inf")
+        parts.append(ps)
+        leaves.append(sf.ShardedArray.from_local(ps, P(partial="dp"), mesh=mesh))
+    return parts, leaves
+
+
+def _same_bits(got: sf.ShardedArray, want: sf.ShardedArray) -> None:
+    a, b = got.full_tensor(), want.full_tensor()
+    assert torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7, 8])
+def test_coalesced_sync_adds_all_leaves_at_once_on_local(n: int) -> None:
+    """A bucket of pending sums on the local backend adds every leaf's parts together (one
+    multi-tensor add per level), not one device at a time or one leaf at a time, and without
+    copying the leaves into one buffer; the sums are bit for bit those of each leaf resharded
+    alone (-0.0 and inf included) and equal torch's sums of the parts."""
+    mesh = sf.Mesh((n,), ("dp",), backend="local")
+    parts, tree = _device_parts(_GRAD_SHAPES, mesh, seed=n)
+    alone = [sf.reshard(x, P()) for x in tree]
+    sf.reshard(tree, P())  # the tree's plan made (its first call looks at each device's shard)
+    with sf.debug.CommCounter() as cc, _ShardOps() as mode:
+        out = sf.reshard(tree, P())
+    assert cc.counts == {"all_reduce": 1}, cc
+    for o, a, ps in zip(out, alone, parts):
+        assert o.spec == P()
+        _same_bits(o, a)
+        torch.testing.assert_close(o.full_tensor(), torch.stack(ps).sum(0), rtol=1e-6, atol=1e-6)
+    ops = mode.ops
+    assert not {"cat", "stack", "unbind", "select", "add", "add_"} & set(ops), ops  # nothing per device or per leaf
+    levels = {2: 1, 3: 2, 4: 3, 5: 3, 6: 3, 7: 4, 8: 4}[n]  # halves above 4 parts, then one by one
+    assert ops.get("_foreach_add", 0) + ops.get("_foreach_add_", 0) == levels, ops
+    assert ops.get("split_with_sizes") == len(tree) and sum(ops.values()) == levels + len(tree), ops  # no copies
+
+
+def test_coalesced_sync_concatenates_once_where_leaves_cannot_run_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the plan cannot run on the leaves apart (``execute_many`` declines: under
+    torch.compile), the local backend's leaves are concatenated once along their stacked
+    form (one ``cat``, one split), not per device; the values are those of each leaf alone."""
+    from shardfn.backends import registry
+    from shardfn.transforms import coalesce
+
+    monkeypatch.setattr(registry, "execute_many", lambda plan, values: None, raising=False)
+    coalesce._plans.clear()
+    mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
+    g = torch.Generator().manual_seed(3)
+    specs = [P(None, "tp"), P("tp"), P(None, "tp"), P("tp", None)]
+    shapes = [(6, 8), (4,), (3, 4), (8, 5)]
+    tree, want = [], []
+    for s, spec in zip(shapes, specs):
+        ps = [torch.randn(s, generator=g) for _ in range(2)]
+        want.append(ps[0] + ps[1])
+        # a tp-sharded value pending a sum over dp: dp's two parts, each sharded like ``spec``
+        x = sf.distribute(torch.stack(ps), P("dp", *spec), mesh=mesh)
+        tree.append(_dp_pending(x, spec))
+    alone = [sf.reshard(x, s) for x, s in zip(tree, specs)]
+    sf.reshard(tree, specs)  # the tree's plan made
+    with sf.debug.CommCounter() as cc, _ShardOps() as mode:
+        out = sf.reshard(tree, specs)
+    assert cc.counts == {"all_reduce": 1}, cc
+    assert mode.ops.get("cat") == 1 and "stack" not in mode.ops and "unbind" not in mode.ops, mode.ops
+    for o, a, w in zip(out, alone, want):
+        assert o.spec == a.spec
+        _same_bits(o, a)
+        torch.testing.assert_close(o.full_tensor(), w)
+    coalesce._plans.clear()
+
+
+def _dp_pending(x: sf.ShardedArray, spec: P) -> sf.ShardedArray:
+    """``x`` (dp's parts stacked in dim 0, split over 'dp') as the sum of its parts pending over 'dp'."""
+    return sf.ShardedArray.from_local([t[0] for t in x.to_local()], P(*spec, partial="dp"), mesh=x.mesh)
+
+
+def test_coalesced_sync_of_shares_and_own_parts() -> None:
+    """A bucket mixing values stored as each device's own part and as one share expanded over
+    the pending axis (``set_pending_parts("shares")``): each reduced as its form needs; values
+    and gradients against torch."""
+    from shardfn.backends.local import set_pending_parts
+
+    mesh = sf.Mesh((4,), ("dp",), backend="local")
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 8, requires_grad=True), torch.randn(8, 5, requires_grad=True)
+    c = torch.randn(4, 6, requires_grad=True)
+    la, lb, lc = leaf(a, P(None, "dp"), mesh), leaf(b, P("dp"), mesh), leaf(c, P("dp"), mesh)
+    old = set_pending_parts("shares")
+    try:
+        shared = la @ lb  # one GEMM; each device holds a quarter of the sum
+    finally:
+        set_pending_parts(old)
+    own = [la @ lb, lc.sum(0), (lc * 2).sum(0)]
+    assert shared._local.stride(0) == 0 and own[0]._local.stride(0) != 0
+    tree = [shared, *own]
+    alone = [sf.reshard(x, P()) for x in tree]
+    with sf.debug.CommCounter() as cc:
+        out = sf.reshard(tree, P())
+    assert cc.counts == {"all_reduce": 1}, cc
+    wants = [a @ b, a @ b, c.sum(0), (c * 2).sum(0)]
+    for o, al, w in zip(out, alone, wants):
+        close(o, w.detach())
+        close(o, al.full_tensor())
+    ws = [torch.randn(w.shape) for w in wants]
+    sum((o.full_tensor() * w).sum() for o, w in zip(out, ws)).backward()
+    sum((r * w).sum() for r, w in zip(wants, ws)).backward()
+    for got, want in ((la, a), (lb, b), (lc, c)):
+        close(got.grad, want.grad, 1e-4)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_pending_average_adds_the_parts_and_divides(n: int) -> None:
+    """A pending average over 2 to 8 devices on the local backend adds the parts as a pending
+    sum's (IEEE signs: parts all -0.0 average -0.0, as a collective's adds and a division give)
+    and divides once: no mean kernel and no pass over the parts for the sign (2 parts: a split,
+    an add, a division); values against torch."""
+    mesh = sf.Mesh((n,), ("dp",), backend="local")
+    g = torch.Generator().manual_seed(n)
+    parts = [torch.randn(5, 3, generator=g) for _ in range(n)]
+    for t in parts:
+        t[0, 0] = -0.0
+    parts[1][1, 1] = float("inf")
+    sf.reshard(sf.ShardedArray.from_local(parts, P(partial={"dp": "avg"}), mesh=mesh), P())  # the plan made
+    x = sf.ShardedArray.from_local(parts, P(partial={"dp": "avg"}), mesh=mesh)  # (a reduction is kept per array)
+    with _ShardOps() as mode:
+        y = sf.reshard(x, P())
+    got = y.full_tensor()
+    want = torch.stack(parts).mean(0)
+    torch.testing.assert_close(got, want)
+    assert got[0, 0].item() == 0.0 and got[0, 0].signbit()  # torch's mean kernel starts at +0: it gives +0.0
+    assert not {"mean", "amax", "where", "copysign"} & set(mode.ops), mode.ops
+    if n == 2:
+        assert mode.ops == {"split_with_sizes": 1, "add": 1, "div_": 1}, mode.ops
+
+
 def _pending(full: list[torch.Tensor], mesh: sf.Mesh, op: str = "sum", axis: str = "dp") -> list:
     """Each tensor as a value pending a reduction over ``axis`` (every part a share of it)."""
     n = mesh.axis_size(axis)

@@ -1,6 +1,7 @@
-"""Fresh arrays (``shardfn/arrays/fresh.py``, issue 25): a buffer a factory op just made
-(``new_*``, ``*_like``, ``clone``) accepts in-place writes until its value is first read,
-as a functional update that its views see; any other array's in-place write still raises.
+"""Fresh arrays (``shardfn/arrays/fresh.py``, issue 25): an array an op just made (a factory's
+buffer, ``new_*``, ``*_like``, ``clone``, or any op's result) accepts in-place writes until its
+value is first read, as a functional update that its views see; any other array's in-place
+write still raises.
 Checked against plain torch: torch.func's Jacobians (whose basis is ``new_zeros`` then
 ``diagonal().fill_(1)``), ``matrix_power(x, 0)`` (``clone`` then ``copy_``), and the
 adversarial routes (a read, a view read, a buffer written while another array aliases it).
@@ -249,9 +250,10 @@ def test_a_read_buffer_is_immutable(mesh22, route, maker):
 
 
 def test_not_fresh_arrays_still_raise(mesh22):
-    """Arrays no factory made: distribute, an op's output, a view of a held array, a grad."""
+    """Arrays no op made, or read: distribute, a read op output, a view of a held array, a grad."""
     x = _held(mesh22)
     y = x + 1
+    _ = y * 2  # read
     for target in (x, y, x[0], y.t(), x.detach()):
         with pytest.raises(ImmutableError):
             target.fill_(0.0)
@@ -299,3 +301,77 @@ def test_a_write_into_an_expanded_view_raises_as_torchs(mesh22):
     with pytest.raises(RuntimeError, match="more than one element"):
         g.mul_(2)
     _close(g, torch.ones(4))
+
+
+# -- any op's result, unread: a named temporary a function finishes in place ------------------------
+
+
+def _finish(x, w, b, bias, idx, src):
+    """Writes into results a function made and holds by name, as HF's MoE code does: Llama 4's
+    ``out = shared_expert(h); out.add_(routed)``, transformers' batched experts
+    ``out = bmm(..).squeeze(1); out.add_(bias)``, PhiMoE's backward ``g = a * b; g.scatter_add_``."""
+    out = x @ w
+    out.add_(b)
+    sq = torch.bmm(x.unsqueeze(1), w.expand(x.shape[0], -1, -1)).squeeze(1)
+    sq.add_(bias)
+    g = x * b
+    g.scatter_add_(-1, idx, src)
+    return out * 2 + sq + g
+
+
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "y")], ids=str)
+def test_an_unread_result_is_fresh_values_and_gradients(mesh22, spec):
+    """An op's result no one has read yet is written like a factory's buffer: values and
+    gradients (autograd and torch.func) equal torch's; its views see the write."""
+    g = torch.Generator().manual_seed(3)
+    t = [torch.randn(4, 4, generator=g, dtype=torch.float64) for _ in range(4)]
+    idx = torch.tensor([[0, 1], [2, 3], [1, 1], [0, 3]])
+    src = torch.randn(4, 2, generator=g, dtype=torch.float64)
+    leaves = [a.clone().requires_grad_() for a in t]
+    want = _finish(*leaves, idx, src)
+    want.sum().backward()
+    arrays = [sf.distribute(a, spec, mesh=mesh22).requires_grad_() for a in t]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _finish(*arrays, idx, src)
+        got.sum().backward()
+        fgrads = torch.func.grad(lambda a: _finish(*a, idx, src).sum())(
+            [sf.distribute(a, spec, mesh=mesh22) for a in t])
+    _close(got, want.detach())
+    for a, f, leaf in zip(arrays, fgrads, leaves):
+        _close(a.grad, leaf.grad)
+        _close(f, leaf.grad)
+    y = sf.distribute(t[0], spec, mesh=mesh22) * 2
+    v = y.t()
+    y.add_(1.0)  # never read: fresh; its view sees the write
+    _close(v, (t[0] * 2 + 1).t())
+
+
+def test_a_read_result_is_immutable_and_saved_results_error_as_torch(mesh22):
+    """Once read, a result is a value (ImmutableError); a write into a result its own op saved
+    for backward (``exp``) fails the backward as torch's does (the version counter)."""
+    x = sf.distribute(torch.randn(4), P("x"), mesh=mesh22)
+    y = x + 1
+    z = y * 2
+    with pytest.raises(ImmutableError):
+        y.add_(1.0)
+    _close(z, (x.full_tensor() + 1) * 2)
+    for src in (sf.distribute(torch.randn(4), P("x"), mesh=mesh22), torch.randn(4)):
+        e = src.requires_grad_().exp()
+        e.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            e.sum().backward()
+
+
+def test_an_unread_pending_result_written_is_not_a_recomputation(mesh22):
+    """Two equal computations of a pending sum: writing the first, unread, must not change the
+    second (pending results are otherwise linked to an earlier equal one), nor a third."""
+    t = torch.randn(4, 4)
+    s = sf.distribute(t, P(partial="x"), mesh=mesh22)
+    a = s * 2.0
+    b = s * 2.0
+    a.fill_(0.0)
+    c = s * 2.0
+    _close(b + 0, t * 2)
+    _close(c + 0, t * 2)
+    _close(a + 0, torch.zeros(4, 4))

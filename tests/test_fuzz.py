@@ -70,6 +70,8 @@ FOUND = [
     (5762093798, 3),  # the same, then var
     (35002315, 4),  # compile(dynamic): a mesh dim's symbol shared with an equal global dim, pinned in mid-trace
     (5770475284, 4),  # jacrev of prod of [inf]: nan by torch's plain branch, 1 by its zero-safe one (oracle: either)
+    (5777338629, 3, None, "jvp,jacfwd,hessian,vmap_grad"),  # lu_solve of a (12, 1) batch: torch steps by LU.stride(-3)
+    (5777989087, 3, None, "jvp,jacfwd,hessian,vmap_grad"),  # svdvals of inf: torch's subclass branch raises (oracle)
     (5772895398, 3),  # float16 split x @ x.mT then pow by -1.8: one step's legit rounding amplified (oracle: step by step)
     (35004348, 4),  # complex pcast (a product by 1+0j) and parts added by torch's complex add (a + 1 * b): -inf j to nan
 ]
@@ -123,6 +125,16 @@ def test_step_by_step_oracle_still_catches_a_wrong_step():
     case = _split_product_case()
     case.steps[-1] = off_last
     assert fuzz.run_case(case) is not None
+
+
+def test_chains_stop_growing_past_the_size_cap():
+    """Products of products grew a 4-d value to 10 dims (seed 5780222639: 26.9M elements, then a
+    random draw of that shape, minutes per pass): no step is drawn on a value past the cap."""
+    case = fuzz.case_for_seed(5780222639)
+    v = case.x
+    for st in case.steps:
+        assert v.numel() <= fuzz.MAX_NUMEL, case.describe()
+        v = st.fn(v, lambda a: a.plain)
 
 
 TORCH_2_13 = _compat._release(torch.__version__) >= (2, 13)

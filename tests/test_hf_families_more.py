@@ -8,6 +8,10 @@ token ids ``P("dp")``, ``torch.func.functional_call``; column-parallel q/k/v/gat
 their biases), row-parallel o/down, experts replicated. Megatron's counts per layer
 (forward, forward + backward; the loss adds one scalar all_reduce):
 
+Llama 4's MoE (``out.add_`` into its shared expert's result), GPT-OSS's experts (``out.add_(bias)``)
+and PhiMoE's router backward (``scatter_add_`` into a product) write into results they just made,
+which the in-place policy runs as functional updates (unread results are fresh: ``arrays/fresh.py``).
+
 - sequential residual (2, 4): Helium, Arcee and Nemotron (up/down MLP), OLMo, SmolLM3
   (no-RoPE layers), ERNIE 4.5, EXAONE 4 (sliding window, qk-norm per head, post-norms),
   Seed-OSS (biases), Ministral, HunYuan, Llama 4 text (chunked attention, no-RoPE layers,
@@ -15,16 +19,20 @@ their biases), row-parallel o/down, experts replicated. Megatron's counts per la
   and the encoders BERT, RoBERTa, XLM-R, DistilBERT, ELECTRA (post-norm, learned
   positions; BERT's position embeddings broadcast over the batch keep their gradient
   pending over dp, as DDP does), GLM-4-MoE and ERNIE-4.5-MoE (dense first layer, shared
-  experts column/row-parallel), dots.llm1 (the same);
-- parallel residual, one norm (1, 2): CodeGen (fused qkv_proj in per-head groups), Cohere2;
+  experts column/row-parallel), dots.llm1 (the same), HunYuan-MoE (shared expert
+  column/row-parallel);
+- parallel residual, one norm (1, 2): CodeGen (fused qkv_proj in per-head groups), Cohere2, Cohere2-MoE
+  (routed experts replicated);
 - attention only (routed experts replicated) (1, 2): Qwen3-MoE, GraniteMoE,
-  GraniteMoE-shared, PhiMoE;
+  GraniteMoE-shared, PhiMoE (also in training mode: its router's backward), GPT-OSS;
+- Llama 4 with MoE layers (the shared expert column/row-parallel, routed experts replicated): (2, 4),
+  and the all_gathers over dp its router's expert-major repeat of the tokens needs (``DP_GATHERS``);
 - post-norm blocks (EXAONE 4, OLMo3: no norm before attention): one all_reduce fewer than
   Megatron's ``f`` operator issues, the first layer's q/k/v input gradient going straight into
   the embedding's gradient, which stays pending over tp as it does over dp;
 - a norm across the split heads (OLMo2's qk-norm): forward 2 + 2 small, backward 2 + 2
   small (4, 8): OLMo3, BitNet (sub-norms of the attention and MLP inner activations);
-  (3, 6): OLMoE (attention only);
+  (3, 6): OLMoE, MiniMax-M2 (attention only);
 - DeepSeek V2 / V3 multi-head latent attention (down-projections replicated, q_b/kv_b
   up-projections column-parallel, o row-parallel): forward 2; backward under autograd the
   up-projections' latent input gradients (q latent in V3), the shared RoPE key's gradient
@@ -78,6 +86,15 @@ def _cfg(name: str) -> tuple:
         "hunyuan": (lambda: T.HunYuanDenseV1Config(**c, head_dim=16), STD),
         "llama4": (lambda: T.Llama4TextConfig(**c, head_dim=16, intermediate_size_mlp=128, moe_layers=[],
                                               no_rope_layers=[1, 0], attention_chunk_size=4), STD),
+        "llama4moe": (lambda: T.Llama4TextConfig(**c, head_dim=16, intermediate_size_mlp=128, num_local_experts=4,
+                                                 num_experts_per_tok=1, no_rope_layers=[1, 0],
+                                                 attention_chunk_size=4), STD),
+        "hunyuanmoe": (lambda: T.HunYuanMoEV1Config(**c, head_dim=16, num_experts=4, moe_topk=2), STD),
+        "minimaxm2": (lambda: T.MiniMaxM2Config(**c, head_dim=16, num_local_experts=4, num_experts_per_tok=2), STD),
+        "cohere2moe": (lambda: T.Cohere2MoeConfig(**c, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                  sliding_window=4), STD),
+        "gptoss": (lambda: T.GptOssConfig(**c, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=4), STD, "eager"),
         "persimmon": (lambda: T.PersimmonConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}), STD),
         "biogpt": (lambda: T.BioGptConfig(**{k: v for k, v in c.items() if k != "num_key_value_heads"}), STD),
         "glm4moe": (lambda: T.Glm4MoeConfig(**c, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
@@ -107,23 +124,28 @@ def _cfg(name: str) -> tuple:
         "distilbert": (lambda: T.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=LAYERS, n_heads=4, hidden_dim=128,
                                                   max_position_embeddings=64), ENCODER),
     }
-    make, rules = table[name]
-    return make, "sdpa", rules, masked if rules is ENCODER else causal
+    make, rules, *attn = table[name]  # (GPT-OSS has no SDPA path: its attention sinks)
+    return make, attn[0] if attn else "sdpa", rules, masked if rules is ENCODER else causal
 
 
 SEQUENTIAL = ("helium", "arcee", "nemotron", "olmo", "smollm3", "ernie4_5", "exaone4", "seedoss", "ministral", "hunyuan",
-              "llama4", "persimmon", "biogpt", "glm4moe", "ernie4_5_moe", "dots1", "bert", "roberta", "xlmroberta", "electra",
+              "llama4", "llama4moe", "hunyuanmoe", "persimmon", "biogpt", "glm4moe", "ernie4_5_moe", "dots1", "bert", "roberta", "xlmroberta", "electra",
               "distilbert")
 # family -> Megatron's (forward all_reduce per layer, forward + backward all_reduce per layer)
 MEGATRON = {**{f: (2, 4) for f in SEQUENTIAL},
-            **{f: (1, 2) for f in ("codegen", "cohere2", "qwen3moe", "granitemoe", "granitemoeshared", "phimoe")},
-            "olmo3": (4, 8), "bitnet": (4, 8), "olmoe": (3, 6)}
+            **{f: (1, 2) for f in ("codegen", "cohere2", "cohere2moe", "qwen3moe", "granitemoe", "granitemoeshared",
+                                   "phimoe")},
+            "olmo3": (4, 8), "bitnet": (4, 8), "olmoe": (3, 6), "minimaxm2": (3, 6)}
 # post-norm blocks (no norm before attention): the first layer's q/k/v input gradient goes
 # straight into the embedding's gradient, which stays pending (over tp as over dp): one fewer
 POST_NORM = {"exaone4", "olmo3"}
+# all_gathers over dp (forward, forward + backward per layer) that the block layouts cannot avoid:
+# Llama 4's router repeats the (dp-split) tokens once per expert, expert-major, and flattens the
+# transposed (experts, tokens) scores the same way, so a device's rows are no longer its tokens
+DP_GATHERS = {"llama4moe": (2, 3)}
 MLA = {"deepseekv2": (2, 6), "deepseekv3": (2, 8)}
 MOE = ("qwen3moe", "granitemoe", "granitemoeshared", "phimoe", "olmoe", "glm4moe", "ernie4_5_moe", "dots1", "deepseekv2",
-       "deepseekv3")
+       "deepseekv3", "llama4moe", "gptoss", "hunyuanmoe", "minimaxm2", "cohere2moe")
 
 
 def _setup(name: str) -> tuple:
@@ -167,8 +189,13 @@ def test_megatron_counts_values_and_gradients(name: str) -> None:
     """TP forward and forward + backward under torch.func: Megatron's all_reduce counts
     (module doc) and nothing else; values and gradients equal unsharded."""
     fwd, both = _check(name, "func")
-    assert dict(fwd.counts) == {"all_reduce": MEGATRON[name][0] * LAYERS}, fwd
-    assert dict(both.counts) == {"all_reduce": MEGATRON[name][1] * LAYERS + 1 - (name in POST_NORM)}, both
+    gathers = DP_GATHERS.get(name, (0, 0))
+    assert dict(fwd.counts) == _counts(MEGATRON[name][0] * LAYERS, gathers[0] * LAYERS), fwd
+    assert dict(both.counts) == _counts(MEGATRON[name][1] * LAYERS + 1 - (name in POST_NORM), gathers[1] * LAYERS), both
+
+
+def _counts(reduces: int, gathers: int = 0) -> dict:
+    return {"all_reduce": reduces, **({"all_gather": gathers} if gathers else {})}
 
 
 @pytest.mark.parametrize("name", ["llama4", "bert", "olmoe", "codegen", "persimmon"])
@@ -189,3 +216,46 @@ def test_deepseek_latent_attention(name: str) -> None:
     assert dict(fwd.counts) == {"all_reduce": MLA[name][0] * LAYERS}, fwd
     assert dict(both.counts) == {"all_reduce": MLA[name][1] * LAYERS + 1}, both
     _check(name, "func")
+
+
+def test_gpt_oss():
+    """GPT-OSS (attention sinks, eager attention; experts with biases: transformers' batched
+    experts add the bias into their own ``bmm(..).squeeze(1)`` result in place, which the in-place
+    policy runs on that unread result, ``arrays/fresh.py``): Megatron's counts under autograd
+    (attention only, experts replicated); under torch.func the same values and gradients, no
+    fallback (torch's 4-d ``matmul`` composite folds batch and heads: gathered, as eager attention
+    in test_hf_families)."""
+    fwd, both = _check("gptoss", "autograd")
+    assert dict(fwd.counts) == {"all_reduce": LAYERS}, fwd
+    assert dict(both.counts) == {"all_reduce": 2 * LAYERS + 1}, both
+    _check("gptoss", "func")
+
+
+def test_phimoe_training_router_backward():
+    """PhiMoE in training mode: its router's autograd Function (Heun's estimator) ``scatter_add_``s
+    into a product it just made in its backward (an unread result: ``arrays/fresh.py``). Its Gumbel
+    sampling draws from shardfn's sharding-invariant generator, so the reference is the same model on
+    a one-device mesh (plain torch draws other numbers): loss and gradients equal, no fallback, and
+    Megatron's attention-only counts. (torch.func cannot run the Function: it has no setup_context.)"""
+    make, attn, rules, auto = _cfg("phimoe")
+    torch.manual_seed(0)
+    model = auto.from_config(make(), attn_implementation=attn, experts_implementation="batched_mm").train()
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(5, VOCAB, (4, 8), generator=g), torch.randint(0, VOCAB, (4, 8), generator=g)
+    loss_fn = make_loss(model)
+    got = []
+    for mesh, rules, spec in ((sf.Mesh((1,), ("dp",), backend="local"), [], P()),
+                              (sf.Mesh((2, 2), ("dp", "tp"), backend="local"), rules, P("dp"))):
+        params = sf.nn.shard_params(model, rules, mesh=mesh, unmatched="ignore")
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with sf.debug.CommCounter() as cc:
+                got.append(sharded_loss_and_grads(loss_fn, params, sf.distribute(ids, spec, mesh=mesh),
+                                                  sf.distribute(labels, spec, mesh=mesh), "autograd"))
+    assert dict(cc.counts) == {"all_reduce": 2 * LAYERS + 1}, cc
+    (want, want_grads), (loss, grads) = got
+    close(loss, want)
+    assert set(grads) == set(want_grads)
+    for n in want_grads:
+        close(grads[n], want_grads[n])

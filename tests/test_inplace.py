@@ -288,7 +288,8 @@ except Exception:
     pass
 y = sf.distribute(torch.randn(4, 4), P("x"), mesh=mesh)
 print("filled", torch.empty_like(y).random_(0, 5).shape)
-z = y * 2.0  # held by a name, and no fresh buffer (``fresh.py``): observable
+z = y * 2.0
+z.sum()  # held by a name, and read: no fresh array (``fresh.py``), observable
 try:
     z.random_(0, 5)
 except sf.ImmutableError:

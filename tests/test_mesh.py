@@ -59,3 +59,11 @@ def test_unknown_axis_and_backend():
         m.axis_size("q")
     with pytest.raises(ShardingError, match="backend 'mpi' is unknown"):
         sf.Mesh((2,), ("x",), backend="mpi")
+
+
+def test_repr_names_axes_backend_and_a_non_cpu_device_type():
+    """Errors about arrays on meshes of different devices quote the meshes: their repr says the
+    device type wherever it is not the default 'cpu'."""
+    assert repr(sf.Mesh((2, 2), ("dp", "tp"))) == "Mesh(dp=2, tp=2, backend='local')"
+    assert repr(sf.Mesh((2, 2), ("dp", "tp"), device_type="meta")) == (
+        "Mesh(dp=2, tp=2, device_type='meta', backend='local')")

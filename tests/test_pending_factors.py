@@ -169,5 +169,5 @@ def test_compiled_product_of_a_pending_sum_and_a_non_finite_factor(dynamic):
     A, B = sf.distribute(a, P(None, "x"), mesh=mesh), sf.distribute(b, P("x"), mesh=mesh)
     F, T = sf.distribute(f, P(), mesh=mesh), sf.distribute(t, P(), mesh=mesh)
     got, bounded = torch.compile(lambda A, B, F, T: ((A @ B) * F, (A @ B) * torch.cos(T)), dynamic=dynamic)(A, B, F, T)
-    _close(got, (a @ b) * f)
+    _close(got, (a @ b) * f, tol=1e-6)  # (inf entries compare exactly at any tolerance)
     _close(bounded, (a @ b) * torch.cos(t), tol=1e-6)

@@ -1773,6 +1773,36 @@ def test_matrix_exp_of_a_block_of_a_split_batch(spec):
     _close(torch.vmap(f, in_dims=-1)(sf.distribute(x, spec, mesh=mesh)), torch.vmap(f, in_dims=-1)(x))
 
 
+@pytest.mark.parametrize("batch", [(3, 1), (3, 2, 1)])
+@pytest.mark.parametrize("mesh_shape,spec", [((1,), P()), ((2,), P()), ((2,), P("x")), ((2,), P(None, None, "x")),
+                                             ((2, 3), P(None, "y"))])
+def test_lu_solve_with_a_size_one_batch_dim_before_the_matrix(batch, mesh_shape, spec):
+    """torch's CPU ``lu_solve`` steps through LU's batch by ``LU.stride(-3)``: a view of a
+    stacked shard gives a size-1 dim there the next dim's extent (4 for a column-major 4x4
+    LU, not 16), so each device solved with the wrong matrices, or read past them (fuzzer
+    seed 5777338629 --modes jvp,jacfwd,hessian,vmap_grad); values and gradients."""
+    warnings.simplefilter("ignore", sf.FallbackWarning)  # (lu_factor's error check runs replicated)
+    mesh = sf.Mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
+    a = torch.randn(*batch, 4, 4, dtype=torch.float64)
+    a = a @ a.mT + 4 * torch.eye(4, dtype=torch.float64)
+    b = torch.randn(*batch, 4, 5, dtype=torch.float64)
+    lu, piv = torch.linalg.lu_factor(a)
+    want = torch.linalg.lu_solve(lu, piv, b)
+    lay = functools.partial(sf.distribute, mesh=mesh)
+    _close(torch.linalg.lu_solve(lay(lu, spec), lay(piv, P(*tuple(spec)[:len(batch)])), lay(b, spec)), want)
+    _close(torch.linalg.lu_solve(lay(lu, spec), lay(piv, P(*tuple(spec)[:len(batch)])), lay(b, spec), adjoint=True),
+           torch.linalg.lu_solve(lu, piv, b, adjoint=True))
+
+    def f(m, r):
+        return torch.linalg.lu_solve(*torch.linalg.lu_factor(m), r)
+
+    _close(f(lay(a, spec), lay(b, spec)), want)
+    ga, gb = torch.func.grad(lambda m, r: f(m, r).square().sum(), argnums=(0, 1))(a, b)
+    got = torch.func.grad(lambda m, r: f(m, r).square().sum(), argnums=(0, 1))(lay(a, spec), lay(b, spec))
+    _close(got[0], ga)
+    _close(got[1], gb)
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
 @pytest.mark.parametrize("spec", [P(None, None, "x"), P("x"), P(None, "x"), P()])
 def test_batched_addbmm_keeps_small_integer_dtypes(dtype, spec):
@@ -1806,3 +1836,19 @@ def test_median_of_no_elements_on_stacked_shards(dtype, spec):
             got = g(X)
             assert got.dtype == want.dtype
             assert torch.equal(got.full_tensor(), want) or (want.isnan() and got.full_tensor().isnan())
+
+
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_eigvals_of_a_non_finite_matrix_raises_as_on_torchs_subclass_branch(spec):
+    """torch.linalg.eigvals of a plain CPU matrix holding nan crashes the process (torch 2.13 with
+    MKL: "Parameter 3 was incorrect on entry to SGEBAL", then a segfault: torch's values-only
+    kernel skips eig's check). On a ShardedArray, as on any subclass-like input or one requiring
+    grad, torch runs linalg_eig, which raises: shardfn raises that error; finite values match."""
+    mesh = sf.Mesh((2,), ("x",))
+    a = torch.randn(2, 4, 4, dtype=torch.float32)
+    _close(torch.linalg.eigvals(sf.distribute(a, spec, mesh=mesh)), torch.linalg.eigvals(a))
+    a[1, 0, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="infs or NaNs"):
+        torch.linalg.eigvals(a.clone().requires_grad_())  # torch's subclass-like branch: not the crash
+    with pytest.raises(RuntimeError, match="infs or NaNs"):
+        torch.linalg.eigvals(sf.distribute(a, spec, mesh=mesh))

@@ -72,7 +72,7 @@ def test_distributed_inputs_run_once_without_indexing():
 @given(lead=st.lists(st.sampled_from([1, 2, 3]), min_size=1, max_size=3), m=st.integers(1, 5),
        k=st.integers(1, 4), n=st.integers(1, 4), b_varies=st.booleans(), transpose=st.booleans())
 def test_stacked_matmul_folds_like_torch(lead, m, k, n, b_varies, transpose):
-    """A stacked product equals ``torch.matmul`` exactly; where the other operand is the same
+    """A stacked product equals ``torch.matmul`` (up to GEMM rounding); where the other operand is the same
     on every leading dim and the stacked one's leading dims chain as a view, it is one
     ``torch.matmul`` of the squeezed matrix (torch's own fold, no batched GEMM)."""
     g = torch.Generator().manual_seed(len(lead) * 100 + m * 10 + k)
@@ -84,7 +84,9 @@ def test_stacked_matmul_folds_like_torch(lead, m, k, n, b_varies, transpose):
     stacked_matmul._PLANS.clear()
     with TorchCalls() as mode:
         got = stacked_matmul.matmul(a, b)
-    assert torch.equal(got, torch.matmul(a, b))
+    # Up to the GEMM's rounding: a fold runs one mm where torch runs a batched GEMM (or the
+    # reverse), and which of the two rounds an ulp differently depends on the CPU's kernels.
+    torch.testing.assert_close(got, torch.matmul(a, b), rtol=2e-6, atol=1e-6)
     plan = stacked_matmul._cached_plan(a, b)
     if plan is not None and plan[-1]:
         assert all(n_ == 1 for n_ in b.shape[:-2]) and aten.bmm.default not in mode.calls

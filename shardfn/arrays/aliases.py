@@ -48,7 +48,8 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     d = base.__dict__
     observed = d.get("_aliases_observable") or is_observed(base, refs - 1, args, kwargs, "view")
-    fresh = ("_fresh" in d or "_view_of" in d) and fresh_root(base) is not None  # (linked: a fresh root's views)
+    # (linked: a fresh root's views; a root's own flag read inline)
+    fresh = fresh_root(base) is not None if "_view_of" in d else "_fresh" in d and "_aliases_observable" not in d
     if observed and not fresh:
         compiled = d.get("_compiled_out")  # (a view of a compiled graph's output: for immutable_error's message)
         for o in outs:
@@ -67,7 +68,8 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         if isinstance(o, ShardedArray) and o is not base:
             o._view_of = (base, func, rest, kwargs, i if outs is out else None)
             views.append(weakref.ref(o))
-            if fresh:  # no fast-key fragment while its root is fresh (``fresh.py``)
+            if fresh:  # its fast-key fragment held back while its root is fresh (``dispatch._held_back``)
+                o.__dict__["_kfh"] = o._kf
                 o._kf = None
 
 
@@ -122,3 +124,7 @@ def rebind(x: Any, new: Any) -> None:
             aten.as_strided_.default(x, tuple(new.shape), tuple(new.stride()))
     x._local, x._layout = new._local, new._layout
     x._kf = None  # dispatch's cached key fragment describes the old layout and shape
+    d = x.__dict__
+    if d.get("_fresh") is not None:
+        d["_fresh"] = None  # so does the one a fresh root holds back (``fresh.mark_fresh``)
+    d.pop("_kfh", None)  # (and a view's)

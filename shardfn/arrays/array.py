@@ -18,7 +18,7 @@ from ..backends.registry import backend_for
 from ..values.errors import USER_ERRORS, ImmutableError, ShardingError
 from ..values.graph_calls import surface_in_compile, surfaces_in_compile
 from ..values.layout import Layout
-from ..values.mesh import Mesh
+from ..values.mesh import DEVICE_FUNCS, Mesh, check_call_device
 from ..values.sharded import Sharded
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
@@ -52,7 +52,7 @@ def _writing_methods() -> frozenset:
 
 
 _WRITING_METHODS = _writing_methods()
-_TF_SPECIAL = _WRITING_METHODS | _contract.FUNCS
+_TF_SPECIAL = _WRITING_METHODS | _contract.FUNCS | DEVICE_FUNCS
 
 
 def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
@@ -60,6 +60,10 @@ def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | N
     would fold the batch dims into one); an in-place method's ``self`` is packed into a
     new argument tuple here, one reference more than torch's C++ path makes, which the
     in-place policy discounts (``observed.is_observed``; an id, which holds no reference)."""
+    if func in DEVICE_FUNCS:  # the mesh owns the device: another one is refused before torch starts its runtime
+        if args and isinstance(args[0], ShardedArray):
+            check_call_device(func, args, kwargs or {}, args[0]._layout.mesh)
+        return _no_torch_function(func, types, args, kwargs or {})
     if func in _contract.FUNCS:
         out = _contract.batched_call(func, args, kwargs)
         if out is not NotImplemented:
@@ -346,6 +350,27 @@ class ShardedArray(torch.Tensor):
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         raise ImmutableError(  # a capsule would alias (absent) storage: never handed out
             "a ShardedArray cannot be exported with __dlpack__; export x.full_tensor() or its local_shards()")
+
+    # moves to a device: another device type than the mesh's is refused before torch starts that
+    # device's runtime (``x.cuda()`` on a machine without CUDA would fail there, not on the mesh);
+    # 2-d and lower arrays have no torch-function hook to do it
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        if not (len(args) == 1 and not kwargs and isinstance(args[0], torch.dtype)):  # a cast: nothing to check
+            check_call_device(torch.Tensor.to, (self, *args), kwargs, self._layout.mesh)
+        return torch.Tensor.to(self, *args, **kwargs)
+
+    def cuda(self, *args: Any, **kwargs: Any) -> Any:
+        check_call_device(torch.Tensor.cuda, (self, *args), kwargs, self._layout.mesh)
+        return torch.Tensor.cuda(self, *args, **kwargs)
+
+    def xpu(self, *args: Any, **kwargs: Any) -> Any:
+        check_call_device(torch.Tensor.xpu, (self, *args), kwargs, self._layout.mesh)
+        return torch.Tensor.xpu(self, *args, **kwargs)
+
+    def type(self, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            check_call_device(torch.Tensor.type, (self, *args), kwargs, self._layout.mesh)
+        return torch.Tensor.type(self, *args, **kwargs)
 
     def pin_memory(self, *args: Any, **kwargs: Any) -> ShardedArray:
         raise TypeError("pin_memory is not supported on a ShardedArray; pin its local_shards() instead")

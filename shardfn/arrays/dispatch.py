@@ -29,7 +29,7 @@ from ..values.mesh import check_mesh_device
 from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, _BatchedArray
 from .redistribute import note_derived
 from .fragments import _fragment, known_finite
-from .fresh import mark_fresh, note_reads
+from .fresh import _state as _fresh_state, end_fresh, mark_fresh, note_reads
 from .reduced import note_recomputed, reduced_forms
 from .entries import _BakedSizes, _compile, _Entry
 from .op_calls import _leaves, _lift_plain, _replace
@@ -62,19 +62,32 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
                 _aliases.note_views(func, args, kwargs, out)
                 if entry.pending_view:
                     _note_derived(func, args, kwargs, out)
-            elif type(out) in _ARRAY_TYPES and out._layout.partial and "_fresh" not in out.__dict__:
-                note_recomputed(func, args, kwargs, out, aten.view.default)
+            elif type(out) in _ARRAY_TYPES:  # a new array, fresh until read (``fresh.mark_fresh``, inlined)
+                if out._layout.partial:
+                    note_recomputed(func, args, kwargs, out, aten.view.default)
+                d = out.__dict__
+                if "_fresh" not in d:  # (a nested dispatch may have marked it: ``CopyEntry``)
+                    d["_fresh"] = out._kf
+                    out._kf = None
+            elif type(out) is tuple or type(out) is list:
+                mark_fresh(out)
             return out
     out = _dispatch(func, args, kwargs, fkey)
     if _aliases.is_view(func):
         keep_math_bits(func, args, out)
         _aliases.note_views(func, args, kwargs, out)  # what the output aliases (in-place policy)
         _note_derived(func, args, kwargs, out)
-    elif _fresh_ops.makes_fresh(func):  # a buffer its maker may fill in place (``fresh.py``): never a recomputation
+    elif not func._schema.is_mutable and _new_arrays(out, args):  # fresh until read (``fresh.py``)
+        if isinstance(out, ShardedArray) and out._layout.partial:
+            note_recomputed(func, args, kwargs, out, aten.view.default)
         mark_fresh(out)
-    elif isinstance(out, ShardedArray) and out._layout.partial and not func._schema.is_mutable:
-        note_recomputed(func, args, kwargs, out, aten.view.default)
     return out
+
+
+def _new_arrays(out: Any, args: tuple) -> bool:
+    """Whether ``out`` (an op's result) holds arrays, none of them an argument itself."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return any(isinstance(o, ShardedArray) for o in outs) and not any(o is a for o in outs for a in args)
 
 
 _dispatch_keys = torch._C._dispatch_keys
@@ -148,8 +161,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
     if fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default:
-        cached = _cache.get(fkey)
-        if getattr(cached, "entry", cached) is not entry:  # (a factory's entry is wrapped: ``FreshEntry``)
+        if _cache.get(fkey) is not entry:
             _remember_fast(fkey, func, entry)
     if _explicit._stack:
         _explicit.check(func, entry, leaves)
@@ -158,10 +170,10 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
 
 def _remember_fast(fkey: tuple, func: Any, entry: Any) -> None:
     """Cache ``entry`` under dispatch's fast key: the next such call takes the fast path (a
-    view op noted for the in-place policy's alias tracking; a factory's outputs fresh)."""
+    view op noted for the in-place policy's alias tracking)."""
     if _aliases.is_view(func):
         _VIEWS[id(func)] = func
-    _remember(fkey, _fresh_ops.FreshEntry(entry) if _fresh_ops.makes_fresh(func) else entry)
+    _remember(fkey, entry)
 
 
 def _remember(key: tuple, entry: Any) -> Any:
@@ -273,15 +285,22 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     shape, dtype) fragment, or its value (ints, strings, None, dtypes, devices), or just
     its type (floats, complex), or a bool marker; lists and tuples as tuples of those.
     None (take ``_dispatch``) for anything else: plain tensors, SymInts, symbolic shapes."""
-    parts = [id(func), _FAST]
+    fid = id(func)
+    parts = [fid, _FAST]
     for a in args:
         t = type(a)
         if t is ShardedArray or t is _BatchedArray:
             k = a._kf
             if k is None:
-                k = _fragment(a)
-                if k is None:
-                    return None
+                d = a.__dict__  # a fresh root holding its fragment back (``_held_back``, its usual case inline)
+                k = d["_fresh"] if "_fresh" in d else None
+                if k is None or fid not in _READS or "_reduced" in d:
+                    k = _held_back(a, fid, func)
+                    if k is None:
+                        return None
+                elif _READS[fid][1] and not _fresh_state.writing:  # its first read
+                    del d["_fresh"]
+                    a._kf = k
             parts.append(k)
         elif t is int or a is None:
             parts.append(a)
@@ -301,6 +320,39 @@ def _fast_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
             parts.append(name)
             parts.append(k)
     return tuple(parts)
+
+
+_READS: dict[int, tuple] = {}  # id(op) -> (op, whether it reads its arrays' values: ``fresh_ops.reads_values``)
+
+
+def _held_back(a: Any, fid: int, func: Any) -> Any:
+    """The fast-key fragment of an array that has none set: a fresh array (or a view of one)
+    holds its fragment back (``fresh.mark_fresh``, ``inplace.note_views``) so that its first read
+    comes here and ends the freshness, as ``_dispatch`` would (a view op or a write reads nothing);
+    otherwise ``_fragment`` (None: take ``_dispatch``)."""
+    d = a.__dict__
+    root = "_view_of" not in d
+    key = "_fresh" if root else "_kfh"
+    if key not in d:
+        return _fragment(a)
+    k = d[key]
+    kept = k is not None and "_derived" not in d and "_reduced" not in d
+    if not kept:  # (a pending view's fragment names what its base has reduced: computed each time)
+        k = _fragment(a, held=True)
+        if k is None:
+            return None
+    r = _READS[fid] if fid in _READS else None
+    if r is None:
+        r = _READS[fid] = (func, _fresh_ops.reads_values(func))
+    if r[1] and not _fresh_state.writing:  # a read: fresh no longer
+        if root:
+            del d["_fresh"]
+        else:
+            del d["_kfh"]
+            end_fresh(a)
+        if kept:
+            a._kf = k
+    return k
 
 
 def _fast_part(a: Any, t: type) -> Any:

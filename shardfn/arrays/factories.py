@@ -17,13 +17,13 @@ from .array import ShardedArray, wrap
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError, like_torch
 from ..values.layout import Box, Layout, device_box
-from ..values.mesh import Mesh, mesh_device
+from ..values.mesh import Mesh, mesh_device, to_mesh_device
 from ..values.spec import Sharding, to_layout
 
 ShapeLike = int | Sequence[int]
 MakeShard = Callable[[int, Box], torch.Tensor]
 
-__all__ = ["empty", "full", "make_array_from_callback", "ones", "zeros"]
+__all__ = ["arange", "empty", "full", "make_array_from_callback", "ones", "zeros"]
 
 
 # -- shapes, layouts, devices ----------------------------------------------------------
@@ -146,10 +146,39 @@ def make_array_from_callback(shape: ShapeLike, sharding: Sharding,
                 f"make_array_from_callback: data_callback returned {got} for the shard at "
                 f"{[f'{lo}:{hi}' for lo, hi in box]}; it must return a tensor of shape {_box_shape(box)}"
             )
-        return t.to(dtype=probe.dtype, device=probe.device)
+        return to_mesh_device(t.to(dtype=probe.dtype), layout.mesh)
 
+    probe = to_mesh_device(probe, layout.mesh)  # the mesh owns the device: shards made elsewhere move there
     value = _from_boxes(layout, shape, lambda dev, box: make(box), probe.dtype, probe.device)
     return wrap(value, layout, shape, probe.dtype)
+
+
+def arange(start: float, end: float | None = None, step: float = 1, sharding: Sharding | None = None, *,
+           mesh: Mesh | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """``torch.arange(start, end, step)`` laid out as ``sharding``; without a sharding, a plain
+    tensor. An integer range is computed shard by shard; a floating one is torch's own range
+    sliced (its kernel rounds each value by where it falls in a vector chunk: only the whole
+    range gives its bits)."""
+    if end is None:
+        start, end = 0, start
+    try:
+        meta = torch.arange(start, end, step, dtype=dtype, device="meta")
+    except (RuntimeError, TypeError) as e:
+        raise like_torch(e)(f"arange(start={start!r}, end={end!r}, step={step!r}): {e}") from None
+    shape, dtype = tuple(meta.shape), meta.dtype
+    if sharding is None:
+        return torch.arange(start, end, step, dtype=dtype, requires_grad=requires_grad)
+    layout = _layout(shape, sharding, mesh)
+    device = _mesh_device(layout.mesh)
+    exact = not (dtype.is_floating_point or dtype.is_complex)
+
+    def make(box: Box) -> torch.Tensor:
+        (lo, hi), = box
+        if exact:
+            return (torch.arange(lo, hi, dtype=torch.int64, device=device) * step + start).to(dtype)
+        return torch.arange(start, end, step, dtype=dtype, device=device)[lo:hi].clone()
+
+    return _allocating(shape, dtype, lambda: _build(shape, layout, make, dtype, requires_grad=requires_grad))
 
 
 def full(shape: ShapeLike, fill_value: bool | complex, sharding: Sharding | None = None, *,

@@ -17,14 +17,17 @@ _fragments: dict[tuple, Any] = {}
 _FRAGMENTS_MAX = 65536
 
 
-def _fragment(x: Any) -> Any:
+def _fragment(x: Any, held: bool = False) -> Any:
     """``x``'s interned key fragment, kept on ``x`` (immutable: an in-place rebind clears
     it); None while its shape is symbolic or its storage is not in the canonical form. A
     pending value's fragment also names the reductions already at hand (free to read:
     strategies are costed with them), and is not kept on a view linked to its base. None
-    for a fresh array (``fresh.py``): its first read must take dispatch's slow path."""
+    for a fresh array (``fresh.py``: its first read must end the freshness), unless ``held``
+    (dispatch's ``_held_back`` ends it): then computed and not kept."""
     d = x.__dict__
-    if ("_fresh" in d or "_view_of" in d) and fresh_root(x) is not None:
+    if held:
+        pass
+    elif ("_fresh" in d or "_view_of" in d) and fresh_root(x) is not None:
         return None
     layout = x._layout
     if layout.partial:
@@ -38,7 +41,7 @@ def _fragment(x: Any) -> Any:
         return None
     if not backend_for(x._layout.mesh).is_canonical(x._local, x._layout):
         return None  # fast-path calls assume the canonical form (``_Entry.warm``)
-    if "_derived" not in x.__dict__:
+    if "_derived" not in d and not held:
         x._kf = k
     return k
 
@@ -67,7 +70,10 @@ def known_finite(x: Any) -> bool:
     """Whether no element of array ``x`` can be ±inf (nan may be), known from the op that made
     it (``bounds.py``) without reading it: a pending sum may be multiplied by it part by part.
     The mark is the fragment's: an in-place write, which drops the fragment, drops it too."""
-    k = x.__dict__.get("_kf")
+    d = x.__dict__
+    k = d.get("_kf")
+    if k is None:  # fresh (``fresh.py``): the fragment is held back until the first read
+        k = d.get("_kfh") if "_view_of" in d else d.get("_fresh")
     return k is not None and k.finite
 
 

@@ -59,29 +59,17 @@ from .inplace_errors import COMPILED, OVERLAP, immutable_error
 from .inplace_forward_ad import forward_ad_live, out_of_place
 from .inplace_functional import run_functionalized
 from .inplace_plain import into_plain
+from . import observed
 from .observed import is_observed
 from ..values.errors import ShardingRuntimeError
+from ..values.schema import written
 
 aten = torch.ops.aten
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list:
-    """The arguments the op writes (``(a!)`` in its schema), flattened."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
-        if isinstance(v, (list, tuple)):
-            out.extend(v)
-        elif v is not None:
-            out.append(v)
-    return out
-
-
 def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     """Run an in-place / ``out=`` op on ShardedArrays by the policy in the module doc."""
-    targets = _written(func, args, kwargs)
+    targets = written(func, args, kwargs)
     counts = [sys.getrefcount(t) - 1 for t in targets]  # before any frame here names a target
     accumulating = func is aten.add_.Tensor and torch._C._current_graph_task_id() != -1
     if targets and not any(isinstance(t, ShardedArray) for t in targets):
@@ -92,7 +80,7 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
         if not isinstance(t, ShardedArray):
             raise immutable_error(func, "writes a plain tensor and a ShardedArray together")
         r = fresh_root(t)
-        if r is not None:
+        if r is not None and not observed.calibrating():  # (``calibrate``'s private target is a fresh result)
             fresh[id(r)] = r
         elif not accumulating and (t.__dict__.get("_aliases_observable") or is_observed(t, n, args, kwargs, "target")):
             raise immutable_error(func, COMPILED if root(t).__dict__.get("_compiled_out") else None)

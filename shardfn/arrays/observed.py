@@ -47,6 +47,11 @@ def is_observed(x: Any, count: int, args: tuple, kwargs: dict, point: str) -> bo
 
 
 _calibrating = False
+
+
+def calibrating() -> bool:
+    """Whether ``calibrate`` is measuring (its private targets are judged by their counts)."""
+    return _calibrating
 # A C++-only array measures 0 over the calibrated count; an unnamed Python temporary
 # (``(a - b).clamp_min_(0)``, which no one can see afterwards) measures 1; anything Python
 # holds by a name, a container or an attribute measures at least 2 (the holder and the

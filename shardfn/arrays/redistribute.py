@@ -95,6 +95,9 @@ def distribute(tensor: torch.Tensor, sharding: Sharding, *, mesh: Mesh | None = 
     or on all of them (avg/max/min). On dist every rank must pass the same tensor.
     """
     if isinstance(tensor, ShardedArray) or _ft.base_array(tensor) is not None:
+        if mesh is not None and getattr(sharding, "mesh", None) is None:
+            # a bare spec takes ``mesh=`` first (the array's own mesh only without one)
+            sharding = to_layout(sharding, tensor.dim(), mesh)
         return reshard(tensor, sharding)
     if not isinstance(tensor, torch.Tensor):
         raise ShardingError(f"distribute takes a torch.Tensor, got {type(tensor).__name__}")
@@ -410,6 +413,10 @@ def _move(x: Any, dst: Layout) -> Any:
     src_mesh = x._layout.mesh
     if backend_for(src_mesh) is not backend_for(dst.mesh):
         raise not_a_view(src_mesh, dst.mesh)
+    if src_mesh.device_type == "meta" != dst.mesh.device_type:
+        raise ShardingError(
+            f"an array of shape {tuple(x.shape)} on a meta mesh holds no values, so it cannot move onto "
+            f"{dst.mesh!r} (device_type {dst.mesh.device_type!r}); distribute a tensor with values there")
     fine, own_src, own_dst = refinement(src_mesh, dst.mesh)
     shape = tuple(x.shape)
     src, src_f = _said_alike(x._layout, fine, own_src, shape)
@@ -419,7 +426,18 @@ def _move(x: Any, dst: Layout) -> Any:
     on_fine = ShardedArray(value, src_f, shape, x.dtype)
     value = raw_reshard(on_fine, dst_f)
     out = wrap(relabel(value, fine, dst.mesh), dst_c, shape, x.dtype)
-    return out if dst_c == dst else wrap(raw_reshard(out, dst), dst, shape, x.dtype)
+    if dst_c != dst:
+        out = wrap(raw_reshard(out, dst), dst, shape, x.dtype)
+    if dst.mesh.device_type != src_mesh.device_type:  # the mesh owns the device: the shards move there
+        out = wrap(_onto_device(out._local, dst.mesh), dst, shape, x.dtype)
+    return out
+
+
+def _onto_device(value: Any, mesh: Mesh) -> Any:
+    """A backend value (a tensor, or a tuple of per-device ones) on ``mesh``'s device type."""
+    if isinstance(value, tuple):
+        return tuple(_onto_device(v, mesh) for v in value)
+    return to_mesh_device(value, mesh)
 
 
 def _said_alike(layout: Layout, fine: Mesh, owner: dict, shape: tuple) -> tuple[Layout, Layout]:

@@ -79,7 +79,7 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
     form = (out._layout, out.shape, out.dtype)
     if hit is not None and hit[1] == form and all(w() is v and v._local is loc for (w, loc), v in zip(hit[3], arrays)):
         prev = hit[0]()
-        if prev is not None and prev is not out:
+        if prev is not None and prev is not out and _unchanged(prev):
             out._derived = (prev, view, (list(out.shape),), {}, None, out._local)
             out._kf = None
             return
@@ -102,6 +102,15 @@ def note_recomputed(func: Any, args: tuple, kwargs: dict, out: Any, view: Any) -
 
 
 _LOCAL = operator.attrgetter("_local")
+
+
+def _unchanged(prev: Any) -> bool:
+    """Whether an earlier output still holds the value it was computed with, for good: read
+    (not fresh, so never written in place again: ``fresh.py``) and holding the shards it was
+    noted with (``_same``), not new ones a write into it while fresh gave it."""
+    d = prev.__dict__
+    same = d.get("_same")
+    return "_fresh" not in d and same is not None and same[1] is prev._local
 
 
 def keep_reduction(x: Any, dst: Any, value: Any) -> None:

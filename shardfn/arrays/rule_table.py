@@ -1,5 +1,5 @@
 """The rule table the dispatcher consults: aten op -> sharding rule, and the ops it runs by
-hand. The rule families fill it when ``shardfn.rules`` (and ``shardfn.random``) are imported."""
+hand. ``import shardfn`` fills it (``rules/builtin.py``, ``random/torch_ops.py``)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import torch
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError, ShardingRuntimeError
 from .array import ShardedArray, _BatchedArray, _wrap_output
+from .fresh import held_fragment
 from .redistribute import raw_full, raw_reshard
 
 aten = torch.ops.aten
@@ -28,7 +29,7 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
         # torch's strides for the output: a view (detach, alias) keeps x's, clone keeps them where
         # x is dense (``x.as_strided(...).detach().view(-1)`` raises as in torch)
         return _wrap_output(x._local, x._layout, shape, x.dtype, None, _meta_strides(func, x, args, kwargs))
-    frag = x._kf
+    frag = held_fragment(x)
     if frag is not None and x._layout.partial:
         frag = None
     return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
@@ -56,7 +57,7 @@ class AliasEntry:
         x = args[0]
         if self.stride is not None:
             return _wrap_output(x._local, x._layout, self.shape, x.dtype, None, self.stride)
-        return _wrap_output(x._local, x._layout, self.shape, x.dtype, None if self.pending_view else x._kf)
+        return _wrap_output(x._local, x._layout, self.shape, x.dtype, None if self.pending_view else held_fragment(x))
 
 
 class CopyEntry:

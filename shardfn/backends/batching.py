@@ -305,26 +305,16 @@ def _fill_tensor(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value.to(x.dtype).expand(torch.broadcast_shapes(x.shape, value.shape)).contiguous()
 
 
-def _size_one_strides(t: Any) -> Any:
-    """``t`` with its size-1 dims given contiguous strides (a view; any stride is valid there)."""
-    if not isinstance(t, torch.Tensor) or all(n != 1 or s != 0 for n, s in zip(t.shape, t.stride())):
-        return t
-    stride, step = [], 1
-    for n, s in reversed(list(zip(t.shape, t.stride()))):
-        stride.append(step if n == 1 else s)
-        step = step if n == 1 else max(step, s * n)
-    return t.as_strided(t.shape, stride[::-1], t.storage_offset())
-
-
 def _restrided(info: Info) -> "_Call | None":
     """gelu / gelu_backward (exact): torch's CPU kernel (its oneDNN path) corrupts memory on a
     "contiguous" input with two size-1 dims of stride 0, the replicated mesh dims of a stacked
     value (shape ``(2, 1, 1, ...)``, strides ``(n, 0, 0, ...)``; fuzzer seed 7200001366 on a
-    (2, 1, 4) mesh: a wrong shape, then a crash). Those dims get contiguous strides first."""
+    (2, 1, 4) mesh: a wrong shape, then a crash). Those dims get contiguous strides first
+    (``device_call.size_one_strided``)."""
     op = info.op
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        return op(*[_size_one_strides(a) for a in args], **{k: _size_one_strides(v) for k, v in kwargs.items()})
+        return op(*[dc.size_one_strided(a) for a in args], **{k: dc.size_one_strided(v) for k, v in kwargs.items()})
 
     return _elementwise(info, run)
 

@@ -254,15 +254,24 @@ def _rms_backward(ctx: Any, g: torch.Tensor) -> tuple:
 rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
+def _by_name(names: tuple[str, ...], args: tuple, kwargs: dict | None) -> dict | None:
+    """A call's arguments by parameter name, or None where a keyword is not one of ``names``
+    or repeats a positional argument (the caller leaves such a call to torch)."""
+    bound = dict(zip(names, args))
+    for key, v in (kwargs or {}).items():
+        if key not in names or key in bound:
+            return None
+        bound[key] = v
+    return bound
+
+
 def _rms_norm_call(args: tuple, kwargs: dict | None) -> Any:
     """``shardfn::rms_norm`` for ``rms_norm(input, normalized_shape, weight, eps)`` with a
     weight, all on one dtype and without torch.func wrappers, else NotImplemented."""
     names = ("input", "normalized_shape", "weight", "eps")
-    bound = dict(zip(names, args))
-    for key, v in (kwargs or {}).items():
-        if key not in names or key in bound:
-            return NotImplemented
-        bound[key] = v
+    bound = _by_name(names, args, kwargs)
+    if bound is None:
+        return NotImplemented
     x, shape, w, eps = (bound.get(n) for n in names)
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or x.dtype != w.dtype:
         return NotImplemented
@@ -293,11 +302,9 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
     math path (:func:`_torch_takes_math_path`), as that path computes it (q and k each scaled
     by sqrt(scale), boolean and causal masks as -inf, a softmax that gives 0 on fully masked
     rows, GQA by repeating key/value heads), else NotImplemented."""
-    bound = dict(zip(_SDPA_ARGS, args))
-    for key, v in (kwargs or {}).items():
-        if key not in _SDPA_ARGS or key in bound:
-            return NotImplemented
-        bound[key] = v
+    bound = _by_name(_SDPA_ARGS, args, kwargs)
+    if bound is None:
+        return NotImplemented
     p = bound.get("dropout_p", 0.0)
     q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
     mask, scale = bound.get("attn_mask"), bound.get("scale")

@@ -99,16 +99,35 @@ def size_splits(layout: Layout) -> tuple[int, ...]:
     return tuple(math.prod(mesh.axis_size(a) for a in axes) for axes in layout.dims)
 
 
+def size_one_strided(t: Any) -> Any:
+    """``t`` with each size-1 dim strided as a contiguous layout's: the extent of the dims
+    inside it (a view; any stride is valid there, but torch's views of stacked shards give
+    such a dim the stride of the dim next inside, and some CPU kernels step through a batch
+    by one dim's stride: ``lu_solve`` by ``LU.stride(-3)`` and ``pivots.stride(-2)``)."""
+    if not isinstance(t, torch.Tensor) or 1 not in t.shape or any(
+            isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride())):
+        return t
+    stride, step = [], 1
+    for n, s in reversed(list(zip(t.shape, t.stride()))):
+        stride.append(step if n == 1 else s)
+        step = step if n == 1 else max(step, s * n)
+    stride.reverse()
+    return t if stride == list(t.stride()) else t.as_strided(t.shape, stride, t.storage_offset())
+
+
 def dense(v: Any, mode: bool | str = True) -> Any:
     """A tensor (or tensors) contiguous with conj/neg flags resolved; with ``mode="last"``
     only a last dim of stride != 1 is made contiguous (what fused kernels such as CPU flash
     attention assume: torch's front-end only picks them for such inputs, but a gathered
-    shard may carry other strides)."""
+    shard may carry other strides); with ``mode="size_one"`` only size-1 dims are restrided
+    (:func:`size_one_strided`, a view)."""
     if isinstance(v, torch.Tensor):
         if v.is_conj():  # (the resolve calls return v itself when the flag is off: skip the dispatch)
             v = v.resolve_conj()
         if v.is_neg():
             v = v.resolve_neg()
+        if mode == "size_one":
+            return size_one_strided(v)
         if mode == "last":  # (a clone, not contiguous(): torch calls an empty or size-1 dim contiguous
             # whatever its stride, yet view(dtype) checks stride(-1) == 1 for any size)
             return v.clone(memory_format=torch.contiguous_format) if v.dim() and v.stride(-1) != 1 else v

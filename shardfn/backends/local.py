@@ -20,7 +20,7 @@ from ..values.mesh import Mesh
 from ..values.sharded import Sharded
 from .hooks import SHARD_MAP_RUNNERS
 from .local_calls import compile_call
-from .local_steps import compile_plan, run_step, run_steps
+from .local_steps import compile_many, compile_plan, run_step, run_steps
 from .local_values import set_pending_parts as set_pending_parts  # noqa: F401  (the local backend's one setting)
 from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, is_canonical, parts, replicated,
                            replica_of, settle, varying)
@@ -136,6 +136,7 @@ class LocalBackend:
     run_step = staticmethod(run_step)
     run_steps = staticmethod(run_steps)
     compile_plan = staticmethod(compile_plan)  # ``registry.execute``: a plan's steps as one closure
+    compile_many = staticmethod(compile_many)  # ``registry.execute_many``: a bucket's all-reduces, its leaves apart
     shard_list = staticmethod(parts)
     shard = staticmethod(device_view)
     one_replica = staticmethod(one_replica)

@@ -13,8 +13,8 @@ from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, device_box, is_even, local_shapes
 from ..values.mesh import Mesh
 from .view_replay import replay
-from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim, reduce_parts,
-                           replica_of, sum_neutral, sum_of_copies, varying)
+from .local_values import (Value, added_many, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim,
+                           reduce_parts, replica_of, sum_neutral, sum_of_copies, varying)
 
 
 # -- step implementations -------------------------------------------------------------------
@@ -377,6 +377,50 @@ def compile_plan(steps: Sequence[Step], shape: tuple[int, ...]) -> Callable[[Val
                 if value.shape[k] != 1:
                     value = value.narrow(k, 0, 1)
         return value
+
+    return run
+
+
+def compile_many(steps: Sequence[Step]) -> Callable[[list], list | None] | None:
+    """A plan of element-wise all-reduces (a coalesced bucket's: ``transforms/coalesce.py``) as
+    one closure on several stacked values at once, each holding some of the bucket's elements
+    with the mesh dims the bucket's flat value has: what the plan computes on their
+    concatenation, element by element, without concatenating them. Parts that add up as a
+    collective adds them (:func:`local_values.added_many`) add for every value by one
+    ``_foreach_add`` per level; any other value reduces alone (:func:`_reduce_axis`). The
+    closure returns None for values it does not take (per-device shards). None for any other plan."""
+    compiled = []
+    for step in steps:
+        if step.kind != "all_reduce":
+            return None
+        mesh = step.src.mesh
+        compiled.append((mesh.axis_index(step.axis), mesh, step.op,
+                         tuple(k for k, v in enumerate(varying(step.dst)) if not v)))
+    if not compiled:
+        return None
+
+    def run(values: list) -> list | None:
+        for v in values:
+            if type(v) is tuple:
+                return None
+        for ai, mesh, op, cut in compiled:
+            g = mesh.shape[ai]
+            # the values whose parts over mesh dim ``ai`` are each device's own (not one part
+            # the same on every device of the axis: ``_reduce_axis`` multiplies that one)
+            own = [i for i, v in enumerate(values) if g > 1 and v.shape[ai] == g and v.stride(ai) != 0]
+            added = added_many([values[i] for i in own], ai) if op == "sum" and len(own) > 1 else None
+            out = list(values)
+            if added is not None:
+                for i, v in zip(own, added):
+                    out[i] = v
+            for i, v in enumerate(values):
+                if added is None or out[i] is v:
+                    out[i] = _reduce_axis(v, ai, mesh, op)
+                for k in cut:
+                    if out[i].shape[k] != 1:
+                        out[i] = out[i].narrow(k, 0, 1)
+            values = out
+        return values
 
     return run
 

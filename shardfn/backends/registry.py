@@ -216,12 +216,37 @@ def execute(plan: Plan, value: Any, shape: Any = None) -> Any:
     return backend.run_steps(plan.steps, value, plan.shape, plan.dtype, sym_shape=sym)
 
 
+def execute_many(plan: Plan, values: list) -> list | None:
+    """Run ``plan``, a plan of element-wise steps for the concatenation of ``values`` (a
+    coalesced bucket's flat buffer), on each of the backend values ``values`` instead, where
+    the backend runs such a plan on several values at once (``compile_many``: the local
+    backend's all-reduces, one multi-tensor add per level, no concatenation); its collectives
+    are reported once, as the bucket's. None where the backend does not (concatenate them
+    and :func:`execute` the plan)."""
+    if not plan.steps or torch.compiler.is_compiling():
+        return None
+    hit = _MANY.get(id(plan))
+    if hit is None or hit[0] is not plan:
+        compile_many = getattr(backend_for(plan.src.mesh), "compile_many", None)
+        if len(_MANY) >= _RUNNERS_MAX:
+            _MANY.clear()
+        hit = _MANY[id(plan)] = (plan, compile_many(plan.steps) if compile_many is not None else None)
+    out = hit[1](values) if hit[1] is not None and values else None
+    if out is not None and OBSERVERS and not _on_meta(values[0], plan.src.mesh):
+        for step in plan.steps:
+            if step.kind in COMM_KINDS:
+                notify(step)
+    return out
+
+
 _SymInt = torch.SymInt
 # A plan's compiled runner (None: its backend has none for the plan), by the plan's id; each
 # entry holds its plan (the id stays unique) and is checked by identity.
 _RUNNERS: dict[int, tuple[Plan, Callable | None]] = {}
 _RUNNERS_MAX = 4096
+_MANY: dict[int, tuple[Plan, Callable | None]] = {}  # the same for ``execute_many``'s runners
 PLAN_CACHES.append(_RUNNERS.clear)
+PLAN_CACHES.append(_MANY.clear)
 
 
 def _compile(plan: Plan) -> tuple[Plan, Callable | None]:

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..values.schema import written
+
 aten = torch.ops.aten
 
 # buffers smaller than this come from the allocator's own free lists (no page faults)
@@ -137,20 +139,9 @@ def _split(name: str) -> tuple[bool, str] | None:
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors ``func`` writes (its schema's mutable arguments)."""
-    out: list[torch.Tensor] = []
-    schema = func._schema
     fused_no_scale = func.__name__.startswith("_fused_") and kwargs.get("grad_scale") is None
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        if fused_no_scale and arg.name == "grads":
-            continue  # fused optimizers write their gradients only to unscale them
-        v = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(t for t in v if isinstance(t, torch.Tensor))
-    return out
+    skip = ("grads",) if fused_no_scale else ()  # fused optimizers write their gradients only to unscale them
+    return [t for t in written(func, args, kwargs, skip) if isinstance(t, torch.Tensor)]
 
 
 def _views_input(func: Any) -> bool:

@@ -34,4 +34,3 @@ from .keys import bernoulli as bernoulli
 from .keys import dropout as dropout
 from .keys import set_seed as set_seed
 from .keys import seeded as seeded
-from . import torch_ops as torch_ops  # noqa: F401  (installs the handlers of torch's random ops)

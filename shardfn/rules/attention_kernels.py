@@ -50,6 +50,19 @@ def _bh_led(shape: tuple[int, ...], batch: int, heads: int, packed: bool) -> tup
     return (b, h) + (None,) * (n - 2)
 
 
+def _bias_led(shape: tuple[int, ...], batch: int, heads: int, packed: bool) -> tuple:
+    """A bias (or its gradient) broadcasts against the scores (batch, heads, seq_q, seq_k):
+    right-aligned, so a (heads, seq_q, seq_k) bias carries the heads letter and a
+    (seq_q, seq_k) one none; broadcast (size-1) dims are whole."""
+    n = len(shape)
+    out = [None] * n
+    if n >= 3 and shape[n - 3] == heads:
+        out[n - 3] = "h"
+    if n >= 4 and not packed and shape[n - 4] == batch:
+        out[n - 4] = "b"
+    return tuple(out)
+
+
 @attrs.frozen
 class HeadsAttention:
     """Rule for one BSHD attention kernel. ``q_like``/``k_like``: output indices shaped like
@@ -79,8 +92,10 @@ class HeadsAttention:
             shape = tuple(v.shape)
             if name in _QKV:
                 ins.append(_qkv_letters(len(shape), packed))
-            elif name in ("logsumexp", "bias", "attn_bias"):
+            elif name == "logsumexp":
                 ins.append(_bh_led(shape, batch, heads, packed))
+            elif name in ("bias", "attn_bias"):
+                ins.append(_bias_led(shape, batch, heads, packed))
             elif name == "alibi_slopes":  # (heads,) or (batch, heads)
                 ins.append(("h",) if len(shape) == 1 else ("b" if not packed else None, "h"))
             else:  # sequence offsets, RNG state, block tables: whole
@@ -92,9 +107,11 @@ class HeadsAttention:
                 outs.append(None)
             elif i in self.q_like or i in self.k_like:
                 outs.append(_qkv_letters(m.dim(), packed))
-            elif i in self.bh_outs or (i == self.grad_bias and m.dim() >= 3):
+            elif i == self.grad_bias:  # a pending sum over the letters it lacks
+                outs.append(_bias_led(tuple(m.shape), batch, heads, packed))
+            elif i in self.bh_outs:
                 lettered = _bh_led(tuple(m.shape), batch, heads, packed)
-                if i == self.grad_bias or lettered[:2] == ("b", "h") or (packed and "h" in lettered):
+                if lettered[:2] == ("b", "h") or (packed and "h" in lettered):
                     outs.append(lettered)
                 else:
                     outs.append(None)

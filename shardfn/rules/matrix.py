@@ -166,6 +166,11 @@ class BatchedLinalg:
         cands = compile_dims(call, Dims(ins, outs))
         if call.func is aten.linalg_matrix_exp.default:  # torch's CPU kernel views its batch as one dim:
             return [attrs.evolve(c, dense=True) for c in cands]  # a shard strided within it raised
+        if call.func is aten.linalg_lu_solve.default:
+            # torch's CPU kernel steps through LU's batch by LU.stride(-3) (pivots': stride(-2)),
+            # which a view of a stacked shard sets for a size-1 dim there to the next dim's
+            # extent: it read the wrong matrices (fuzzer seed 5777338629), past the end too
+            return [attrs.evolve(c, dense="size_one") for c in cands]
         return cands
 
 

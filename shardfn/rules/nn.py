@@ -42,6 +42,7 @@ class Leading:
     grouped_outs: tuple[int, ...] = ()
     loose_outs: tuple[int, ...] = ()  # outputs that are replicated unless they carry every leading dim
     factors: tuple[str, ...] = ()
+    broadcast_outs: tuple[int, ...] = ()  # outputs shaped like a broadcast input (a bias gradient): right-aligned
 
     def _loose(self, i: int, lettered: tuple, ls: tuple[str, ...]) -> bool:
         return i in self.loose_outs and not set(ls) <= set(lettered)
@@ -57,11 +58,13 @@ class Leading:
         if ref is None or len(ref) < lead:
             return []
         ls = letters(lead)
-        ins = tuple(_lettered(tuple(v.shape), ref, ls, n in self.grouped) if n in self.batched and not (
-                        n in _BROADCAST and v.ndim != len(ref)) else (None,) * v.ndim
+        ins = tuple(_right_lettered(tuple(v.shape), ref, ls) if n in _BROADCAST
+                    else _lettered(tuple(v.shape), ref, ls, n in self.grouped) if n in self.batched
+                    else (None,) * v.ndim
                     for n, (_, v) in zip(by_name, call.arrays))
         outs = tuple(
             None if not isinstance(m, torch.Tensor)
+            else _right_lettered(tuple(m.shape), ref, ls) if i in self.broadcast_outs
             else _lettered(tuple(m.shape), ref, ls, i in self.grouped_outs)
             if self.batched_outs is None or i in self.batched_outs
             else (None,) * m.dim()
@@ -81,7 +84,16 @@ class Leading:
                 for c in cands]
 
 
-_BROADCAST = ("attn_mask", "attn_bias")  # right-aligned against the batch: lettered at full rank only
+_BROADCAST = ("attn_mask", "attn_bias")  # broadcast against the scores (batch, heads, seq_q, seq_k): right-aligned
+
+
+def _right_lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...]) -> tuple:
+    """Letters for a tensor broadcast against ``ref`` (a mask or bias, or its gradient): its dims
+    align with ``ref``'s last ones, so a (heads, seq_q, seq_k) bias carries the heads letter; a
+    broadcast (size-1) or absent leading dim carries none."""
+    off = len(ref) - len(shape)
+    return tuple(ls[i + off] if 0 <= i + off < len(ls) and shape[i] == ref[i + off] else None
+                 for i in range(len(shape)))
 
 
 def _lettered(shape: tuple[int, ...], ref: tuple[int, ...], ls: tuple[str, ...], grouped: bool = False) -> tuple:
@@ -135,7 +147,8 @@ class Attention:
         b = bind(call.func, call.args, call.kwargs)
         q, k = b["query"], b["key"]
         fn = _EmptyHeads(call.func)
-        base = Leading(_ATTN, _heads_reduce if self.reduce else _heads_lead, loose_outs=self.loose_outs)
+        base = Leading(_ATTN, _heads_reduce if self.reduce else _heads_lead, loose_outs=self.loose_outs,
+                       broadcast_outs=(3,) if self.reduce else ())
         if q.dim() != 4 or k.dim() != 4 or q.shape[1] == k.shape[1]:
             cands = base.candidates(call)
         else:

@@ -200,10 +200,13 @@ class _Bucket:
     layouts and global shape, and each output's layout, global shape and key fragment.
     ``held1``: the backend holds one device, whose shard is the backend value itself
     (dist), so the locals are concatenated and split directly, without ``shard_list`` /
-    ``from_shards`` per leaf."""
+    ``from_shards`` per leaf. ``stored``: the backend stores each leaf as one tensor whose
+    leading dims (the local backend's mesh dims) are the same for every leaf, so the bucket
+    is one concatenation of the stored tensors along their last dim (one kernel, not one
+    per device), the plan runs on it, and the leaves come back as views of one split."""
 
     __slots__ = ("idx", "whole", "mesh", "dtype", "device", "flat_src", "flat_dst", "total",
-                 "srcs", "dsts", "shapes", "classes", "frags", "sizes", "local_shapes", "held1")
+                 "srcs", "dsts", "shapes", "classes", "frags", "sizes", "local_shapes", "held1", "stored")
 
     def __init__(self, bucket: list, leaves: list, flat_dst: Layout) -> None:
         from ..backends.registry import backend_for
@@ -233,20 +236,37 @@ class _Bucket:
         probe = shards[0]
         self.held1 = (len(backend.devices(self.mesh)) == 1 and backend.shard_list(x0._local, self.mesh)[0] is x0._local
                       and backend.from_shards([probe], self.dsts[0], self.shapes[0]) is probe)
+        self.stored = not self.held1 and _stored_alike(backend, xs, self.srcs, self.shapes, self.local_shapes)
         # outputs carry dispatch's key fragment where their storage is canonical (always
-        # for a lone held shard; the generic path leaves it to dispatch's first use)
-        canonical = self.held1 and all(backend.is_canonical(probe, d) for d in set(self.dsts))
+        # for a lone held shard, and for the stored form's outputs, which are the backend's
+        # own storage form; the generic path leaves it to dispatch's first use)
+        canonical = self.stored or self.held1 and all(backend.is_canonical(probe, d) for d in set(self.dsts))
         self.frags = tuple(fragment_of(d, s, self.dtype) if canonical else None
                            for d, s in zip(self.dsts, self.shapes))
 
     def move(self, xs: list) -> list:
         """The leaves ``xs`` (this bucket's, in order) moved: their new ShardedArrays."""
-        from ..backends.registry import backend_for, execute
+        from ..backends.registry import backend_for, execute, execute_many
 
         plan = plan_layouts(self.flat_src, self.flat_dst, self.total, self.dtype)
         if self.held1:
             locs = [x._local for x in xs]
             pieces = _unflatten(execute(plan, _flatten(locs)), locs)
+        elif self.stored:
+            backend = backend_for(self.mesh)
+            stored = [backend.storage(x._local, src, shape)[0] for x, src, shape in zip(xs, self.srcs, self.shapes)]
+            apart = execute_many(plan, stored)  # the plan on each leaf's stored tensor, where the backend can
+            if apart is not None:
+                return self._wrap([backend.from_storage([t], dst, shape) for t, dst, shape
+                                   in zip(apart, self.dsts, self.shapes)])
+            k = stored[0].dim() - len(self.local_shapes[0])  # the leading (mesh) dims, the same for every leaf
+            lead = tuple(stored[0].shape[:k])
+            flat = torch.cat([t.reshape(*lead, -1) for t in stored], k)
+            out = backend.storage(execute(plan, backend.from_storage([flat], self.flat_src, self.total)),
+                                  self.flat_dst, self.total)[0]
+            lead = tuple(out.shape[:-1])
+            pieces = [backend.from_storage([t.view(*lead, *ls)], dst, shape) for t, ls, dst, shape
+                      in zip(out.split(self.sizes, k), self.local_shapes, self.dsts, self.shapes)]
         else:
             backend = backend_for(self.mesh)
             per_leaf = [backend.shard_list(x._local, self.mesh) for x in xs]
@@ -270,6 +290,23 @@ class _Bucket:
             r._kf = frag
             out.append(r)
         return out
+
+
+def _stored_alike(backend: Any, xs: list, srcs: tuple, shapes: tuple, local_shapes: tuple) -> bool:
+    """Whether the backend stores each of the leaves ``xs`` as one tensor, its local shape
+    behind leading dims that are the same for every leaf (the local backend's canonical
+    stacked values of even layouts over the same varying axes): the bucket's stored form."""
+    leads = set()
+    for x, src, shape, ls in zip(xs, srcs, shapes, local_shapes):
+        stored = backend.storage(x._local, src, shape)
+        if len(stored) != 1:
+            return False
+        t = stored[0]
+        k = t.dim() - len(ls)
+        if k < 0 or tuple(t.shape[k:]) != ls:
+            return False
+        leads.add(tuple(t.shape[:k]))
+    return len(leads) == 1
 
 
 class _Coalesced(torch.autograd.Function):

@@ -225,6 +225,8 @@ class Mesh(metaclass=ValueMeta):
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        if self.device_type != "cpu":  # arrays on meshes of other devices do not mix: say which
+            axes += f", device_type={self.device_type!r}"
         if self.within is not None:
             parent, fixed = self.within
             at = ", ".join(f"{a}={c}" for a, c in fixed)
@@ -334,6 +336,52 @@ def check_mesh_device(what: str, device: Any, mesh: Mesh) -> None:
             f"{mesh.device_type!r} (the mesh owns the device); for a plain tensor there use "
             f"x.full_tensor().to({kind!r}), or distribute onto a Mesh(..., device_type={kind!r})"
         )
+
+
+_ACCELERATOR_METHODS = {torch.Tensor.cuda: "cuda", torch.Tensor.xpu: "xpu", torch.Tensor.ipu: "ipu"}
+_LIKE = (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+         torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
+         torch.Tensor.new_full, torch.Tensor.new_empty_strided, torch.Tensor.new_tensor)
+DEVICE_FUNCS = frozenset((torch.Tensor.to, torch.Tensor.type, *_ACCELERATOR_METHODS, *_LIKE))
+"""The torch functions that take a device and initialise its runtime before any op runs (``x.cuda()``
+on a machine without CUDA fails there): :func:`check_call_device` reads it first."""
+
+
+def _type_device(t: Any) -> str | None:
+    """The accelerator a ``Tensor.type`` argument names (``'torch.cuda.FloatTensor'`` or that class);
+    a dtype or a CPU type names none here (the cast's rule checks those)."""
+    if t is None or isinstance(t, torch.dtype):
+        return None
+    name = t if isinstance(t, str) else f"{getattr(t, '__module__', '')}.{getattr(t, '__name__', '')}"
+    return "cuda" if name.startswith("torch.cuda.") else None
+
+
+def _to_device(args: tuple, kwargs: dict) -> Any:
+    """The device ``Tensor.to(*args, **kwargs)`` names, or None."""
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    first = args[0] if args else kwargs.get("other", kwargs.get("tensor"))
+    if isinstance(first, torch.Tensor):
+        return first.device
+    return first if isinstance(first, (str, torch.device)) else None
+
+
+def check_call_device(func: Any, args: tuple, kwargs: dict, mesh: Mesh) -> None:
+    """A :data:`DEVICE_FUNCS` call on a ShardedArray of ``mesh`` naming another device type: the
+    ShardingError of :func:`check_mesh_device`, before torch initialises that device's runtime."""
+    if func is torch.Tensor.to:
+        device, what = _to_device(args[1:], kwargs), "_to_copy"
+    elif func in _ACCELERATOR_METHODS:
+        dev = args[1] if len(args) > 1 else kwargs.get("device")
+        kind = _ACCELERATOR_METHODS[func]
+        device = torch.device(kind) if dev is None else torch.device(kind, dev) if isinstance(dev, int) else dev
+        what = "_to_copy"
+    elif func is torch.Tensor.type:
+        device, what = _type_device(args[1] if len(args) > 1 else kwargs.get("dtype")), "_to_copy"
+    else:
+        device, what = kwargs.get("device"), func.__name__
+    if device is not None and not isinstance(device, int):
+        check_mesh_device(what, device, mesh)
 
 
 def to_mesh_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:

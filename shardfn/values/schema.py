@@ -45,6 +45,21 @@ def replace_arg(func: Any, args: tuple, kwargs: dict, name: str, value: Any) -> 
     return args, {**kwargs, name: value}
 
 
+def written(func: Any, args: tuple, kwargs: dict, skip: tuple[str, ...] = ()) -> list:
+    """The arguments ``func`` writes (``(a!)`` in its schema), lists flattened, None left out;
+    the arguments named in ``skip`` too."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write or a.name in skip:
+            continue
+        v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
+        if isinstance(v, (list, tuple)):
+            out.extend(v)
+        elif v is not None:
+            out.append(v)
+    return out
+
+
 def is_inplace(func: Any) -> bool:
     """Whether ``func`` is an in-place op by torch's naming (``add_``; not a dunder such as ``__iand__``)."""
     name = func._schema.name.split("::")[-1]

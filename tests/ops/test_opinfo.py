@@ -33,9 +33,6 @@ OPS = oc.op_db()
 RESULTS: dict[str, str] = {}
 
 XFAIL: dict[str, str] = {
-    'nn.functional.linear_cross_entropy.chunked_none': (
-        "torch's Python code runs mm(out=buf) into a buffer it holds by name: the in-place policy "
-        "cannot tell that buffer from a user's array, so it raises ImmutableError"),
     'sparse.sampled_addmm': 'sparse layouts are not supported',
     'sparse.mm.reduce': 'sparse layouts are not supported',
     'to_sparse': 'sparse layouts are not supported',
