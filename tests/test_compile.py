@@ -371,3 +371,26 @@ def test_user_errors_raised_while_compiling_are_themselves(name, dynamic):
         torch.compile(fn, backend="aot_eager", fullgraph=True)(X)
     assert type(full.value.__cause__) is type(eager.value) and str(eager.value) in str(full.value)
     assert torch.equal(X.full_tensor(), x)  # nothing half-changed
+
+
+_DYNAMIC_TRANSFORMS = {
+    "local_map": lambda v, mesh: sf.local_map(lambda b: b.exp(), v.spec, in_specs=(v.spec,), mesh=mesh)(v),
+    "shard_map": lambda v, mesh: sf.shard_map(lambda b: b.exp(), mesh=mesh, in_specs=(v.spec,), out_specs=v.spec)(v),
+    "reshard_list": lambda v, mesh: sf.reshard([v.exp(), v], [P(), P()])[0],
+    "constraint": lambda v, mesh: sf.with_sharding_constraint(v.exp(), P()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DYNAMIC_TRANSFORMS))
+def test_transforms_under_dynamic_compile_recompile_on_a_sharding_change(name):
+    """A transform's call in a dynamic graph sees symbolic sizes; after a sharding change
+    recompiles, it still lays out its shards (fuzzer seed 5782601246: local_map hashed a
+    SymInt and raised 'unhashable type: non-nested SymInt')."""
+    mesh = sf.Mesh((2,), ("x",))
+    transform = _DYNAMIC_TRANSFORMS[name]
+    fn = lambda v: transform(v.std(1), mesh)  # noqa: E731
+    compiled = torch.compile(fn, dynamic=True)
+    x = torch.randn(5, 9)
+    for spec in (P("x", None), P(None, "x")):
+        out = compiled(sf.distribute(x, spec, mesh=mesh))
+        torch.testing.assert_close(out.full_tensor(), x.std(1).exp())

@@ -11,6 +11,7 @@ import optree
 import torch
 
 from ..arrays.array import ShardedArray
+from ..arrays.functorch import static_int
 from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError
@@ -73,7 +74,9 @@ def _local_map(f: Callable, out_specs: Any, in_specs: Any, in_grad_specs: Any, m
     with mesh:
         for i in range(len(devices)):
             outs.append(f(*optree.tree_unflatten(treespec, [col[i] for col in columns]), **kwargs))
-    uneven = any(isinstance(v, ShardedArray) and not is_even(v._layout, tuple(v.shape)) for v in leaves)
+    # (a dynamic size is specialised: shard shapes decide the body's layout, as in shard_map)
+    uneven = any(isinstance(v, ShardedArray) and not is_even(v._layout, tuple(static_int(n) for n in v.shape))
+                 for v in leaves)
     return _local_outputs(outs, out_specs, mesh, first_only=in_grad_specs is None, exchange=uneven)
 
 
