@@ -168,4 +168,29 @@ def uneven_composes(mesh: sf.Mesh) -> None:
            torch.func.vmap(torch.func.grad(ref, argnums=1), (None, 0))(x, wb), "vmap of grad")
 
 
+@scenario(meshes=("2x2",))
+def nested_body_input_gradients_on_every_rank(mesh: sf.Mesh) -> None:
+    """A shard_map nested in a partial-manual body takes a body value whole on each device
+    of its manual axis; that input's gradient sums their cotangents, so every rank holds the
+    whole gradient (on dist the ranks at 'y' = 1 held zeros: fuzzer seed 5781641806)."""
+    x = torch.randn(4, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    for inner_spec in (P(), P(None, "y")):
+        def run(v, inner_spec=inner_spec):
+            v = sf.reshard(v, P(None, None, "x"))
+            inner = lambda b: sf.shard_map(lambda t: t * 2, mesh=mesh, in_specs=(inner_spec,),  # noqa: E731
+                                           out_specs=inner_spec, axis_names={"y"})(b)
+            out = sf.shard_map(inner, mesh=mesh, in_specs=(P(None, None, "x"),), out_specs=P(None, None, "x"),
+                               axis_names={"x"})(v)
+            return (out * out).sum()
+
+        for spec in (P("y"), P(), P(None, None, "x")):
+            what = f"inner {inner_spec}, input {spec}"
+            xs = x.clone().requires_grad_()
+            (g,) = torch.autograd.grad(run(sf.distribute(xs, spec, mesh=mesh)), xs)
+            _close(g, 8 * x, f"{what}: autograd")
+            g = torch.func.grad(run)(sf.distribute(x, spec, mesh=mesh))
+            _close(g.full_tensor(), 8 * x, f"{what}: torch.func.grad")
+
+
 test_local, test_dist = collect(globals())

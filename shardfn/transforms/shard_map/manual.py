@@ -217,8 +217,13 @@ def _nested(f: Callable, in_specs: Any, out_specs: Any, axis_names: Any, args: t
         raise ShardingError("a nested shard_map needs in_specs: inside a shard_map body values are local tensors with no spec")
     specs = _arg_specs(in_specs, args, "nested shard_map in_specs")
     paths, leaves, specs, treespec = _match(specs, args, "nested shard_map in_specs", "args")
+    # Where the results leave as plain values replicated over the sub-mesh whose cotangent
+    # reaches the first replica only (``_as_body_value`` without a running sub-mesh), an input's
+    # gradient sums the devices' cotangents over the inner axes (each used it whole).
+    axes = tuple(a for a in mesh.axis_names if a in inner)
+    summed = functools.partial(body.reduce, axes=axes, op="sum") if axes and not _subs() else None
     with lax._manual_axes(outer | inner):
-        pieces = [_split(p, v, s, inner, "in_specs") for p, v, s in zip(paths, leaves, specs)]
+        pieces = [_split(p, v, s, inner, summed) for p, v, s in zip(paths, leaves, specs)]
         out = f(*optree.tree_unflatten(treespec, pieces), **kwargs)
         opaths, outs, ospecs, otree = _match(out_specs, out, "nested shard_map out_specs", "output")
         whole = [_as_body_value(_gather(p, v, s, inner)) for p, v, s in zip(opaths, outs, ospecs)]
@@ -242,10 +247,13 @@ def _entries(path: str, spec: Any, ndim: int, inner: frozenset, what: str) -> tu
     return dims, dict(spec.partial)
 
 
-def _split(path: str, v: Any, spec: Any, inner: frozenset, what: str) -> Any:
+def _split(path: str, v: Any, spec: Any, inner: frozenset, summed: Callable | None) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
     v = _whole_value(v)  # a ShardedArray over the outer automatic axes: its whole value
+    if summed is not None and (v.is_floating_point() or v.is_complex()):
+        v = _UsedByEach.apply(v, summed)
+    what = "in_specs"
     dims, partial = _entries(path, spec, v.dim(), inner, what)
     if partial:
         raise ShardingError(f"nested shard_map in_specs for {path} is partial; an in_spec cannot be partial")
@@ -262,6 +270,29 @@ def _split(path: str, v: Any, spec: Any, inner: frozenset, what: str) -> Any:
         idx = lax.axis_index(axes).reshape(1)
         v = torch.index_select(v.unflatten(d, (g, n // g)), d, idx).squeeze(d)
     return v
+
+
+class _UsedByEach(torch.autograd.Function):
+    """A body value entering a nested shard_map, whole on each device of its manual axes
+    (which then take their pieces). Backward: those devices' cotangents summed over the
+    axes (``boundary.py``'s convention for an input replicated over an axis; the nested
+    results' cotangents reach the first replica only)."""
+
+    @staticmethod
+    def forward(t: torch.Tensor, summed: Callable) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.summed = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> Any:
+        return ctx.summed(ct), None
+
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor, _: Any) -> torch.Tensor:
+        return t
 
 
 def _gather(path: str, v: Any, spec: Any, inner: frozenset) -> Any:
