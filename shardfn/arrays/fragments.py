@@ -9,7 +9,7 @@ import torch
 
 from ..backends.registry import backend_for
 from ..values.layout import Layout
-from .fresh import fresh_root
+from .fresh import fresh_root, held_fragment
 from .reduced import reduced_forms
 
 
@@ -70,10 +70,7 @@ def known_finite(x: Any) -> bool:
     """Whether no element of array ``x`` can be ±inf (nan may be), known from the op that made
     it (``bounds.py``) without reading it: a pending sum may be multiplied by it part by part.
     The mark is the fragment's: an in-place write, which drops the fragment, drops it too."""
-    d = x.__dict__
-    k = d.get("_kf")
-    if k is None:  # fresh (``fresh.py``): the fragment is held back until the first read
-        k = d.get("_kfh") if "_view_of" in d else d.get("_fresh")
+    k = held_fragment(x)  # (a fresh array holds its fragment back until the first read)
     return k is not None and k.finite
 
 
