@@ -1,4 +1,4 @@
-"""The in-place policy (``shardfn/arrays/inplace.py``) and the no-aliasing rules (issue 13).
+"""The in-place policy (``shardfn/arrays/inplace/policy.py``) and the no-aliasing rules (issue 13).
 
 Every route a user has to change an array either raises ImmutableError with the array
 unchanged, or leaves it unchanged; torch composites and autograd formulas that update

@@ -908,7 +908,7 @@ def test_jvp_with_a_zero_tangent_writes_torchs_plain_buffer(spec, n):
 
 def test_in_place_ops_writing_plain_tensors_gather_their_sharded_inputs():
     # a plain destination holds the full value: the sharded operands are gathered, with a warning
-    from shardfn.arrays import inplace_plain
+    from shardfn.arrays.inplace import plain as inplace_plain
 
     mesh = sf.Mesh((2, 2), ("x", "y"))
     a, b = torch.randn(5, 3), torch.randn(5, 3)

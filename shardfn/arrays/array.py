@@ -80,7 +80,7 @@ def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | N
 class ShardedArray(torch.Tensor):
     """A global tensor laid out over a mesh. Its ``shape``/``dtype`` are global; the
     shards live in ``_local`` (the mesh backend's storage). Immutable: in-place ops raise
-    :class:`~shardfn.ImmutableError` (the policy: ``shardfn/arrays/inplace.py``), and no tensor
+    :class:`~shardfn.ImmutableError` (the policy: ``shardfn/arrays/inplace/policy.py``), and no tensor
     handed in (``distribute``, ``from_local``) or out (``full_tensor``, ``to_local``,
     ``local_shards``) shares memory with the shards."""
 
@@ -226,7 +226,7 @@ class ShardedArray(torch.Tensor):
             out = _wrap_output(local, layout, tuple(outer_size), dtype, None,
                                (None if outer_stride is None else tuple(outer_stride), offset or None))
             # whether a compiled graph's output is a fresh buffer (``fresh.py``) is not carried
-            # out of the graph: a write into it raises, saying so (``inplace_errors.immutable_error``)
+            # out of the graph: a write into it raises, saying so (``inplace/messages.immutable_error``)
             if type(like) is torch.Tensor and not torch.compiler.is_compiling():  # (not a trace's input, whose shards are fake)
                 out.__dict__["_compiled_out"] = True
             return out

@@ -3,7 +3,7 @@
 An array an op made (a factory such as ``new_zeros`` / ``zeros_like`` / ``empty_like``, a
 ``clone``, or any other op's result that is not a view of its input) is *fresh* until its
 value is first read: no result anywhere was computed from it yet, so writing into it changes
-nothing anyone has seen. The in-place policy (``inplace.py``) runs such a write as a functional
+nothing anyone has seen. The in-place policy (``inplace/policy.py``) runs such a write as a functional
 update of the array's value (views of it see the write, as torch's do): torch.func's Jacobian
 basis (``new_zeros`` then ``diagonal().fill_(1)``), ``matrix_power(x, 0)`` (``clone`` then
 ``copy_``), an MoE layer's ``zeros_like`` buffer filled by ``index_add_``, Llama 4's
@@ -20,7 +20,7 @@ fragment back (the slow path ends it in ``note_reads``).
 
 A torch.compile'd region's outputs are never fresh, even a buffer the region made: whether the
 graph read it, aliased it or returned it twice is not known outside the graph. A write into one
-(after a graph break) raises ImmutableError saying so (``inplace_errors.COMPILED``).
+(after a graph break) raises ImmutableError saying so (``inplace/messages.COMPILED``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ layouts.
 
 CPU ``F.dropout`` decomposes into ``empty_like`` + ``bernoulli_`` + ``div_`` + ``mul``:
 the in-place fills of that private temporary reach the functional forms here through the
-in-place policy (``shardfn/arrays/inplace.py``); on an array the user holds they raise
+in-place policy (``shardfn/arrays/inplace/policy.py``); on an array the user holds they raise
 :class:`~shardfn.ImmutableError`.
 """
 

@@ -34,7 +34,7 @@ def like_torch(error: BaseException) -> type[ShardingError]:
 class ImmutableError(TypeError):
     """An in-place operation was applied to an immutable ShardedArray.
 
-    The rule (``shardfn/arrays/inplace.py``): an in-place or ``out=`` op raises when the array it
+    The rule (``shardfn/arrays/inplace/policy.py``): an in-place or ``out=`` op raises when the array it
     writes is observable -- held by Python code (a variable, a container, a module), or a
     view of such an array. An array only C++ holds (a temporary of a torch composite or an
     autograd formula) is updated by running the op's functional form under torch's

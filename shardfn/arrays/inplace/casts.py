@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..values.schema import functional_overload, is_inplace
+from ...values.schema import functional_overload, is_inplace
 
 _CASTS: dict = {}  # (op, operand dtypes and kinds) -> the error torch raises, or None
 

@@ -38,10 +38,10 @@ array it writes, not by who issued it:
 
 "Python holds a reference" is read from the object's reference count (``observed.py``).
 Whether a view's base is observable is decided when the view is made (the base is then an
-argument of the view op; ``aliases.py``). The parts: ``aliases.py`` (views and rebinding),
-``observed.py``, ``fresh_ops.py`` (which ops make and read fresh arrays), ``inplace_casts.py``
-(torch's casting rule), ``inplace_functional.py`` (the functionalized run),
-``inplace_forward_ad.py``, ``inplace_plain.py`` and ``inplace_errors.py`` (the messages).
+argument of the view op; ``aliases.py``). The parts: ``arrays/aliases.py`` (views and rebinding),
+``arrays/observed.py``, ``arrays/fresh_ops.py`` (which ops make and read fresh arrays), and in this
+package ``casts.py`` (torch's casting rule), ``functionalized.py`` (the functionalized run),
+``forward_ad.py``, ``plain.py`` and ``messages.py`` (the messages).
 """
 
 from __future__ import annotations
@@ -51,18 +51,18 @@ from typing import Any
 
 import torch
 
-from .aliases import root
-from .array import ShardedArray
-from .fresh import fresh_root, note_reads
-from .inplace_casts import check_cast
-from .inplace_errors import COMPILED, OVERLAP, immutable_error
-from .inplace_forward_ad import forward_ad_live, out_of_place
-from .inplace_functional import run_functionalized
-from .inplace_plain import into_plain
-from . import observed
-from .observed import is_observed
-from ..values.errors import ShardingRuntimeError
-from ..values.schema import written
+from ..aliases import root
+from ..array import ShardedArray
+from ..fresh import fresh_root, note_reads
+from .casts import check_cast
+from .messages import COMPILED, OVERLAP, immutable_error
+from .forward_ad import forward_ad_live, out_of_place
+from .functionalized import run_functionalized
+from .plain import into_plain
+from .. import observed
+from ..observed import is_observed
+from ...values.errors import ShardingRuntimeError
+from ...values.schema import written
 
 aten = torch.ops.aten
 
@@ -100,7 +100,7 @@ def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     """``native_batch_norm`` updates its running stats without saying so in its schema:
     with ShardedArray running stats in training it is judged as the annotated
     ``_native_batch_norm_legit`` (which writes ``running_mean(a!)``/``running_var(b!)``)."""
-    from ..values.schema import bind
+    from ...values.schema import bind
 
     b = bind(func, args, kwargs)
     stats = (b["running_mean"], b["running_var"])

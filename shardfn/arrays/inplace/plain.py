@@ -7,10 +7,10 @@ import functools
 import warnings
 from typing import Any
 
-from .array import ShardedArray
-from .redistribute import raw_full
-from ..values.errors import FallbackWarning
-from ..values.schema import op_name
+from ..array import ShardedArray
+from ..redistribute import raw_full
+from ...values.errors import FallbackWarning
+from ...values.schema import op_name
 
 _warned_plain: set[str] = set()  # ops warned about once (``into_plain``)
 

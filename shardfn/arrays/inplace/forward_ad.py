@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from .aliases import rebind, regenerate_views
-from .array import ShardedArray
-from .fresh import writing
-from ..values.schema import functional_overload
+from ..aliases import rebind, regenerate_views
+from ..array import ShardedArray
+from ..fresh import writing
+from ...values.schema import functional_overload
 
 
 def forward_ad_live() -> bool:

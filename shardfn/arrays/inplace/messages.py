@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..values.errors import ImmutableError
+from ...values.errors import ImmutableError
 
 # what to call instead of the in-place ops whose out-of-place names torch's do not give
 _HINTS = {

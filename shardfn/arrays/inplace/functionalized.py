@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .aliases import rebind, regenerate_views, replay, root
-from .fresh import writing
+from ..aliases import rebind, regenerate_views, replay, root
+from ..fresh import writing
 
 
 def run_functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
