@@ -178,3 +178,52 @@ def test_equal_meshes_stay_equal_and_hash_alike():
     c = sf.Mesh((4,), ("x",), backend="local")
     assert a == a and a == b and not (a != b) and a != c and hash(a) == hash(b)
     assert (a == 3) is False and a != "mesh"
+
+
+@pytest.mark.parametrize("backend", [None, "math"])
+def test_warm_attention_asks_its_kernel_choice_without_new_stand_ins(backend):
+    """The choice between torch's fused attention and its math path is asked of stand-ins with
+    the arrays' global metadata; a warm forward reuses them (one ``_fused_sdp_choice``, no
+    ``empty_strided``), and still asks each time: a backend disabled after warm calls (``sdpa_kernel``)
+    takes the math path. Values and gradients equal torch's either way."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, 4, 8, 16, generator=g) for _ in range(3))
+    qs, ks, vs = (sf.distribute(t, P("dp", "tp"), mesh=mesh).requires_grad_() for t in (q, k, v))
+    for _ in range(2):
+        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    with TorchCalls() as mode:
+        F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    assert mode.calls.count(aten._fused_sdp_choice.default) == 1
+    assert aten.empty_strided.default not in mode.calls
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    ctx = sdpa_kernel(SDPBackend.MATH) if backend == "math" else sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
+    with ctx:
+        with TorchCalls() as mode:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        want = F.scaled_dot_product_attention(*plain, is_causal=True)
+        grads = torch.autograd.grad((out ** 2).sum(), (qs, ks, vs))
+    fused = aten._scaled_dot_product_flash_attention_for_cpu.default in mode.calls
+    assert fused == (backend is None)
+    torch.testing.assert_close(out.full_tensor(), want)
+    for got, w in zip(grads, torch.autograd.grad((want ** 2).sum(), plain)):
+        torch.testing.assert_close(got.full_tensor(), w)
+
+
+def test_expand_to_its_own_rank_is_one_expand():
+    """``expand`` without new leading dims runs one ``expand`` of the stacked value (no
+    reshape to the same shape first); values equal torch's, with new dims too."""
+    mesh = sf.Mesh((2,), ("dp",), backend="local")
+    t = torch.randn(4, 1, 3)
+    x = sf.distribute(t, P("dp"), mesh=mesh)
+    for _ in range(2):
+        x.expand(4, 5, 3)
+    with TorchCalls() as mode:
+        y = x.expand(4, 5, 3)
+    assert mode.calls == [aten.expand.default]
+    torch.testing.assert_close(y.full_tensor(), t.expand(4, 5, 3))
+    torch.testing.assert_close(x.expand(2, 4, 5, 3).full_tensor(), t.expand(2, 4, 5, 3))

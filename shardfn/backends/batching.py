@@ -442,7 +442,9 @@ def _expand(info: Info) -> _Call:
 
     def run(x: torch.Tensor, size: Sequence[int], *, implicit: bool = False) -> torch.Tensor:
         lead = len(size) - x.dim()
-        return x.reshape(*x.shape[:m], *([1] * lead), *x.shape[m:]).expand(size)
+        if lead:  # (none: the reshape would be a no-op view, one op more on every warm call)
+            x = x.reshape(*x.shape[:m], *([1] * lead), *x.shape[m:])
+        return x.expand(size)
 
     return _Call(info, run, (), info.sizes)
 

@@ -349,6 +349,37 @@ def _stand_in(t: Any) -> Any:
                                requires_grad=t.requires_grad and (dtype.is_floating_point or dtype.is_complex))
 
 
+_STAND_INS: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device, requires_grad) -> a stand-in (``_kept_stand_in``)
+_STAND_INS_MAX = 64
+_get_mode = torch._C._get_dispatch_mode
+_FAKE, _PROXY, _FUNCTIONAL = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY,
+                              torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
+def _kept_stand_in(t: Any) -> Any:
+    """:func:`_stand_in`, made once per (shape, dtype, device, requires_grad) and kept: the
+    choice reads only that metadata (and the strides, fixed here), so every warm forward asked
+    three ``empty_strided`` calls (three allocations on a GPU) for the same answer. Made outside
+    the dispatch modes and inference mode (a plain, ordinary tensor whoever asks next); never
+    handed out, never written."""
+    if not hasattr(t, "_layout"):
+        return t
+    shape = t.shape
+    if not shape:
+        return _stand_in(t)
+    key = (shape, t.dtype, t.device, t.requires_grad)
+    kept = _STAND_INS.get(key)
+    if kept is None:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), torch.inference_mode(False):
+            kept = _stand_in(t)
+        if len(_STAND_INS) >= _STAND_INS_MAX:
+            _STAND_INS.clear()
+        _STAND_INS[key] = kept
+    return kept
+
+
 def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
     """Whether torch would run attention's math path on these arrays: always on meta tensors
     (torch has no fused meta choice), elsewhere where its own choice for the unsharded call
@@ -357,15 +388,18 @@ def _torch_takes_math_path(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bo
     with torch._C.DisableTorchFunctionSubclass():  # metadata reads of 3+-d arrays: no hook call each
         if q.device.type == "meta":
             return True
-        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        if _get_mode(_FAKE) is not None:
             return _traced_choice_is_math(q, k, v, mask, bound)
-        return _choice_is_math(q, k, v, mask, bound)
+        # kept stand-ins, except while a mode traces (its ops must see tensors of its own)
+        tracing = _get_mode(_PROXY) is not None or _get_mode(_FUNCTIONAL) is not None
+        return _choice_is_math(q, k, v, mask, bound, _stand_in if tracing else _kept_stand_in)
 
 
-def _choice_is_math(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bool:
+def _choice_is_math(q: Any, k: Any, v: Any, mask: Any, bound: dict, stand_in: Any = None) -> bool:
+    stand_in = stand_in or _stand_in
     try:
         choice = torch.ops.aten._fused_sdp_choice(
-            _stand_in(q), _stand_in(k), _stand_in(v), _stand_in(mask), bound.get("dropout_p", 0.0),
+            stand_in(q), stand_in(k), stand_in(v), stand_in(mask), bound.get("dropout_p", 0.0),
             bool(bound.get("is_causal", False)), scale=bound.get("scale"),
             enable_gqa=bool(bound.get("enable_gqa", False)))
     except (RuntimeError, TypeError, ValueError):
