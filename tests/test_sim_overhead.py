@@ -227,3 +227,17 @@ def test_expand_to_its_own_rank_is_one_expand():
     assert mode.calls == [aten.expand.default]
     torch.testing.assert_close(y.full_tensor(), t.expand(4, 5, 3))
     torch.testing.assert_close(x.expand(2, 4, 5, 3).full_tensor(), t.expand(2, 4, 5, 3))
+
+
+def test_layout_varying_axes_are_computed_once():
+    """``Layout.varying`` / ``varying_sizes`` (the stacked value's mesh-dim sizes, read on every
+    simulated op's output) are attributes of the layout, the same object on every read."""
+    mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
+    cases = {P("dp"): (True, False), P(None, "tp"): (False, True), P(): (False, False),
+             P("dp", partial="tp"): (True, True), P(("tp", "dp")): (True, True)}
+    for spec, want in cases.items():
+        layout = to_layout(spec, 2, mesh)
+        assert layout.varying == want and layout.varying is layout.varying
+        assert layout.varying_sizes == tuple(n if v else 1 for n, v in zip((2, 4), want))
+        x = sf.distribute(torch.randn(8, 8), spec, mesh=mesh)
+        assert tuple(x._local.shape[:2]) == layout.varying_sizes

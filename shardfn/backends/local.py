@@ -22,8 +22,8 @@ from .hooks import SHARD_MAP_RUNNERS
 from .local_calls import compile_call
 from .local_steps import compile_many, compile_plan, run_step, run_steps
 from .local_values import set_pending_parts as set_pending_parts  # noqa: F401  (the local backend's one setting)
-from .local_values import (Value, canonical_sizes, compact, device_view, from_parts, is_canonical, parts, replicated,
-                           replica_of, settle, varying)
+from .local_values import (Value, compact, device_view, from_parts, is_canonical, parts, replicated,
+                           replica_of, settle)
 
 
 # -- protocol used by ShardedArray ----------------------------------------------------------
@@ -159,7 +159,7 @@ class LocalBackend:
         mesh = layout.mesh
         if not is_even(layout, shape):
             return tuple(make(dev) for dev in range(mesh.size))
-        sub = tuple(n if v else 1 for n, v in zip(mesh.shape, varying(layout)))
+        sub = tuple(n if v else 1 for n, v in zip(mesh.shape, layout.varying))
         shards = [make(mesh.device_at(c)) for c in itertools.product(*(range(n) for n in sub))]
         local = local_shapes(layout, shape)[0]
         return shards[0].reshape(*sub, *local) if len(shards) == 1 else torch.stack(shards).view(*sub, *local)
@@ -168,7 +168,7 @@ class LocalBackend:
         """Even layouts: one stacked buffer of the canonical sizes; uneven: one tensor per
         distinct part (box and position on the axes of pending reductions), shared by replicas."""
         if is_even(layout, shape):
-            return torch.empty(*canonical_sizes(layout), *local_shapes(layout, shape)[0], dtype=dtype, device=device)
+            return torch.empty(*layout.varying_sizes, *local_shapes(layout, shape)[0], dtype=dtype, device=device)
         mesh = layout.mesh
         axes = [mesh.axis_index(a) for a, _ in layout.partial]
         made: dict = {}

@@ -13,7 +13,7 @@ from ..values.errors import ShardingError
 from ..values.layout import is_even
 from ..values.mesh import Mesh
 from .device_call import DeviceCall, _reshape, call_is_complex, empty_outputs, raw_op, substitute
-from .local_values import SHARES, batch_consistent, canonical_sizes, device_view, from_parts, full, settle
+from .local_values import SHARES, batch_consistent, device_view, from_parts, full, settle
 
 
 # -- running an op's local call -------------------------------------------------------------
@@ -27,7 +27,7 @@ def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], pos
     from . import batching as _batching
 
     per_device = PerDeviceCall(func, cand, call, out_shapes, positional)
-    canon = tuple(torch.Size(canonical_sizes(v._layout)) for _, v in call.arrays)
+    canon = tuple(torch.Size(v._layout.varying_sizes) for _, v in call.arrays)
     even = all(is_even(l, tuple(v.shape)) for (_, v), l in zip(call.arrays, cand.in_layouts)) and all(
         l is None or is_even(l, s) for l, s in zip(cand.out_layouts, out_shapes))
     batched = _batching.batched_call(func, cand, call, out_shapes) if even else None
@@ -89,7 +89,7 @@ class StackedCall:
         # and more than one view (``view``: a view op's batched form is one view, as ``t`` is a
         # ``transpose``): ``lean`` runs device 0's call on the squeezed values instead
         same = all(n == 1 for sizes in canon for n in sizes) and all(
-            l is None or all(n == 1 for n in canonical_sizes(l)) for l in layouts)
+            l is None or all(n == 1 for n in l.varying_sizes) for l in layouts)
         adapted = not isinstance(batched_direct, torch._ops.OpOverload) and not view
         self.once = per_device.device_call if same and adapted and positional is not None else None
         self.once_direct = raw_op(self.once.direct) if self.once is not None else None

@@ -13,8 +13,8 @@ from ..plans.planner import Step, routes_to
 from ..values.layout import Layout, device_box, is_even, local_shapes
 from ..values.mesh import Mesh
 from .view_replay import replay
-from .local_values import (Value, added_many, canonical_sizes, compact, device_view, from_parts, full, parts, reduce_dim,
-                           reduce_parts, replica_of, sum_neutral, sum_of_copies, varying)
+from .local_values import (Value, added_many, compact, device_view, from_parts, full, parts, reduce_dim,
+                           reduce_parts, replica_of, sum_neutral, sum_of_copies)
 
 
 # -- step implementations -------------------------------------------------------------------
@@ -139,7 +139,7 @@ def _regrid(src: Layout, dst: Layout, shape: tuple[int, ...], x: torch.Tensor,
 
 def _cut(layout: Layout) -> tuple[int, ...]:
     """The mesh dims :func:`compact` cuts to size 1 for ``layout``."""
-    return tuple(k for k, v in enumerate(varying(layout)) if not v)
+    return tuple(k for k, v in enumerate(layout.varying) if not v)
 
 
 def _regrid_compact(src: Layout, dst: Layout, shape: tuple[int, ...], value: torch.Tensor,
@@ -355,7 +355,7 @@ def compile_plan(steps: Sequence[Step], shape: tuple[int, ...]) -> Callable[[Val
         if not is_even(step.src, shape) or not is_even(step.dst, shape):
             return None
         mesh = step.src.mesh
-        cut = tuple(k for k, v in enumerate(varying(step.dst)) if not v)  # ``compact``
+        cut = tuple(k for k, v in enumerate(step.dst.varying) if not v)  # ``compact``
         if step.kind == "all_reduce":
             compiled.append((mesh.axis_index(step.axis), mesh, step.op, cut))
         elif step.kind in _REGRID_KINDS and _regrid_plan(step.src, step.dst, shape) is not None:
@@ -395,7 +395,7 @@ def compile_many(steps: Sequence[Step]) -> Callable[[list], list | None] | None:
             return None
         mesh = step.src.mesh
         compiled.append((mesh.axis_index(step.axis), mesh, step.op,
-                         tuple(k for k, v in enumerate(varying(step.dst)) if not v)))
+                         tuple(k for k, v in enumerate(step.dst.varying) if not v)))
     if not compiled:
         return None
 
@@ -465,7 +465,7 @@ def _run_routes(routes, shards: tuple, dst: Layout, shape: tuple[int, ...]) -> V
     like = shards[0]
     shapes = local_shapes(dst, shape)
     if is_even(dst, shape):
-        out = torch.empty(*canonical_sizes(dst), *shapes[0], dtype=like.dtype, device=like.device)
+        out = torch.empty(*dst.varying_sizes, *shapes[0], dtype=like.dtype, device=like.device)
         for r in routes:  # into the buffer itself, never through an expanded view (whose
             # writes functionalization, under torch.compile, does not carry back)
             device_view(out, mesh, r.dst)[r.dst_slices] = shards[r.src][r.src_slices]

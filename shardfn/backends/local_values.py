@@ -60,11 +60,9 @@ def shares() -> bool:
 # -- conversions between the two forms ----------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
 def varying(layout: Layout) -> tuple[bool, ...]:
-    """Per mesh axis: whether shards differ along it (it shards a dim or is pending)."""
-    pending = layout.partial_ops
-    return tuple(a in layout.axis_dim or a in pending for a in layout.mesh.axis_names)
+    """Per mesh axis: whether shards differ along it (it shards a dim or is pending): ``Layout.varying``."""
+    return layout.varying
 
 
 def full(value: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -79,7 +77,7 @@ def compact(value: Value, layout: Layout) -> Value:
     """A stacked value with the mesh dims ``layout`` does not vary over cut to size 1."""
     if isinstance(value, tuple):
         return value
-    for k, v in enumerate(varying(layout)):
+    for k, v in enumerate(layout.varying):
         if not v and value.shape[k] != 1:
             value = value.narrow(k, 0, 1)
     return value
@@ -90,7 +88,7 @@ def settle(value: torch.Tensor, layout: Layout) -> torch.Tensor:
     the layout does not vary over, the axis size on the others (a size-1 output there
     was computed from inputs that are the same on every device, so it is too)."""
     mesh = layout.mesh
-    for k, v in enumerate(varying(layout)):
+    for k, v in enumerate(layout.varying):
         n = value.shape[k]
         if v and n == 1 and mesh.shape[k] != 1:
             value = value.expand(*value.shape[:k], mesh.shape[k], *value.shape[k + 1:])
@@ -99,16 +97,15 @@ def settle(value: torch.Tensor, layout: Layout) -> torch.Tensor:
     return value
 
 
-@functools.lru_cache(maxsize=4096)
 def canonical_sizes(layout: Layout) -> tuple[int, ...]:
-    """The mesh-dim sizes of a stacked value in :func:`settle`'s form for ``layout``."""
-    return tuple(g if v else 1 for g, v in zip(layout.mesh.shape, varying(layout)))
+    """The mesh-dim sizes of a stacked value in :func:`settle`'s form for ``layout`` (``Layout.varying_sizes``)."""
+    return layout.varying_sizes
 
 
 def is_canonical(value: Value, layout: Layout) -> bool:
     """Whether ``value`` is stored as op outputs are (:func:`settle`; per-device tuples
     have one form)."""
-    return isinstance(value, tuple) or tuple(value.shape[:layout.mesh.ndim]) == canonical_sizes(layout)
+    return isinstance(value, tuple) or tuple(value.shape[:layout.mesh.ndim]) == layout.varying_sizes
 
 
 def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None], mesh: Mesh,
@@ -124,7 +121,7 @@ def batch_consistent(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | 
             continue
         if o.dim() < mesh.ndim:  # the op reduced the mesh dims too (an all-dims reduction unbatched)
             return False
-        vary = varying(layouts[i]) if layouts is not None and layouts[i] is not None else (True,) * mesh.ndim
+        vary = layouts[i].varying if layouts is not None and layouts[i] is not None else (True,) * mesh.ndim
         for k, g in enumerate(mesh.shape):
             n = o.shape[k]
             if g != 1 and (n != 1 and n != g or (wides[k] and vary[k] and n == 1)):
@@ -151,7 +148,7 @@ def replica_of(layout: Layout) -> tuple[int, ...]:
     """Per device: the device with coordinate 0 on the axes ``layout`` does not vary over
     (the one whose shard it replicates; itself when it holds a distinct shard)."""
     mesh = layout.mesh
-    vary = varying(layout)
+    vary = layout.varying
     return tuple(mesh.device_at([c if v else 0 for c, v in zip(mesh.coords(d), vary)]) for d in range(mesh.size))
 
 
@@ -165,8 +162,8 @@ def from_parts(shards: Sequence[torch.Tensor], layout: Layout, shape: tuple[int,
     if is_even(layout, shape):
         own = [s for d, s in enumerate(shards) if first[d] == d]
         if len(own) == 1:
-            return own[0].view(*canonical_sizes(layout), *own[0].shape)
-        return torch.stack(own).view(*canonical_sizes(layout), *own[0].shape)
+            return own[0].view(*layout.varying_sizes, *own[0].shape)
+        return torch.stack(own).view(*layout.varying_sizes, *own[0].shape)
     return tuple(shards[first[d]] for d in range(len(shards)))
 
 

@@ -43,6 +43,19 @@ class Layout(metaclass=ValueMeta):
     def partial_ops(self) -> dict[str, str]:
         return dict(self.partial)
 
+    @functools.cached_property
+    def varying(self) -> tuple[bool, ...]:
+        """Per mesh axis: whether shards differ along it (it shards a dim or is pending);
+        computed once per layout (read on every simulated op's output: no hash each time)."""
+        pending = self.partial_ops
+        return tuple(a in self.axis_dim or a in pending for a in self.mesh.axis_names)
+
+    @functools.cached_property
+    def varying_sizes(self) -> tuple[int, ...]:
+        """Per mesh axis: its size where shards differ along it, else 1 (the mesh-dim sizes of
+        the local backend's stacked value: one copy of what is the same on every device)."""
+        return tuple(g if v else 1 for g, v in zip(self.mesh.shape, self.varying))
+
     def is_replicated(self) -> bool:
         return not self.partial and not any(self.dims)
 
