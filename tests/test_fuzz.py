@@ -74,6 +74,7 @@ FOUND = [
     (5777989087, 3, None, "jvp,jacfwd,hessian,vmap_grad"),  # svdvals of inf: torch's subclass branch raises (oracle)
     (5772895398, 3),  # float16 split x @ x.mT then pow by -1.8: one step's legit rounding amplified (oracle: step by step)
     (35004348, 4),  # complex pcast (a product by 1+0j) and parts added by torch's complex add (a + 1 * b): -inf j to nan
+    (5788801577, 3, None, "jvp,jacfwd,hessian,vmap_grad,jacrev,vjp"),  # multi_margin of an empty batch: torch's unwritten output
 ]
 
 
@@ -135,6 +136,71 @@ def test_chains_stop_growing_past_the_size_cap():
     for st in case.steps:
         assert v.numel() <= fuzz.MAX_NUMEL, case.describe()
         v = st.fn(v, lambda a: a.plain)
+
+
+def test_no_step_is_drawn_past_the_step_cap(monkeypatch):
+    """One step on a value near the size cap (an outer product of it flattened) made billions of
+    elements that the generator, torch and shardfn each held (a run was OOM-killed at 21.7 GB):
+    steps are sized on fake tensors first and dropped past ``STEP_NUMEL``."""
+    grow = lambda c, x: fuzz.Step("outer", lambda v, A: torch.outer(v.reshape(-1), v.reshape(-1)), "outer")  # noqa: E731
+    monkeypatch.setitem(fuzz.OPS, "grow", ("grow", grow))
+    big = small = 0
+    for seed in range(60):
+        case = fuzz.case_for_seed(seed, families=["grow"])
+        v = case.x
+        for st in case.steps:
+            v = st.fn(v, lambda a: a.plain)
+            assert v.numel() <= fuzz.STEP_NUMEL, case.describe()
+        big += case.x.numel() ** 2 > fuzz.STEP_NUMEL
+        small += bool(case.steps)
+    assert big and small  # both kinds of input were drawn
+    assert fuzz._step_numel(grow(None, None), torch.zeros(2**12)) == 2**24  # sized without the memory
+
+
+class _Picks(fuzz.Chooser):
+    """Picks ``name`` where offered, else the first choice."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name = name
+
+    def choice(self, seq):
+        seq = list(seq)
+        return self.name if self.name in seq else seq[0]
+
+    def chance(self, p):
+        return False
+
+
+def test_bincount_is_not_drawn_on_values_past_the_step_cap():
+    """bincount's length is its largest value (data-dependent: fake tensors cannot size it)."""
+    ctx = fuzz.Ctx(_Picks("bincount"), fuzz.sf.Mesh((2,), ("x",)), torch.Generator().manual_seed(0), version=3)
+    assert fuzz.wide(ctx, torch.tensor([3, 2**40, 1])) is None
+    assert fuzz.wide(ctx, torch.tensor([3, 5, 1])) is not None
+
+
+def test_multi_margin_is_not_drawn_on_an_empty_batch():
+    ctx = fuzz.Ctx(_Picks("multi_margin"), fuzz.sf.Mesh((2,), ("x",)), torch.Generator().manual_seed(0), version=3)
+    assert fuzz.wide(ctx, torch.zeros(0, 9)) is None
+    assert fuzz.wide(ctx, torch.zeros(2, 9)) is not None
+
+
+def test_an_unwritten_torch_output_is_no_oracle():
+    """torch's multi_margin_loss of an empty batch returns its output unwritten (seed 5788801577):
+    glibc's perturbed allocations give two values, so the harness compares nothing; a settled
+    oracle still fails a wrong value."""
+    import torch.nn.functional as F
+
+    target = torch.zeros(0, dtype=torch.long)
+    unwritten = fuzz.Step("multi_margin", lambda v, A: F.multi_margin_loss(v, target), "multi_margin")
+    case = fuzz.Case(None, (2,), torch.zeros(0, 9), fuzz.P(), [unwritten], "value", loosest=torch.float32)
+    if not fuzz._oracle_unsettled(case):
+        pytest.skip("no glibc malloc to perturb")
+    assert fuzz.run_case(case) is None
+    wrong = fuzz.Step("wrong", lambda v, A: v.sum() + (1 if isinstance(v, fuzz.sf.ShardedArray) else 0), "wrong")
+    case = fuzz.Case(None, (2,), torch.zeros(0, 9), fuzz.P(), [wrong], "value", loosest=torch.float32)
+    assert not fuzz._oracle_unsettled(case)
+    assert fuzz.run_case(case) is not None
 
 
 TORCH_2_13 = _compat._release(torch.__version__) >= (2, 13)
