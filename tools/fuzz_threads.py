@@ -125,7 +125,9 @@ def run_batch(seeds: list[int], threads: int) -> dict[int, str | None]:
         t.start()
     for t in ts:
         t.join()
-    return {s: _differs(alone[s], got[s]) for s in seeds}
+    res = {s: _differs(alone[s], got[s]) for s in seeds}
+    # torch's program not one value from run to run (an output its kernel leaves unwritten): no check
+    return {s: None if r is not None and fuzz._oracle_unsettled(fuzz.case_for_seed(s)) else r for s, r in res.items()}
 
 
 def main(a: Any) -> int:
