@@ -9,6 +9,7 @@ box).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,9 +34,9 @@ def _shape(shape: ShapeLike, arg: str = "shape") -> tuple[int, ...]:
     """A shape as a tuple of non-negative ints (an int means a 1-d shape)."""
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
-    try:
-        out = tuple(int(n) for n in shape)
-        ok = all(not isinstance(n, bool) and int(n) == n >= 0 for n in shape)
+    try:  # operator.index, as torch's factories: 4.0 is not a size
+        out = tuple(operator.index(n) for n in shape)
+        ok = not isinstance(shape, (str, bytes)) and all(not isinstance(n, bool) for n in shape) and min(out, default=0) >= 0
     except (TypeError, ValueError):
         ok = False
     if not ok:

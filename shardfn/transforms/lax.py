@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ import torch
 
 from ..backends.hooks import OBSERVERS, SUBMESH_COLLECTIVES, notify
 from ..values.context import ThreadStack
-from ..values.errors import ShardingError, ShardingTypeError
+from ..values.errors import ShardingError, ShardingRuntimeError, ShardingTypeError
 from ..values.mesh import Mesh
 
 AxisName = str | tuple[str, ...]
@@ -228,6 +229,9 @@ def _on_whole(fn: Any) -> Any:
 
 
 def _dim(fn: str, arg: str, d: int, ndim: int) -> int:
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise ShardingTypeError(f"sf.lax.{fn}: {arg}={d!r} must be an int dim of the local tensor, "
+                                f"valid values are {-ndim}..{ndim - 1}")
     if not -ndim <= d < ndim:
         raise ShardingError(
             f"sf.lax.{fn}: {arg}={d} is out of range for a local tensor of rank {ndim}; "
@@ -248,6 +252,13 @@ def _reduce(fn: str, x: Any, axis_name: AxisName, op: str) -> Any:
             if op != "sum":
                 return t
             return complex(t.real * g, t.imag * g) if isinstance(t, complex) else t * g  # as the sum of g copies
+        if op == "sum" and t.dtype == torch.bool:  # counts, as torch.sum and JAX's psum promote
+            t = t.to(torch.int64)
+        elif op != "sum" and t.is_complex():
+            raise ShardingRuntimeError(
+                f"sf.lax.{fn}: {t.dtype} has no order, so there is no {op}imum over {axes!r}; "
+                f"use a real dtype (e.g. x.real or x.abs()), or sf.lax.psum / pmean"
+            )
         _record(body, "all_reduce", axes, t, op)
         return body.reduce(t, axes, op)
 
@@ -430,7 +441,7 @@ def pbroadcast(x: torch.Tensor, axis_name: AxisName, source: int) -> torch.Tenso
     of every device into ``source``'s."""
     body, axes = _context("pbroadcast", axis_name)
     g = _group_size(body.mesh, axes)
-    if not isinstance(source, int) or not 0 <= source < g:
+    if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < g:
         raise ShardingError(f"sf.lax.pbroadcast: source={source!r} must be an index along {axes!r}, 0..{g - 1}")
     return pcast(all_gather(x, axis_name, axis=0)[source], axis_name)
 
@@ -454,8 +465,8 @@ _perm_lock = threading.Lock()
 
 def _check_perm(perm: Any, g: int, axes: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     perm = _materialised(perm)
-    try:
-        pairs = tuple((int(s), int(d)) for s, d in perm)
+    try:  # operator.index: a float (0.5) is not silently truncated to a device index
+        pairs = tuple((_index(s), _index(d)) for s, d in perm)
     except (TypeError, ValueError):
         raise ShardingError(f"sf.lax.ppermute: perm {perm!r} must be a sequence of (src, dst) pairs") from None
     for s, d in pairs:
@@ -467,6 +478,13 @@ def _check_perm(perm: Any, g: int, axes: tuple[str, ...]) -> tuple[tuple[int, in
         if len(set(col)) != len(col):
             raise ShardingError(f"sf.lax.ppermute: perm {pairs!r} repeats a {name}; each device sends and receives at most once")
     return pairs
+
+
+def _index(i: Any) -> int:
+    """An int device index (Python, NumPy or a 0-d integer tensor; not a bool or a float)."""
+    if isinstance(i, bool):
+        raise TypeError(i)
+    return operator.index(i)
 
 
 def axis_index(axis_name: AxisName) -> torch.Tensor:

@@ -14,7 +14,7 @@ from ..arrays.array import ShardedArray
 from ..arrays.functorch import static_int
 from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
-from ..values.errors import ShardingError
+from ..values.errors import ShardingError, ShardingTypeError
 from ..values.graph_calls import graph_call
 from ..values.layout import is_even
 from ..values.mesh import Mesh
@@ -49,6 +49,9 @@ def local_map(f: Callable, out_specs: Any, *, in_specs: Any = None, in_grad_spec
 
         row_sum = sf.local_map(lambda x: x.sum(1), out_specs=P('x'))(x)  # x: P('x', None)
     """
+    if not callable(f):
+        raise ShardingTypeError(f"local_map: f={f!r} ({type(f).__name__}) is not callable; pass the function "
+                                f"to run on the local shards, e.g. sf.local_map(fn, out_specs=P('x'))")
 
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:

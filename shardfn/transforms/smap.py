@@ -9,7 +9,7 @@ from typing import Any
 import optree
 import torch
 
-from ..values.errors import ShardingError
+from ..values.errors import ShardingError, ShardingTypeError
 from ..values.mesh import Mesh
 from ..values.spec import P
 from .shard_map.api import shard_map
@@ -17,7 +17,8 @@ from .shard_map.api import shard_map
 __all__ = ["smap"]
 
 
-def smap(f: Callable, *, in_axes: Any = 0, out_axes: Any = 0, axis_name: str, mesh: Mesh | None = None) -> Callable:
+def smap(f: Callable | None = None, *, in_axes: Any = 0, out_axes: Any = 0, axis_name: str,
+         mesh: Mesh | None = None) -> Callable:
     """``shard_map`` manual over the single mesh axis ``axis_name`` (JAX's ``smap``).
 
     Each positional argument is split over ``axis_name`` along dim ``in_axes`` (an int,
@@ -25,12 +26,16 @@ def smap(f: Callable, *, in_axes: Any = 0, out_axes: Any = 0, axis_name: str, me
     outputs are concatenated along ``out_axes`` (same forms; ``None``: the output is
     replicated over the axis). Over the mesh's other axes the body sees whole values.
 
-    Example::
+    Without ``f`` it returns a decorator. Example::
 
         y = sf.smap(lambda a: a * sf.lax.axis_index('x'), axis_name='x', mesh=mesh)(x)
     """
-    if not isinstance(axis_name, str):
-        raise ShardingError(f"sf.smap: axis_name must be one mesh axis name, got {axis_name!r}")
+    if f is None:  # as a decorator: @sf.smap(axis_name='x', ...)
+        return functools.partial(smap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name, mesh=mesh)
+    if not callable(f):
+        raise ShardingTypeError(f"sf.smap: f={f!r} ({type(f).__name__}) is not callable; pass the function to map")
+    if not isinstance(axis_name, str):  # a TypeError in JAX too
+        raise ShardingTypeError(f"sf.smap: axis_name must be one mesh axis name (a str), got {axis_name!r}")
 
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
@@ -60,7 +65,7 @@ def _spec(a: Any, v: Any, axis_name: str, what: str) -> P | None:
     if a is None:
         return P() if v is None or isinstance(v, torch.Tensor) else None
     if not isinstance(a, int) or isinstance(a, bool):
-        raise ShardingError(f"sf.smap {what} entries must be ints or None, got {a!r}")
+        raise ShardingTypeError(f"sf.smap {what} entries must be ints or None, got {a!r}")
     if v is not None and not isinstance(v, torch.Tensor):
         return None
     if a < 0:

@@ -9,7 +9,7 @@ from typing import Any, Sequence, Union
 import attrs
 
 from .torch_compat import ValueMeta
-from .errors import ShardingError
+from .errors import ShardingError, ShardingTypeError
 from .layout import REDUCE_OPS, Layout
 from .mesh import Mesh, current_mesh
 
@@ -192,14 +192,24 @@ class NamedSharding(metaclass=ValueMeta):
 
     def placements(self, ndim: int) -> tuple[Placement, ...]:
         """The DTensor-style placements (one per mesh axis) for an ``ndim``-dim value."""
-        return layout_placements(self.layout(ndim))
+        return layout_placements(self.layout(_rank(ndim, "NamedSharding.placements")))
 
     def layout(self, ndim: int) -> Layout:
-        return spec_to_layout(self.mesh, self.spec, ndim)
+        return spec_to_layout(self.mesh, self.spec, _rank(ndim, "NamedSharding.layout"))
 
     @staticmethod
     def from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> NamedSharding:
+        ndim = _rank(ndim, "NamedSharding.from_placements")
         return NamedSharding(mesh, layout_to_spec(placements_to_layout(mesh, placements, ndim)))
+
+
+def _rank(ndim: object, where: str) -> int:
+    """``ndim`` checked as a tensor rank: a non-negative int (not a bool)."""
+    if isinstance(ndim, bool) or not isinstance(ndim, int):
+        raise ShardingTypeError(f"{where}: ndim={ndim!r} must be an int, the tensor's rank (e.g. x.dim())")
+    if ndim < 0:
+        raise ShardingError(f"{where}: ndim={ndim} must be a tensor's rank, an int >= 0")
+    return ndim
 
 
 Sharding = Union[NamedSharding, P, Sequence[Placement], Layout]
@@ -309,7 +319,7 @@ def to_layout(sharding: Sharding, ndim: int, mesh: Mesh | None = None, *, arg: s
         if mesh is not None and check_mesh(mesh, "mesh=") != sharding.mesh:
             raise ShardingError(f"{arg} is on {sharding.mesh!r} but the value is on {mesh!r}; "
                                 f"values on different meshes cannot be combined")
-        return sharding.layout(ndim)
+        return spec_to_layout(sharding.mesh, sharding.spec, ndim)
     mesh = check_mesh(mesh, "mesh=") if mesh is not None else current_mesh()
     if mesh is None:
         raise ShardingError(

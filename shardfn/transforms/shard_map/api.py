@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from ...backends.hooks import SHARD_MAP, SHARD_MAP_RUNNERS
+from ...values.errors import ShardingTypeError
 from ...values.graph_calls import graph_call
 from ...values.mesh import Mesh
 from ..lax import _in_shard_map
@@ -79,6 +80,9 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
     if f is None:
         return functools.partial(shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
                                  axis_names=axis_names)
+    if not callable(f):  # JAX raises a TypeError here too, not at the first call
+        raise ShardingTypeError(f"shard_map: f={f!r} ({type(f).__name__}) is not callable; pass the function "
+                                f"to map, e.g. sf.shard_map(fn, mesh=mesh, in_specs=..., out_specs=...)")
 
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
