@@ -241,3 +241,37 @@ def test_layout_varying_axes_are_computed_once():
         assert layout.varying_sizes == tuple(n if v else 1 for n, v in zip((2, 4), want))
         x = sf.distribute(torch.randn(8, 8), spec, mesh=mesh)
         assert tuple(x._local.shape[:2]) == layout.varying_sizes
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_a_replicated_lower_rank_operand_broadcasts_without_a_reshape(mesh_shape):
+    """An elementwise op's lower-rank operand whose mesh dims are all 1 (a replicated weight or
+    bias) is not padded after the mesh dims: torch's right-aligned broadcasting reads it alike.
+    Values and gradients equal torch's (mul, add, where, an in-place add, 0-d, 1-d and 2-d
+    operands, and one split over the last mesh axis)."""
+    names = ("dp", "tp")[:len(mesh_shape)]
+    mesh = sf.Mesh(mesh_shape, names, backend="local")
+    g = torch.Generator().manual_seed(5)
+    x, w, b, c = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((4, 6, 8), (8,), (6, 8), ()))
+    xs = sf.distribute(x, P("dp"), mesh=mesh).requires_grad_()
+    ws, bs, cs = (sf.distribute(t, P(), mesh=mesh).requires_grad_() for t in (w, b, c))
+    split = sf.distribute(w, P(names[-1]), mesh=mesh)
+    plain = [t.clone().requires_grad_() for t in (x, w, b, c)]
+
+    def f(x, w, b, c, split):  # noqa: ANN001, ANN202
+        y = torch.where(x > 0, x * w + b, c * x) + split
+        z = y * 1.0
+        z.add_(w)
+        return z
+
+    for _ in range(2):
+        f(xs, ws, bs, cs, split)
+    with TorchCalls() as mode:
+        out = f(xs, ws, bs, cs, split)
+    want = f(*plain, w)
+    if len(mesh_shape) == 1:  # (the split operand is gathered there: no operand is padded)
+        assert mode.calls.count(aten.reshape.default) == 0
+    torch.testing.assert_close(out.full_tensor(), want)
+    grads = torch.autograd.grad((out ** 2).sum(), (xs, ws, bs, cs))
+    for got, w_ in zip(grads, torch.autograd.grad((want ** 2).sum(), plain)):
+        torch.testing.assert_close(got.full_tensor(), w_)

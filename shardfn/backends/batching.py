@@ -182,6 +182,10 @@ class _Call:
                 _set(args, kwargs, where, [*args[0].shape[:m], *local])
             for where, pad in self.align:
                 x = _get(args, kwargs, where)
+                if not symbolic and x.shape[:m].numel() == 1:
+                    # every mesh dim 1 (a replicated weight or bias): torch's broadcasting, aligned
+                    # from the right, reads it as the padded view would (a reshape less per call)
+                    continue
                 _set(args, kwargs, where, x.reshape(*x.shape[:m], *([1] * pad), *x.shape[m:]))
             if self.dense:
                 args = [dc.dense(a, self.dense) for a in args]
