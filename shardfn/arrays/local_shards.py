@@ -58,22 +58,41 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         layout, shape = inputs[0], inputs[1]
-        ctx.meta = (layout, shape, output.detach() if _selects(layout) else None)
+        ctx.meta = (layout, shape, part_weights(output.detach()))
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
         layout, shape, value = ctx.meta
         grad = reshard(_as_sharded(g, layout), layout.without_partial())
         shards = grad.local_shards()
-        avg = math.prod(layout.mesh.axis_size(a) for a, op in layout.partial if op == "avg")
-        if avg > 1:
-            shards = [s / avg for s in shards]
-        if value is not None:
-            # max/min: the gradient flows to the parts that attain the reduced value
-            reduced = _shards_of(raw_reshard(value, layout.without_partial()), layout.mesh)
-            parts = value.local_shards()
-            shards = [s * (p == r) for s, p, r in zip(shards, parts, reduced)]
+        if value is not None:  # avg / max / min: each part's share of the reduced value
+            shards = [s * w for s, w in zip(shards, value.local_shards())]
         return (None, None, None, *shards)
+
+
+def part_weights(value: ShardedArray) -> ShardedArray | None:
+    """What each part of a pending avg / max / min contributes to the reduced value, as the
+    parts of an array pending a sum (None for pending sums: every part counts fully). An
+    average's parts weigh 1/n; a max's or min's the parts attaining it, split evenly among
+    ties, as torch.amax's gradient is. Cotangents and tangents of the parts scale by these
+    (constants: read from the raw shards, outside autograd)."""
+    layout = value._layout
+    if all(op == "sum" for _, op in layout.partial) or not (value.is_floating_point() or value.is_complex()):
+        return None
+    mesh, shape, backend = layout.mesh, tuple(value.shape), backend_for(layout.mesh)
+    sums = Layout(mesh, layout.dims, tuple((a, "sum") for a, _ in layout.partial))
+    scale = 1 / math.prod(mesh.axis_size(a) for a, op in layout.partial if op == "avg")
+    parts = [p.detach() for p in value.local_shards()]
+    if not _selects(layout):
+        weights = [torch.full_like(p, scale) for p in parts]
+    else:
+        kept = tuple(p for p in layout.partial if p[1] not in ("max", "min"))
+        reduced = _shards_of(raw_reshard(value, Layout(mesh, layout.dims, kept)), mesh)
+        masks = [((p == r) | (p.isnan() & r.isnan())).to(p.dtype) for p, r in zip(parts, reduced)]
+        counted = ShardedArray(backend.from_shards(masks, sums, shape), sums, shape, value.dtype)
+        counts = _shards_of(raw_reshard(counted, Layout(mesh, layout.dims, tuple((a, "sum") for a, _ in kept))), mesh)
+        weights = [m * scale / c.clamp(min=1) for m, c in zip(masks, counts)]
+    return ShardedArray(backend.from_shards(weights, sums, shape), sums, shape, value.dtype)
 
 
 def _selects(layout: Layout) -> bool:

@@ -26,6 +26,7 @@ import torch
 import torch._C._functorch as _ft
 
 from ..arrays.array import ShardedArray, wrap
+from ..arrays.local_shards import part_weights
 from ..arrays.redistribute import raw_reshard
 from ..backends.registry import backend_for
 from ..backends.local_values import full, settle
@@ -180,6 +181,24 @@ class EnterStacked(torch.autograd.Function):
         return EnterStacked.apply(x, modes), layout.mesh.ndim + b
 
 
+def _pending_sums(layout: Layout) -> Layout:
+    """``layout`` with each pending reduction a sum (that of its parts' weighted shares)."""
+    return Layout(layout.mesh, layout.dims, tuple((a, "sum") for a, _ in layout.partial))
+
+
+def _stacked_weights(value: Any, modes: tuple[str, ...]) -> torch.Tensor | None:
+    """The shares of a pending avg / max / min output's parts (``part_weights``) in the
+    stacked form of ``modes``; a "sum" axis (identical copies, whose cotangents are
+    summed) takes its first copy's share, as every copy has the same."""
+    value = unwrapped(value)  # the array under torch.func's wrappers
+    if not value._layout.partial:
+        return None
+    weights = part_weights(value)
+    if weights is None:
+        return None
+    return EnterStacked.forward(weights, tuple("first" if m == "sum" else m for m in modes))
+
+
 class ExitStacked(torch.autograd.Function):
     """Canonical tensor -> ShardedArray in ``layout`` (stored in the local backend's
     canonical form for the layout)."""
@@ -191,20 +210,24 @@ class ExitStacked(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         c, layout, shape = inputs
-        ctx.meta = (layout, shape, stacked_modes(layout, tuple(c.shape[:layout.mesh.ndim])))
+        modes = stacked_modes(layout, tuple(c.shape[:layout.mesh.ndim]))
+        ctx.meta = (layout, shape, modes, _stacked_weights(output, modes))
         if not _float(c):
             ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: Any) -> Any:
-        layout, _, modes = ctx.meta
+        layout, _, modes, weights = ctx.meta
         # an invariant value: tiled / summed copies add up, replicas count once
-        return EnterStacked.apply(_as_sharded(ct, layout.without_partial()), modes), None, None
+        g = EnterStacked.apply(_as_sharded(ct, layout.without_partial()), modes)
+        return (g if weights is None else g * weights), None, None
 
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor, _: Any, __: Any) -> Any:
-        layout, shape, _ = ctx.meta
-        return ExitStacked.apply(t, layout, shape)
+        layout, shape, _, weights = ctx.meta
+        if weights is None:
+            return ExitStacked.apply(t, layout, shape)
+        return ExitStacked.apply(t * weights, _pending_sums(layout), shape)  # the parts' weighted sum
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, c: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> tuple:
@@ -294,17 +317,20 @@ class ExitParts(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         layout, shape, first_only = inputs[:3]
-        ctx.meta = (layout, shape, first_only)
+        weights = part_weights(unwrapped(output)) if layout.partial else None
+        ctx.meta = (layout, shape, first_only, None if weights is None else weights.local_shards())
         ctx.zeros = [(tuple(o.shape), o.dtype) for o in inputs[3:]]
         if not _float(output):
             ctx.mark_non_differentiable(output)
 
     @staticmethod
     def backward(ctx: Any, ct: Any) -> Any:
-        layout, _, first_only = ctx.meta
+        layout, _, first_only, weights = ctx.meta
         mesh = layout.mesh
         plain = layout.without_partial()
         parts = EnterParts.apply(_as_sharded(ct, plain), plain, False)
+        if weights is not None:  # avg / max / min: each part's share of the reduced value
+            parts = [p * w for p, w in zip(parts, weights)]
         # a later replica's cotangent: None, or zeros built from the cotangent where a
         # traced backward must keep the collectives it feeds (Backend.zero_cotangent)
         zero = backend_for(mesh).zero_cotangent
@@ -319,8 +345,10 @@ class ExitParts(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: Any, _: Any, __: Any, ___: Any, *ts: Any) -> Any:
-        layout, shape, first_only = ctx.meta
+        layout, shape, first_only, weights = ctx.meta
         ts = [torch.zeros(z[0], dtype=z[1]) if t is None else t for t, z in zip(ts, ctx.zeros)]
+        if weights is not None:  # the tangent of a pending avg / max / min: its parts' weighted sum
+            return ExitParts.apply(_pending_sums(layout), shape, first_only, *[t * w for t, w in zip(ts, weights)])
         return ExitParts.apply(layout, shape, first_only, *ts)
 
     @staticmethod

@@ -107,9 +107,11 @@ def check_output_vma(path: str, spec: Any, layout: Layout, varying: set[str]) ->
         if a in layout.partial_ops and a not in varying and mesh.axis_size(a) > 1:
             raise ShardingError(
                 f"shard_map {path} has out_spec {spec!r} with partial over mesh axis {a!r}, but it does "
-                f"not vary over {a!r}: summing its identical copies would multiply it by "
-                f"{mesh.axis_size(a)}; drop {a!r} from partial= (or psum over {a!r} in the body "
-                f"only where the value really differs)"
+                f"not vary over {a!r}: " + (
+                    f"summing its identical copies would multiply it by {mesh.axis_size(a)}"
+                    if layout.partial_ops[a] == "sum" else
+                    f"its {mesh.axis_size(a)} identical copies are no pending {layout.partial_ops[a]}")
+                + f"; drop {a!r} from partial= (or psum over {a!r} in the body only where the value really differs)"
             )
 
 
