@@ -365,6 +365,30 @@ def test_coalesced_sync_concatenates_once_where_leaves_cannot_run_apart(monkeypa
     coalesce._plans.clear()
 
 
+def test_coalesced_sync_reads_each_leaf_storage_once_on_its_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree's first reshard (its plan made) reads each leaf's storage once: whether the bucket
+    takes the stored form is decided from what the move reads, not from a read of its own; the
+    outputs carry dispatch's key fragment on the first call as on later ones, and the sums are
+    torch's sums of the parts."""
+    from shardfn.backends.local import LocalBackend
+    from shardfn.transforms import coalesce
+
+    reads = []
+    storage = LocalBackend.storage
+    monkeypatch.setattr(LocalBackend, "storage", staticmethod(lambda *a: reads.append(a[1]) or storage(*a)))
+    coalesce._plans.clear()
+    mesh = sf.Mesh((4,), ("dp",), backend="local")
+    parts, tree = _device_parts(_GRAD_SHAPES, mesh, seed=7)
+    for call in ("first", "warm"):
+        reads.clear()
+        out = sf.reshard(tree, P())
+        assert len(reads) == len(tree), (call, len(reads))
+        for o, ps in zip(out, parts):
+            assert o.spec == P() and o._kf is not None, call
+            torch.testing.assert_close(o.full_tensor(), torch.stack(ps).sum(0), rtol=1e-6, atol=1e-6)
+    coalesce._plans.clear()
+
+
 def _dp_pending(x: sf.ShardedArray, spec: P) -> sf.ShardedArray:
     """``x`` (dp's parts stacked in dim 0, split over 'dp') as the sum of its parts pending over 'dp'."""
     return sf.ShardedArray.from_local([t[0] for t in x.to_local()], P(*spec, partial="dp"), mesh=x.mesh)

@@ -203,7 +203,8 @@ class _Bucket:
     ``from_shards`` per leaf. ``stored``: the backend stores each leaf as one tensor whose
     leading dims (the local backend's mesh dims) are the same for every leaf, so the bucket
     is one concatenation of the stored tensors along their last dim (one kernel, not one
-    per device), the plan runs on it, and the leaves come back as views of one split."""
+    per device), the plan runs on it, and the leaves come back as views of one split (decided by
+    the first move, from the storage it reads: None until then)."""
 
     __slots__ = ("idx", "whole", "mesh", "dtype", "device", "flat_src", "flat_dst", "total",
                  "srcs", "dsts", "shapes", "classes", "frags", "sizes", "local_shapes", "held1", "stored")
@@ -236,13 +237,16 @@ class _Bucket:
         probe = shards[0]
         self.held1 = (len(backend.devices(self.mesh)) == 1 and backend.shard_list(x0._local, self.mesh)[0] is x0._local
                       and backend.from_shards([probe], self.dsts[0], self.shapes[0]) is probe)
-        self.stored = not self.held1 and _stored_alike(backend, xs, self.srcs, self.shapes, self.local_shapes)
+        self.stored = False if self.held1 else None  # None: decided by the first move, from the storage it reads
         # outputs carry dispatch's key fragment where their storage is canonical (always
         # for a lone held shard, and for the stored form's outputs, which are the backend's
         # own storage form; the generic path leaves it to dispatch's first use)
-        canonical = self.stored or self.held1 and all(backend.is_canonical(probe, d) for d in set(self.dsts))
-        self.frags = tuple(fragment_of(d, s, self.dtype) if canonical else None
-                           for d, s in zip(self.dsts, self.shapes))
+        canonical = self.held1 and all(backend.is_canonical(probe, d) for d in set(self.dsts))
+        self.frags = self._fragments(canonical)
+
+    def _fragments(self, canonical: bool) -> tuple:
+        """The outputs' key fragments where their storage is canonical, else None each."""
+        return tuple(fragment_of(d, s, self.dtype) if canonical else None for d, s in zip(self.dsts, self.shapes))
 
     def move(self, xs: list) -> list:
         """The leaves ``xs`` (this bucket's, in order) moved: their new ShardedArrays."""
@@ -251,10 +255,10 @@ class _Bucket:
         plan = plan_layouts(self.flat_src, self.flat_dst, self.total, self.dtype)
         if self.held1:
             locs = [x._local for x in xs]
-            pieces = _unflatten(execute(plan, _flatten(locs)), locs)
-        elif self.stored:
-            backend = backend_for(self.mesh)
-            stored = [backend.storage(x._local, src, shape)[0] for x, src, shape in zip(xs, self.srcs, self.shapes)]
+            return self._wrap(_unflatten(execute(plan, _flatten(locs)), locs))
+        backend = backend_for(self.mesh)
+        stored = None if self.stored is False else self._stored(backend, xs)
+        if stored is not None:
             apart = execute_many(plan, stored)  # the plan on each leaf's stored tensor, where the backend can
             if apart is not None:
                 return self._wrap([backend.from_storage([t], dst, shape) for t, dst, shape
@@ -268,7 +272,6 @@ class _Bucket:
             pieces = [backend.from_storage([t.view(*lead, *ls)], dst, shape) for t, ls, dst, shape
                       in zip(out.split(self.sizes, k), self.local_shapes, self.dsts, self.shapes)]
         else:
-            backend = backend_for(self.mesh)
             per_leaf = [backend.shard_list(x._local, self.mesh) for x in xs]
             flat = [_flatten([p[d] for p in per_leaf]) for d in range(len(per_leaf[0]))]
             value = execute(plan, backend.from_shards(flat, self.flat_src, self.total))
@@ -276,6 +279,18 @@ class _Bucket:
             pieces = [backend.from_shards([m[k].view(ls) for m in moved], dst, shape)
                       for k, (ls, dst, shape) in enumerate(zip(self.local_shapes, self.dsts, self.shapes))]
         return self._wrap(pieces)
+
+    def _stored(self, backend: Any, xs: list) -> list | None:
+        """Each leaf's one stored tensor (the stored form), or None; the first move reads each
+        leaf's storage once, decides ``stored`` from what it read and keeps the decision."""
+        if self.stored:
+            return [backend.storage(x._local, src, shape)[0] for x, src, shape in zip(xs, self.srcs, self.shapes)]
+        forms = [backend.storage(x._local, src, shape) for x, src, shape in zip(xs, self.srcs, self.shapes)]
+        self.stored = _stored_alike(forms, self.local_shapes)
+        if not self.stored:
+            return None
+        self.frags = self._fragments(True)
+        return [f[0] for f in forms]
 
     def _wrap(self, pieces: list) -> list:
         """Contiguous arrays of the moved backend values (metadata checked when the bucket
@@ -292,13 +307,12 @@ class _Bucket:
         return out
 
 
-def _stored_alike(backend: Any, xs: list, srcs: tuple, shapes: tuple, local_shapes: tuple) -> bool:
-    """Whether the backend stores each of the leaves ``xs`` as one tensor, its local shape
-    behind leading dims that are the same for every leaf (the local backend's canonical
-    stacked values of even layouts over the same varying axes): the bucket's stored form."""
+def _stored_alike(forms: list, local_shapes: tuple) -> bool:
+    """Whether the leaves' storage ``forms`` (``backend.storage`` of each) are one tensor each,
+    its local shape behind leading dims that are the same for every leaf (the local backend's
+    canonical stacked values of even layouts over the same varying axes): the bucket's stored form."""
     leads = set()
-    for x, src, shape, ls in zip(xs, srcs, shapes, local_shapes):
-        stored = backend.storage(x._local, src, shape)
+    for stored, ls in zip(forms, local_shapes):
         if len(stored) != 1:
             return False
         t = stored[0]
