@@ -386,6 +386,10 @@ class _FullTensor(_Function):
         return _FullTensor.apply(x), in_dims[0]
 
 
+def into_layout(x: torch.Tensor, layout: Layout) -> ShardedArray:
+    """``x`` laid out as ``layout`` (differentiable): a ShardedArray resharded, a plain tensor distributed."""
+    return reshard(x, layout) if isinstance(x, ShardedArray) else distribute(x, layout)
+
 def _as_sharded(g: Any, layout: Layout) -> ShardedArray:
     if isinstance(g, ShardedArray) or _ft.base_array(g) is not None:
         return g

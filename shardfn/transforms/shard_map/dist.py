@@ -23,7 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
 from ...arrays.array import ShardedArray
-from ...arrays.redistribute import distribute, reshard
+from ...arrays.redistribute import into_layout
 from ...arrays.functorch import base_array, is_wrapped
 from ...values import replica_checks as _replicas
 from ...values.errors import ShardingError
@@ -303,7 +303,7 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
 def _local_input(v: torch.Tensor, layout: Layout) -> torch.Tensor:
     """This rank's local tensor of argument ``v``. A plain tensor (the same on every rank)
     is distributed first, so its gradient is gathered from every rank's part."""
-    v = reshard(v, layout) if isinstance(v, ShardedArray) else distribute(v, layout)
+    v = into_layout(v, layout)
     return B.EnterParts.apply(v, B.summed_grad_layout(layout), True)[0]
 
 

@@ -27,7 +27,7 @@ import torch
 from . import per_device as _per_device
 from .. import lax
 from ...arrays.array import ShardedArray, wrap
-from ...arrays.redistribute import distribute, reshard
+from ...arrays.redistribute import distribute, into_layout, reshard
 from ...backends import backend_for
 from ...backends.hooks import register_submesh_collective
 from ...values.layout import Layout
@@ -88,7 +88,7 @@ class _Exit(torch.autograd.Function):
         sub_layout, block, layout, manual = ctx.meta
         mesh = layout.mesh
         want = layout.without_partial()
-        g = reshard(g, want) if isinstance(g, ShardedArray) else distribute(g, want)
+        g = into_layout(g, want)
         local = g._local
         coords = mesh.coords(_rank(mesh))
         used = set(layout.axis_dim) | set(layout.partial_ops)
@@ -130,7 +130,7 @@ class _Rewrap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: Any) -> Any:
-        g = reshard(g, ctx.layout) if isinstance(g, ShardedArray) else distribute(g, ctx.layout)
+        g = into_layout(g, ctx.layout)
         return g._local.view(g._local.shape), None, None
 
 
@@ -196,7 +196,7 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
             leaves.append(v)
             continue
         _order_check(layout, manual, f"shard_map in_specs for {path}")
-        arr = reshard(v, layout) if isinstance(v, ShardedArray) else distribute(v, layout)
+        arr = into_layout(v, layout)
         vma = frozenset(a for a in (*layout.axis_dim, *layout.partial_ops) if a in manual)  # pending parts vary too
         leaves.append(_per_device.tag(_Enter.apply(arr, sub, manual), vma))
     closures = _SubClosures(mesh, sub, manual, leaves) if torch.is_grad_enabled() else contextlib.nullcontext()
@@ -219,7 +219,7 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
         if check_vma:
             check_output_vma(p, s, layout, set(vma))
         sub_layout = _sub_layout(layout, sub)
-        o = reshard(o, sub_layout) if isinstance(o, ShardedArray) else distribute(o, sub_layout)
+        o = into_layout(o, sub_layout)
         shape = _global_shape(o, layout, manual, inputs.even(), rank)
         results.append(_Exit.apply(o, layout, shape, manual))
     return optree.tree_unflatten(treespec, results)

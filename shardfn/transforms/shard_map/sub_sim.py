@@ -27,7 +27,7 @@ import optree
 import torch
 
 from ...arrays.array import ShardedArray, wrap
-from ...arrays.redistribute import distribute, reshard
+from ...arrays.redistribute import into_layout
 from ...backends import backend_for
 from ...backends.hooks import SHARD_MAP, muted
 from ...values.errors import ShardingError
@@ -87,7 +87,7 @@ class _Pick(torch.autograd.Function):
         for c, g in enumerate(gs):
             if g is None:
                 g = torch.zeros(blocks[c], dtype=dtype)
-            g = reshard(g, lg) if isinstance(g, ShardedArray) else distribute(g, lg)
+            g = into_layout(g, lg)
             for a, s in enumerate(sb.shard_list(g._local, sub)):
                 shards[grid.device(c, a)] = s
         value = backend_for(layout.mesh).from_shards(shards, full, shape)
@@ -120,7 +120,7 @@ class _Join(torch.autograd.Function):
     def backward(ctx: Any, g: Any) -> Any:
         layout, shape, grid, manual, subs = ctx.meta
         want = layout.without_partial()
-        g = reshard(g, want) if isinstance(g, ShardedArray) else distribute(g, want)
+        g = into_layout(g, want)
         used = set(layout.axis_dim) | set(layout.partial_ops)
         mm = grid.manual_mesh
         backend = backend_for(layout.mesh)
@@ -164,7 +164,7 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
             columns.append([v] * n)
             continue
         _order_check(layout, manual, f"shard_map in_specs for {path}")
-        arr = reshard(v, layout) if isinstance(v, ShardedArray) else distribute(v, layout)
+        arr = into_layout(v, layout)
         vma = frozenset(a for a in (*layout.axis_dim, *layout.partial_ops) if a in manual)  # pending parts vary too
         columns.append([_per_device.tag(p, vma) for p in _Pick.apply(arr, grid, manual)])
     per_run = [inputs.rebuild([col[c] for col in columns]) for c in range(n)]
@@ -205,7 +205,7 @@ def _laid_out(out: Any, out_specs: Any, mesh: Mesh, sub: Mesh) -> Any:
             layout = _manual_out_layout(p, s, v.dim(), mesh, manual)
             vma = _per_device.vma_of(v)
             sl = _sub_layout(layout, sub)
-            v = _per_device.tag(reshard(v, sl) if isinstance(v, ShardedArray) else distribute(v, sl), vma)
+            v = _per_device.tag(into_layout(v, sl), vma)
         laid.append(v)
     return optree.tree_unflatten(treespec, laid)
 
