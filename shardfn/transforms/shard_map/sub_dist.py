@@ -34,7 +34,8 @@ from ...values.layout import Layout
 from ...values.mesh import Mesh
 from ..specs import _match
 from .io import check_output_vma, check_scalar_output
-from .sub_layouts import _block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _whole_shape
+from .sub_layouts import (_block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _varying_manual,
+                          _whole_shape)
 
 _active: list[Mesh] = []  # the sub-meshes of the dist partial-manual bodies running (one thread per rank)
 
@@ -197,7 +198,7 @@ def shard_map_dist(f: Callable, inputs: Any, sub: Mesh, manual: frozenset, out_s
             continue
         _order_check(layout, manual, f"shard_map in_specs for {path}")
         arr = into_layout(v, layout)
-        vma = frozenset(a for a in (*layout.axis_dim, *layout.partial_ops) if a in manual)  # pending parts vary too
+        vma = _varying_manual(layout, manual)
         leaves.append(_per_device.tag(_Enter.apply(arr, sub, manual), vma))
     closures = _SubClosures(mesh, sub, manual, leaves) if torch.is_grad_enabled() else contextlib.nullcontext()
     with _running(sub), lax._manual_axes(manual), lax._entered(_SubBody(mesh)), sub, closures:

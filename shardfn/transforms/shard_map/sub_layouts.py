@@ -28,6 +28,11 @@ def _order_check(layout: Layout, manual: frozenset, where: str) -> None:
             seen_auto |= a not in manual
 
 
+def _varying_manual(layout: Layout, manual: frozenset) -> frozenset:
+    """The manual axes an input laid out as ``layout`` varies over in the body (its split axes,
+    and its pending sums' axes: each part is its own value)."""
+    return frozenset(a for a in (*layout.axis_dim, *layout.partial_ops) if a in manual)
+
 def _sub_layout(layout: Layout, sub: Mesh) -> Layout:
     """``layout`` over the sub-mesh's axes only."""
     names = sub.axis_names

@@ -37,7 +37,8 @@ from .. import lax
 from ..specs import _match, _match_columns
 from . import per_device as _per_device
 from .io import _out_layout, check_output_vma, check_scalar_output
-from .sub_layouts import _block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _whole_shape
+from .sub_layouts import (_block_shape, _full_layout, _manual_out_layout, _order_check, _sub_layout, _varying_manual,
+                          _whole_shape)
 
 
 class _Grid:
@@ -165,7 +166,7 @@ def run(f: Callable, inputs: Any, manual: frozenset, auto: tuple[str, ...], out_
             continue
         _order_check(layout, manual, f"shard_map in_specs for {path}")
         arr = into_layout(v, layout)
-        vma = frozenset(a for a in (*layout.axis_dim, *layout.partial_ops) if a in manual)  # pending parts vary too
+        vma = _varying_manual(layout, manual)
         columns.append([_per_device.tag(p, vma) for p in _Pick.apply(arr, grid, manual)])
     per_run = [inputs.rebuild([col[c] for col in columns]) for c in range(n)]
     grad = torch.is_grad_enabled()
