@@ -609,7 +609,8 @@ def _fold_plan(tensors: Sequence[torch.Tensor], lead: tuple, m: int) -> tuple[tu
         for mask in range(1 << m):  # mask 0 first: everything into the batch
             to_heads = tuple(i for i in range(m) if mask >> i & 1)
             to_batch = tuple(i for i in range(m) if not mask >> i & 1)
-            if all(_merges(t, lead, (*to_batch, m)) and _merges(t, lead, (*to_heads, m + 1)) for t in tensors):
+            if all(stacked_matmul.mergeable(t, (*to_batch, m), lead) and stacked_matmul.mergeable(t, (*to_heads, m + 1), lead)
+                   for t in tensors):
                 plan = (to_batch, to_heads)
                 break
         if key is not None:
@@ -617,20 +618,6 @@ def _fold_plan(tensors: Sequence[torch.Tensor], lead: tuple, m: int) -> tuple[tu
                 _FOLDS.clear()
             _FOLDS[key] = plan
     return plan
-
-
-def _merges(t: torch.Tensor, lead: tuple, dims: Sequence[int]) -> bool:
-    """Whether dims ``dims`` of ``t`` (expanded to the mesh sizes ``lead``) merge as a view."""
-    expected = None
-    for i in reversed(dims):
-        n = lead[i] if i < len(lead) else t.shape[i]
-        if n == 1:
-            continue
-        s = t.stride(i) if i >= len(lead) or t.shape[i] == n else 0
-        if expected is not None and s != expected:
-            return False
-        expected = s * n
-    return True
 
 
 def _same_everywhere(info: Info, *names: str) -> bool:

@@ -71,7 +71,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor
 
 
 def _fold(x: torch.Tensor, order: Sequence[int] | None, shape: tuple) -> torch.Tensor:
-    """An operand's leading dims folded (a view where the plan was made: ``_mergeable``); one
+    """An operand's leading dims folded (a view where the plan was made: ``mergeable``); one
     GEMM's operand (no batch dim) where the plan has no common dims."""
     if order is not None:
         x = x.permute(order)
@@ -115,7 +115,7 @@ def summed(a: torch.Tensor, b: torch.Tensor, dims: Sequence[int], scale: float =
     for n in (*a.shape, *b.shape):
         if type(n) is not int:
             return None
-    if not (_mergeable(a, [*dims, r - 1]) and _mergeable(b, [*dims, r - 2])):
+    if not (mergeable(a, [*dims, r - 1]) and mergeable(b, [*dims, r - 2])):
         return None
     rest = [i for i in range(r - 2) if i not in dims]
     n = _prod_sizes(a.shape, dims)
@@ -169,8 +169,8 @@ def _fold_plan(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
     # the dims an operand is broadcast on (size 1 there) ride along with the common ones
     a_order = [*common, *cols, *rows, r - 2, r - 1]
     b_order = [*common, *rows, r - 2, *cols, r - 1]
-    fold_copies = (0 if _mergeable(a, common) and _mergeable(a, [*rows, r - 2]) else a.numel()) + (
-        0 if _mergeable(b, common) and _mergeable(b, [*cols, r - 1]) else b.numel())
+    fold_copies = (0 if mergeable(a, common) and mergeable(a, [*rows, r - 2]) else a.numel()) + (
+        0 if mergeable(b, common) and mergeable(b, [*cols, r - 1]) else b.numel())
     # torch.matmul expands each broadcast operand to the full batch and reshapes (copies) it
     matmul_copies = (a.numel() * _prod_sizes(sb, cols) if cols else 0) + (
         b.numel() * _prod_sizes(sa, rows) if rows else 0)
@@ -209,14 +209,16 @@ def _prod_sizes(shape: Sequence[int], dims: Sequence[int]) -> int:
     return p
 
 
-def _mergeable(t: torch.Tensor, dims: Sequence[int]) -> bool:
-    """Whether dims ``dims`` of ``t`` (major first) merge into one dim as a view."""
+def mergeable(t: torch.Tensor, dims: Sequence[int], lead: tuple = ()) -> bool:
+    """Whether dims ``dims`` of ``t`` (major first) merge into one dim as a view; ``lead``: the
+    sizes ``t``'s leading dims are expanded to first (the mesh's, where ``t`` has size 1: stride 0)."""
     expected = None
     for i in reversed(dims):
-        n = t.shape[i]
+        n, s = t.shape[i], t.stride(i)
+        if lead and i < len(lead) and lead[i] != n:
+            n, s = lead[i], 0
         if n == 1:
             continue
-        s = t.stride(i)
         if expected is not None and s != expected:
             return False
         expected = s * n
