@@ -334,15 +334,16 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
     return torch.matmul(torch.nn.functional.dropout(attn, float(p)) if p > 0.0 else attn, v)
 
 
-def _stand_in(t: Any) -> Any:
+def _stand_in(t: Any, concrete: bool = False) -> Any:
     """A plain tensor with ``t``'s global shape, dtype, device and requires_grad, holding one
     row of memory (strides 0 but the last dim's 1: the kernels' choice reads metadata and the
-    last dim's stride, never values); ``t`` itself if it is plain. The same on every rank.
+    last dim's stride, never values); ``t`` itself if it is plain (or None). The same on every rank.
     Called with torch functions disabled (an array's metadata reads skip its hook), and made by
-    one factory call (``empty_strided``, a leaf: no ``expand`` and no autograd node)."""
-    if not hasattr(t, "_layout"):
+    one factory call (``empty_strided``, a leaf: no ``expand`` and no autograd node).
+    ``concrete``: for any tensor (a fake one too), its sizes made ints, outside the tracing modes."""
+    if t is None or not (concrete or hasattr(t, "_layout")):
         return t
-    shape, dtype, device = t.shape, t.dtype, t.device
+    shape, dtype, device = tuple(int(n) for n in t.shape) if concrete else t.shape, t.dtype, t.device
     if not shape:
         return torch.empty((), dtype=dtype, device=device)
     return torch.empty_strided(shape, (0,) * (len(shape) - 1) + (1,), dtype=dtype, device=device,
@@ -421,15 +422,4 @@ def _traced_choice_is_math(q: Any, k: Any, v: Any, mask: Any, bound: dict) -> bo
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        return _choice_is_math(*(_real_stand_in(t) for t in (q, k, v, mask)), bound)
-
-
-def _real_stand_in(t: Any) -> Any:
-    """:func:`_stand_in` of a (fake or array) tensor's metadata, made outside the tracing modes."""
-    if t is None:
-        return None
-    shape, dtype, device = tuple(int(n) for n in t.shape), t.dtype, t.device
-    if not shape:
-        return torch.empty((), dtype=dtype, device=device)
-    return torch.empty_strided(shape, (0,) * (len(shape) - 1) + (1,), dtype=dtype, device=device,
-                               requires_grad=t.requires_grad and (dtype.is_floating_point or dtype.is_complex))
+        return _choice_is_math(*(_stand_in(t, concrete=True) for t in (q, k, v, mask)), bound)
