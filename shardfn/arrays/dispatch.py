@@ -327,7 +327,7 @@ _READS: dict[int, tuple] = {}  # id(op) -> (op, whether it reads its arrays' val
 
 def _held_back(a: Any, fid: int, func: Any) -> Any:
     """The fast-key fragment of an array that has none set: a fresh array (or a view of one)
-    holds its fragment back (``fresh.mark_fresh``, ``inplace.note_views``) so that its first read
+    holds its fragment back (``fresh.mark_fresh``, ``aliases.note_views``) so that its first read
     comes here and ends the freshness, as ``_dispatch`` would (a view op or a write reads nothing);
     otherwise ``_fragment`` (None: take ``_dispatch``)."""
     d = a.__dict__
