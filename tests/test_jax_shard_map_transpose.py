@@ -474,3 +474,34 @@ def test_unreduced_round_trip():
     assert out.placements == z.placements
     assert [torch.equal(o, 2 * s) for o, s in zip(out.local_shards(), z.local_shards())] == [True] * 4
     torch.testing.assert_close(out.full_tensor(), 2 * a @ b)
+
+
+@pytest.mark.parametrize("rows", [4, 5], ids=["even", "uneven"])
+@pytest.mark.parametrize("how", ["func_jvp", "forward_ad", "jacfwd"])
+def test_jvp_of_outputs_summed_or_unchecked_over_an_axis(rows, how):
+    """The tangent of a partial-sum output sums every part's tangent, and an unchecked
+    (check_vma=False) replicated output's is its replicas' (here equal) tangent; the
+    uneven per-device path took the first part's alone (1/3 of it for factors 1 and 2)."""
+    mesh = _mesh((2, 2), ("x", "y"))
+    x = torch.randn(rows, 6, dtype=torch.float64)
+    t = torch.randn(rows, 6, dtype=torch.float64)
+    summed = sf.shard_map(lambda u: u.sin() * (lax.axis_index("y") + 1) ** 2, mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x", partial="y"))
+    unchecked = sf.shard_map(lambda u: u.sin() * 3, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                             check_vma=False)
+    xs, ts = sf.distribute(x, P("x"), mesh=mesh), sf.distribute(t, P("x"), mesh=mesh)
+    for f, factor in ((summed, 5.0), (unchecked, 3.0)):
+        expected = x.cos() * t * factor
+        if how == "func_jvp":
+            _, tan = torch.func.jvp(f, (xs,), (ts,))
+        elif how == "forward_ad":
+            import torch.autograd.forward_ad as fwAD
+
+            with fwAD.dual_level():
+                tan = fwAD.unpack_dual(f(fwAD.make_dual(xs, ts))).tangent
+        else:
+            jac = torch.func.jacfwd(lambda a: sf.gather(f(a))[1])(xs)  # (6, rows, 6), plain
+            torch.testing.assert_close(jac[:, 1], torch.diag(x[1].cos()) * factor)
+            torch.testing.assert_close(jac[:, 0], torch.zeros(6, 6, dtype=torch.float64))
+            continue
+        torch.testing.assert_close(sf.gather(tan), expected)

@@ -328,7 +328,9 @@ class ExitParts(torch.autograd.Function):
         layout, _, first_only, weights = ctx.meta
         mesh = layout.mesh
         plain = layout.without_partial()
-        parts = EnterParts.apply(_as_sharded(ct, plain), plain, False)
+        # the cotangent copied to every part: its transpose (a jvp, a second derivative)
+        # sums the parts' cotangents over the replicas, as each part used it whole
+        parts = EnterParts.apply(_as_sharded(ct, plain), summed_grad_layout(plain), True)
         if weights is not None:  # avg / max / min: each part's share of the reduced value
             parts = [p * w for p, w in zip(parts, weights)]
         # a later replica's cotangent: None, or zeros built from the cotangent where a
