@@ -130,3 +130,18 @@ def test_bad_arguments_raise_sharding_error_naming_them(name):
     with pytest.raises(sf.ShardingError) as info:
         call()
     assert word in str(info.value), str(info.value)
+
+
+def test_shard_map_refuses_tensors_passed_by_keyword_and_non_bool_check_vma():
+    """A keyword argument is not split by in_specs: a tensor there would reach every device
+    whole (an (8, 6) result for a (4, 6) input), so it is refused naming the keyword;
+    non-tensor keywords still pass; check_vma must be a bool ("no" is truthy)."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    x = torch.randn(4, 6)
+    f = sf.shard_map(lambda a, k=2: a * k, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    torch.testing.assert_close(sf.gather(f(x, k=3)), x * 3)
+    for kw in (dict(k=x), dict(k=sf.distribute(x, P("x"), mesh=mesh)), dict(k=[1, (x,)])):
+        with pytest.raises(sf.ShardingTypeError, match="keyword argument k= holds a tensor"):
+            f(x, **kw)
+    with pytest.raises(sf.ShardingTypeError, match="check_vma='no'"):
+        sf.shard_map(lambda a: a, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma="no")

@@ -15,6 +15,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+import optree
+import torch
+
 from ...backends.hooks import SHARD_MAP, SHARD_MAP_RUNNERS
 from ...values.errors import ShardingTypeError
 from ...values.graph_calls import graph_call
@@ -51,7 +54,8 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
             P applies to all of them. ShardedArrays are resharded to their spec, plain
             tensors distributed. Non-tensor leaves are passed through unchanged.
             ``None``: each ShardedArray argument keeps its own spec (a plain tensor is
-            then an error).
+            then an error). Keyword arguments reach every device's body unchanged and
+            may hold no tensors (ShardingTypeError: nothing would split them).
         out_specs: a tree prefix of the outputs; each output becomes a ShardedArray whose
             shards are the devices' local outputs. ``P(..., partial=axis)`` declares the
             local outputs pending sums over ``axis``.
@@ -84,8 +88,12 @@ def shard_map(f: Any = None, *, mesh: Mesh | None = None, in_specs: Any = None, 
         raise ShardingTypeError(f"shard_map: f={f!r} ({type(f).__name__}) is not callable; pass the function "
                                 f"to map, e.g. sf.shard_map(fn, mesh=mesh, in_specs=..., out_specs=...)")
 
+    if not isinstance(check_vma, bool):  # "no" or 0.0 would read as a choice it is not
+        raise ShardingTypeError(f"shard_map: check_vma={check_vma!r} ({type(check_vma).__name__}) must be True or False")
+
     @functools.wraps(f)
     def mapped(*args: Any, **kwargs: Any) -> Any:
+        _check_kwargs(f, kwargs)
         if axis_names is not None or _in_shard_map():
             return shard_map_manual(f, mesh, in_specs, out_specs, check_vma, axis_names, args, kwargs)
         return _shard_map(f, mesh, in_specs, out_specs, check_vma, args, kwargs)
@@ -127,3 +135,14 @@ def _per_device(f: Callable, inputs: _Inputs, out_specs: Any, check_vma: bool, k
 SHARD_MAP_RUNNERS["local"] = _run_local
 SHARD_MAP_RUNNERS["dist"] = dist.shard_map_call
 SHARD_MAP.append(shard_map)  # a shard_map nested in a simulated partial-manual run calls it
+
+
+def _check_kwargs(f: Callable, kwargs: dict) -> None:
+    """Keyword arguments reach every device's body whole (no in_spec splits them): a tensor
+    among them would silently act as a closure, so it is refused (JAX refuses keywords)."""
+    for k, v in kwargs.items():
+        if any(isinstance(t, torch.Tensor) for t in optree.tree_leaves(v, none_is_leaf=True)):
+            raise ShardingTypeError(
+                f"shard_map of {getattr(f, '__name__', f)!r}: keyword argument {k}= holds a tensor; keyword "
+                f"arguments are not split by in_specs, so pass tensors positionally (with their in_specs) or "
+                f"close over them; keywords may carry non-tensor options only")
