@@ -429,6 +429,34 @@ def test_arrays_report_torchs_strides():
     _close(X.t().reshape(-1), x.t().reshape(-1))
 
 
+@pytest.mark.parametrize("shape", [(0, 4, 6, 5), (1, 5), (3, 1, 5)])
+def test_aliases_keep_a_views_strides_where_it_is_contiguous_anyway(shape):
+    """detach / alias / clone of a view that is contiguous under any strides (no elements, or
+    size-1 dims) gave the array default strides, torch keeps the view's; Dynamo's fake copy of
+    such a detached graph input (a compiled program resumed after a graph break, requiring grad)
+    failed: "set the storage of a tensor on device cpu to a storage on ... meta" (seed 5784036326)."""
+    mesh = sf.Mesh((4,), ("x",))
+    x = torch.randn(shape, dtype=torch.float64)
+    X = sf.distribute(x, P(), mesh=mesh)
+    for op in (torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.clone):
+        for _ in range(2):  # cold, then the cache entry
+            got, want = op(X[..., :4]), op(x[..., :4])
+            assert (got.stride(), got.storage_offset()) == (want.stride(), want.storage_offset()), op
+
+    def f(v):
+        v = v[..., :4]  # a view of the input leaves the first graph, detached into the second
+        torch._dynamo.graph_break()
+        return (v.exp() * v).sum()
+
+    torch._dynamo.reset()
+    xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got = torch.compile(f, backend="aot_eager")(sf.distribute(xs, P(), mesh=mesh))
+    want = f(xp)
+    _close(got, want)
+    (g,), (gw,) = torch.autograd.grad(got, xs), torch.autograd.grad(want, xp)
+    _close(g, gw)
+
+
 @pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")  # slice_scatter/as_strided replicate
 @pytest.mark.parametrize("n", [1, 2])
 def test_circular_pad_under_torch_func(n):

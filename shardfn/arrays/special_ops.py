@@ -11,6 +11,7 @@ import torch
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError, ShardingRuntimeError
 from .array import ShardedArray, _BatchedArray, _wrap_output
+from .fragments import _odd_stride
 from .fresh import held_fragment
 from .redistribute import raw_full, raw_reshard
 
@@ -25,7 +26,7 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     if _copies(x, kwargs):
         return aten._to_copy.default(x, memory_format=kwargs["memory_format"])  # a copy
     shape = tuple(x.shape)
-    if not x.is_contiguous() or x.storage_offset():
+    if not _dense_strides(x):
         # torch's strides for the output: a view (detach, alias) keeps x's, clone keeps them where
         # x is dense (``x.as_strided(...).detach().view(-1)`` raises as in torch)
         return _wrap_output(x._local, x._layout, shape, x.dtype, None, _meta_strides(func, x, args, kwargs))
@@ -33,6 +34,13 @@ def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     if frag is not None and x._layout.partial:
         frag = None
     return _wrap_output(x._local, x._layout, shape, x.dtype, frag)
+
+
+def _dense_strides(x: Any) -> bool:
+    """Whether ``x`` has its shape's contiguous strides and no offset, the strides a wrap with
+    none gives (not ``is_contiguous()``: an empty array, or a size-1 dim, is contiguous under
+    any strides, and a detach that dropped a view's strides failed Dynamo's fake copy of it)."""
+    return _odd_stride(tuple(x.shape), tuple(x.stride()), x.storage_offset()) is None
 
 
 def _copies(x: Any, kwargs: dict) -> bool:
@@ -49,8 +57,7 @@ class AliasEntry:
 
     def __init__(self, func: Any, x: ShardedArray, kwargs: dict) -> None:
         self.shape = tuple(x.shape)
-        contiguous = x.is_contiguous() and not x.storage_offset()
-        self.stride = None if contiguous else _meta_strides(func, x, (x,), kwargs)
+        self.stride = None if _dense_strides(x) else _meta_strides(func, x, (x,), kwargs)
         self.pending_view = bool(x._layout.partial)  # a pending view is reduced through its base
 
     def warm(self, args: tuple, kwargs: dict) -> Any:
