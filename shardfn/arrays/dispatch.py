@@ -254,20 +254,20 @@ def _to_the_end(path: Any, v: Any) -> Any:
 def _specialised(path: Any, v: Any) -> Any:
     """``v`` with its symbolic sizes specialised to their values (guarded)."""
     if isinstance(v, torch.SymInt):
-        return int(v)
+        return _ft.static_int(v)
     if isinstance(v, ShardedArray) and _ft.is_symbolic(v.shape):
         from ..values.layout import local_shapes
 
-        shape = tuple(int(n) for n in v.shape)
+        shape = tuple(_ft.static_int(n) for n in v.shape)
         local = v._local
         if isinstance(local, torch.Tensor):
             local = local.view(*local.shape[:v.mesh.ndim], *local_shapes(v._layout, shape)[0])
         return ShardedArray(local, v._layout, shape, v.dtype, requires_grad=v.requires_grad)
     if isinstance(v, ShardedArray) and _symbolic_strides(v):  # concrete sizes: keep the view's strides, guarded
         return _array._wrap_output(v._local, v._layout, tuple(v.shape), v.dtype, None,
-                                   (tuple(int(n) for n in v.stride()), int(v.storage_offset())))
+                                   (tuple(_ft.static_int(n) for n in v.stride()), _ft.static_int(v.storage_offset())))
     if isinstance(v, torch.Tensor) and _ft.is_symbolic(v.shape):
-        return v.view(tuple(int(n) for n in v.shape))
+        return v.view(tuple(_ft.static_int(n) for n in v.shape))
     return v
 
 

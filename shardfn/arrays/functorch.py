@@ -63,8 +63,9 @@ def insert_dim(layout: Layout, d: int) -> Layout:
 
 
 def static_int(n: Any) -> int:
-    """``n`` as an int; a SymInt is specialised to its value (torch.compile guards on it)."""
-    return n if isinstance(n, int) else int(n)
+    """``n`` as an int; a SymInt is specialised to its value (torch.compile guards on each
+    symbol it is built of: ``torch_compat.specialise_symint``)."""
+    return n if isinstance(n, int) else torch_compat.specialise_symint(n)
 
 
 def is_symbolic(shape: Any) -> bool:

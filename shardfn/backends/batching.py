@@ -561,9 +561,9 @@ def _attention(info: Info) -> "_Call | None":
                 a = a.expand(*lead, *a.shape[m:])
             if to_heads:
                 a = a.permute(*to_batch, m, *to_heads, m + 1, *range(m + 2, a.dim()))
-                a = a.reshape(-1, math.prod(a.shape[nb + 1:m + 2]), *a.shape[m + 2:])
+                a = a.reshape(math.prod(a.shape[:nb + 1]), math.prod(a.shape[nb + 1:m + 2]), *a.shape[m + 2:])
             else:
-                a = a.reshape(-1, *a.shape[m + 1:])
+                a = _merged(a, m + 1)
             return a.contiguous() if grouped else dc.dense(a, "last")
 
         folded = [fold(a) for a in args]
@@ -579,9 +579,10 @@ def _attention(info: Info) -> "_Call | None":
                 return o
             if o.dim() >= 2 and o.shape[0] == batch:
                 if back is None:
-                    return o.reshape(*lead, -1, *o.shape[1:])
+                    return o.reshape(*lead, o.shape[0] // math.prod(lead), *o.shape[1:])
                 hm = [lead[d] for d in to_heads]
-                o = o.reshape(*(lead[d] for d in to_batch), -1, *hm, o.shape[1] // math.prod(hm), *o.shape[2:])
+                lb = [lead[d] for d in to_batch]
+                o = o.reshape(*lb, o.shape[0] // math.prod(lb), *hm, o.shape[1] // math.prod(hm), *o.shape[2:])
                 return o.permute(*back, *range(m + 2, o.dim()))
             if not const_ok[i]:
                 raise RuntimeError(f"{op}: output {i} is neither batch-led nor replicated")  # -> per device
@@ -672,6 +673,12 @@ def _layer_norm_backward(info: Info) -> "_Call | None":
     return _Call(info, run, (), ())
 
 
+def _merged(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` with its first ``k`` dims as one, sized explicitly (a -1 is ambiguous where ``x`` has
+    no elements: a zero-channel conv1d under dynamic sizes raised, seed 5784045073)."""
+    return x.reshape(math.prod(x.shape[:k]), *x.shape[k:])
+
+
 def _embedding(info: Info) -> "_Call | None":
     """embedding with a replicated weight: one lookup of the stacked indices."""
     if not _same_everywhere(info, "weight"):
@@ -694,9 +701,9 @@ def _convolution(info: Info) -> "_Call | None":
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: Any, *rest: Any) -> torch.Tensor:
         mesh_dims = x.shape[:m]
-        flat = x.reshape(-1, *x.shape[m + 1:]) if batched else x.reshape(-1, *x.shape[m:])
+        flat = _merged(x, m + 1 if batched else m)
         out = aten.convolution.default(flat, _one(weight, m), _one(bias, m), *rest)
-        return out.reshape(*mesh_dims, -1, *out.shape[1:]) if batched else out.reshape(*mesh_dims, *out.shape[1:])
+        return out.reshape(*mesh_dims, x.shape[m], *out.shape[1:]) if batched else out.reshape(*mesh_dims, *out.shape[1:])
 
     return _Call(info, run, (), ())
 

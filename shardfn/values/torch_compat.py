@@ -82,6 +82,26 @@ def symint_hint(n: Any) -> int:
     return int(read(n))
 
 
+def specialise_symint(n: Any) -> int:
+    """``n``'s value, guarded on each backed symbol it is built of, not on ``n`` alone: a guard
+    ``s0*s1 == 72`` leaves ``s0`` and ``s1`` symbolic, so sizes built of them stay symbolic
+    until a later specialisation (a backward's, under AOTAutograd's second pass) pins them,
+    and the first pass's symbolic outputs then had no graph output behind them ("Node ... was
+    invalid, but is output", fuzzer seed 5784048470)."""
+    if not isinstance(n, torch.SymInt):
+        return int(n)
+    node = n.node
+    env, expr = getattr(node, "shape_env", None), getattr(node, "expr", None)
+    # 2.13 names the symbols' values backed_var_to_val (var_to_val warns); 2.11 var_to_val
+    values = getattr(env, "backed_var_to_val", None)
+    values = getattr(env, "var_to_val", None) if values is None else values
+    if values is not None and expr is not None:
+        for sym in sorted(expr.free_symbols, key=str):
+            if sym in values:  # backed (an unbacked symbol has no value to pin)
+                int(env.create_symintnode(sym, hint=int(values[sym])))
+    return int(n)
+
+
 def settle_guards(t: Any) -> None:
     """Add now the guards torch.compile's tracer adds when it records the metadata of ``t``, a
     shard tensor of symbolic sizes (its contiguity in each memory format). AOTAutograd fixes
