@@ -592,8 +592,37 @@ def _wrap_output(local: Any, layout: Layout, shape: tuple, dtype: torch.dtype, f
     return r
 
 
-def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False) -> ShardedArray:
-    return ShardedArray(local, layout, tuple(shape), dtype, requires_grad=requires_grad)
+def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False,
+         stride: Sequence[int] | None = None) -> ShardedArray:
+    return ShardedArray(local, layout, tuple(shape), dtype, requires_grad=requires_grad, stride=stride)
+
+
+def copy_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides torch gives a copy of ``t`` (``t.clone()``, ``empty_like``: ``t``'s own where it
+    is dense, else dense in ``t``'s dim order), or None where those are contiguous. A distributed
+    copy of a transposed tensor reports what torch's copy would (``is_contiguous()`` False,
+    ``view(-1)`` raising), as torch and DTensor do."""
+    if t.is_contiguous():
+        return None
+    strides = torch.empty_like(t, device="meta").stride()
+    return None if strides == _contiguous_strides(t.shape) else tuple(strides)
+
+
+def strides_in_order_of(shape: Sequence[int], local: torch.Tensor) -> tuple[int, ...] | None:
+    """Dense strides of a global ``shape`` in the dim order of a shard ``local`` (its copy's
+    strides sorted, outermost first; dims of equal stride in dim order), or None where that
+    order is the contiguous one: the global strides DTensor's ``from_local`` infers."""
+    if local.is_contiguous():
+        return None
+    dense = torch.empty_like(local, device="meta").stride()
+    order = sorted(range(len(shape)), key=lambda d: (-dense[d], d))
+    if order == list(range(len(shape))):
+        return None
+    strides, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= torch.sym_max(shape[d], 1)
+    return tuple(strides)
 
 
 def rebuild_array(mesh: Mesh, dims: tuple, partial: tuple, shards: tuple, shape: tuple, dtype: torch.dtype,

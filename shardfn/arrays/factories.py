@@ -102,10 +102,10 @@ def _from_boxes(layout: Layout, shape: tuple[int, ...], make: MakeShard, dtype: 
 
 
 def _build(shape: tuple[int, ...], layout: Layout, make: Callable[[Box], torch.Tensor], dtype: torch.dtype,
-           *, requires_grad: bool = False) -> ShardedArray:
-    """A ShardedArray whose shard on each device is ``make(box)``."""
+           *, requires_grad: bool = False, stride: tuple[int, ...] | None = None) -> ShardedArray:
+    """A ShardedArray whose shard on each device is ``make(box)`` (reporting ``stride``: None, contiguous)."""
     value = _from_boxes(layout, shape, lambda dev, box: make(box), dtype, _mesh_device(layout.mesh))
-    return wrap(value, layout, shape, dtype, requires_grad=requires_grad)
+    return wrap(value, layout, shape, dtype, requires_grad=requires_grad, stride=stride)
 
 
 # -- public factories -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..values.layout import Layout
 from ..values.mesh import Mesh, current_mesh, to_mesh_device
 from .fragments import _fragment
 from ..values.spec import NamedSharding, Sharding, check_mesh, to_layout
-from .array import ShardedArray
+from .array import ShardedArray, strides_in_order_of
 from .redistribute import _as_sharded, _shares_memory, _sharding_mesh, raw_reshard, reshard
 
 
@@ -132,7 +132,9 @@ def _from_local(local: Any, sharding: Sharding, mesh: Mesh | None, shape: Sequen
         split = set(layout.axis_dim) | set(layout.partial_ops)
         over = tuple(a for a in layout.mesh.axis_names if a not in split)
         backend.check_replicas(layout.mesh, shards[0], over, f"from_local: the local tensor ({layout.spec_str()})")
-    return _FromLocal.apply(layout, shape, tuple(stride) if stride is not None else None, *shards)
+    # stride=None: the global strides follow the shards' dim order, as DTensor's from_local infers them
+    stride = tuple(stride) if stride is not None else strides_in_order_of(shape, shards[0])
+    return _FromLocal.apply(layout, shape, stride, *shards)
 
 
 def _to_mesh_devices(shards: list[torch.Tensor], mesh: Mesh) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from .fresh import end_fresh
 from .reduced import base_reduced, keep_reduction, link_of
 from ..values.spec import NamedSharding, P, Sharding, check_mesh, to_layout
 from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
-from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, wrap
+from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, copy_strides, wrap
 
 
 def _shares_memory(a: Any, sources: Any) -> bool:
@@ -339,7 +339,7 @@ class _Distribute(_Function):
                 value = _copy_strided(value)  # (a replicated value keeps its squeezed view: ``local_values.replicated``)
             else:
                 value = raw_distribute(t.detach().clone(), layout)
-        return wrap(value, layout, t.shape, t.dtype)
+        return wrap(value, layout, t.shape, t.dtype, stride=copy_strides(t))  # (torch's strides for a copy of t)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -49,11 +49,23 @@ def _target(x: ShardedArray) -> tuple[tuple[int, ...], Layout]:
     return tuple(x.shape), x._layout.without_partial()
 
 
-def _fill(x: ShardedArray, dtype: torch.dtype, draw: Callable[[tuple, Box, torch.device], torch.Tensor]) -> ShardedArray:
-    """A new array shaped and laid out like ``x`` whose shards are ``draw(shape, box, device)``."""
+def _like_strides(x: ShardedArray, memory_format: Any = None) -> tuple[int, ...] | None:
+    """The strides torch gives a value made "like" ``x`` (``empty_like``'s: ``x``'s order kept by
+    ``preserve_format``), None where contiguous."""
+    if memory_format in (None, torch.preserve_format) and x.is_contiguous():
+        return None
+    meta = torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+    like = torch.empty_like(meta, memory_format=memory_format or torch.preserve_format)
+    return None if like.is_contiguous() else tuple(like.stride())
+
+
+def _fill(x: ShardedArray, dtype: torch.dtype, draw: Callable[[tuple, Box, torch.device], torch.Tensor],
+          memory_format: Any = None) -> ShardedArray:
+    """A new array shaped and laid out like ``x`` whose shards are ``draw(shape, box, device)``,
+    reporting the strides torch's like-op would give it."""
     shape, layout = _target(x)
     device = x.device
-    return _build(shape, layout, lambda box: draw(shape, box, device), dtype)
+    return _build(shape, layout, lambda box: draw(shape, box, device), dtype, stride=_like_strides(x, memory_format))
 
 
 def _key(b: dict, x: torch.Tensor) -> _random.Key:
@@ -79,14 +91,14 @@ def _rand_like(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     b = bind(func, args, kwargs)
     x, k = b["self"], _key(b, b["self"])
     dtype = b.get("dtype") or x.dtype
-    return _fill(x, dtype, lambda s, box, dev: _rng.uniform(k, s, box, dtype=dtype, device=dev))
+    return _fill(x, dtype, lambda s, box, dev: _rng.uniform(k, s, box, dtype=dtype, device=dev), b.get("memory_format"))
 
 
 def _randn_like(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     b = bind(func, args, kwargs)
     x, k = b["self"], _key(b, b["self"])
     dtype = b.get("dtype") or x.dtype
-    return _fill(x, dtype, lambda s, box, dev: _rng.normal(k, s, box, dtype=dtype, device=dev))
+    return _fill(x, dtype, lambda s, box, dev: _rng.normal(k, s, box, dtype=dtype, device=dev), b.get("memory_format"))
 
 
 def _randint_like(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
@@ -94,7 +106,7 @@ def _randint_like(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     x, k = b["self"], _key(b, b["self"])
     dtype = b.get("dtype") or x.dtype
     low, high = _int(b.get("low", 0)), _int(b["high"])
-    return _fill(x, dtype, lambda s, box, dev: _randint_box(k, s, box, low, high, dtype, dev))
+    return _fill(x, dtype, lambda s, box, dev: _randint_box(k, s, box, low, high, dtype, dev), b.get("memory_format"))
 
 
 def _bernoulli(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -189,7 +201,8 @@ def _native_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
         keep = _shard_of(mask._local, mesh, dev).to(x.dtype).div_(1.0 - p)
         return _shard_of(xs, mesh, dev) * keep
 
-    return wrap(_from_boxes(layout, shape, scaled, x.dtype, x.device), layout, shape, x.dtype), mask
+    return wrap(_from_boxes(layout, shape, scaled, x.dtype, x.device), layout, shape, x.dtype,
+                stride=_like_strides(x)), mask
 
 
 # -- empty arrays and functional fills -------------------------------------------------------
@@ -199,7 +212,8 @@ def _empty_like(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     b = bind(func, args, kwargs)
     x = b["self"]
     dtype = b.get("dtype") or x.dtype
-    return _fill(x, dtype, lambda s, box, dev: torch.empty(_box_shape(box), dtype=dtype, device=dev))
+    return _fill(x, dtype, lambda s, box, dev: torch.empty(_box_shape(box), dtype=dtype, device=dev),
+                 b.get("memory_format"))
 
 
 def _new_empty(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
