@@ -24,8 +24,14 @@ for float32, flash for half types, as torch picks on an H100; ``all`` = each in 
 = torch's own choice, the right one on ``--device cuda``). ``F.rms_norm`` runs the fused kernel
 on CUDA and meta alike.
 
+``--grad autograd,func`` differentiates the HF families by ``torch.autograd.grad`` and also by
+``torch.func.grad`` (rows ``name+func``); ``--families new`` runs the model types transformers ships
+that no test builds yet (``NEW_FAMILIES``, tiny configs by ``tiny_config``). On meta, a model that
+reads its data on the host (``.tolist()``, ``.cpu()``) cannot run: such a row names the error.
+
     python tools/fallback_census.py [--device meta] [--dtypes float32,bfloat16] [--sdpa cuda]
-                                    [--configs tp,dp,dptp] [--families core|all] [--models llama,sdpa]
+                                    [--configs tp,dp,dptp] [--families core|all|new] [--models llama,sdpa]
+                                    [--grad autograd,func]
 
 Target on CUDA / meta: no op for any model.
 """
@@ -155,20 +161,20 @@ def hf_families() -> dict[str, Callable[[], Any]]:
 CONFIGS = {"tp": ((2,), ("tp",)), "dp": ((2,), ("dp",)), "dptp": ((2, 2), ("dp", "tp"))}
 
 
-def more_families() -> dict[str, tuple[Callable[[], Any], list]]:
-    """The families ``tests/test_hf_families.py`` and ``tests/test_hf_families_more.py`` build:
-    name -> (build, TP rules) ({} when the tests or transformers are not importable; families
-    torch.func cannot run left out)."""
+def more_families(families: str = "all") -> dict[str, tuple[Callable[[], Any], list]]:
+    """The families ``tests/test_hf_families.py`` and ``tests/test_hf_families_more.py`` build
+    (``families="all"``), or those ``NEW_FAMILIES`` lists that no test builds yet (``"new"``):
+    name -> (build, TP rules) ({} when the tests or transformers are not importable)."""
     sys.path.insert(0, str(ROOT / "tests"))
     try:
         import test_hf_families as fam
         import transformers as tf
     except Exception:  # noqa: BLE001 - pytest or transformers missing: the core families only
         return {}
+    if families == "new":
+        return new_families()
     out = {}
-    for name in sorted(set(fam.MEGATRON) | {"mixtral", "qwen2moe"}):
-        if name in fam.NO_FUNC:
-            continue
+    for name in sorted(set(fam.MEGATRON) | {"mixtral", "qwen2moe", "bloom", "phi3", "gpt2"}):
         make, attn, rules = fam._cfg(name)
         moe = name in ("mixtral", "qwen2moe")
 
@@ -181,7 +187,7 @@ def more_families() -> dict[str, tuple[Callable[[], Any], list]]:
         import test_hf_families_more as more
     except Exception:  # noqa: BLE001 - as above
         return out
-    for name in sorted(set(more.MEGATRON) | set(more.MLA)):
+    for name in sorted(set(more.MEGATRON) | set(more.MLA) | {"gptoss"} | set(getattr(more, "EXTRA", ()))):
         make, attn, rules, auto = more._cfg(name)
 
         def build_more(make: Any = make, attn: str = attn, auto: Any = auto, moe: bool = name in more.MOE) -> Any:
@@ -190,6 +196,76 @@ def more_families() -> dict[str, tuple[Callable[[], Any], list]]:
 
         out[name] = (build_more, list(rules))
     return out
+
+
+# model types transformers ships that no test builds yet (``--families new``), each from its default
+# config made tiny by ``tiny_config``; the TP rules name the usual projection names (``_GENERIC_TP``)
+NEW_FAMILIES = ("jetmoe", "qwen3_next", "glm", "glm4", "diffllama", "vaultgemma", "gpt_bigcode", "gpt_neo", "mpt", "xglm",
+                "modernbert-decoder", "modernbert", "apertus", "exaone_moe", "afmoe", "internlm3", "minimax", "jamba", "doge",
+                "dbrx", "flex_olmo", "lfm2", "nanochat", "cwm", "ministral3", "solar_open", "youtu", "granite_swa",
+                "glm4_moe_lite", "openai-gpt", "ctrl", "camembert", "data2vec-text", "roformer", "megatron-bert", "albert",
+                "roberta-prelayernorm", "xlm-roberta-xl", "esm", "eurobert", "ernie", "falcon_h1", "lfm2_moe",
+                "granitemoehybrid", "zamba2", "recurrent_gemma", "olmo_hybrid")
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, head_dim=16, n_embd=64, n_layer=2, n_head=4,
+             n_positions=64, d_model=64, n_heads=4, n_layers=2, num_layers=2, num_heads=4, ffn_dim=128, n_inner=128,
+             moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4,
+             moe_num_experts=4, dim=64, hidden_dim=128, max_seq_len=64, sliding_window=4, embedding_size=64,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_C = (r"(q_proj|k_proj|v_proj|(?<!_)gate_proj|(?<!_)up_proj|q_b_proj|kv_b_proj|fc1|fc_in|c_fc|w1|w3|query|key|value|"
+      r"intermediate\.dense|dense_h_to_4h|c_attn|qkv_proj|Wqkv|query_key_value|gate_up_proj|Wi)")
+_R = (r"(o_proj|down_proj|out_proj|fc2|fc_out|w2|attention\.output\.dense|layer\.\d+\.output\.dense|dense_4h_to_h|"
+      r"c_proj|Wo)")
+_GENERIC_TP = [(_C + r"\.weight$", P("tp", None)), (_C + r"\.bias$", P("tp")), (_R + r"\.weight$", P(None, "tp"))]
+
+
+def tiny_config(model_type: str) -> Any:
+    """transformers' default config of ``model_type`` with every size it names made tiny (``_TINY``)."""
+    import transformers as tf
+
+    cfg = tf.AutoConfig.for_model(model_type)
+    for k, v in _TINY.items():
+        if hasattr(cfg, k):
+            with contextlib.suppress(Exception):
+                setattr(cfg, k, v)
+    return cfg
+
+
+def new_families() -> dict[str, tuple[Callable[[], Any], list]]:
+    """The families ``NEW_FAMILIES`` lists (no test builds them yet), from ``tiny_config``."""
+    import transformers as tf
+    from transformers.models.auto import modeling_auto as ma
+
+    out = {}
+    for name in NEW_FAMILIES:
+        causal = name in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if not causal and name not in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+            continue
+        auto = tf.AutoModelForCausalLM if causal else tf.AutoModelForMaskedLM
+
+        def build(name: str = name, auto: Any = auto) -> Any:
+            # MoE experts as batched matmuls, as the tests run them (torch's grouped_mm takes bfloat16 only
+            # on CUDA and meta); no SDPA path: eager attention
+            for kwargs in ({"attn_implementation": "sdpa", "experts_implementation": "batched_mm"},
+                           {"attn_implementation": "sdpa"}, {"attn_implementation": "eager"}):
+                try:
+                    return auto.from_config(tiny_config(name), **kwargs)
+                except (ValueError, TypeError):
+                    continue
+            return auto.from_config(tiny_config(name))
+
+        out[name] = (build, _GENERIC_TP)
+    return out
+
+
+def no_func() -> set[str]:
+    """Families plain torch cannot run under torch.func (an autograd.Function without setup_context)."""
+    try:
+        import test_hf_families as fam
+    except Exception:  # noqa: BLE001 - as in more_families
+        return set()
+    # (PhiMoE in training mode, as the census runs it: its router's autograd.Function has no setup_context)
+    return set(fam.NO_FUNC) | {"phimoe"}
 
 
 def _spec(name: str, rules: list | None, mesh: sf.Mesh) -> P:
@@ -202,9 +278,11 @@ def _spec(name: str, rules: list | None, mesh: sf.Mesh) -> P:
 
 
 def _hf_step(build: Callable[[], Any], mesh: sf.Mesh, device: str, dtype: torch.dtype,
-             rules: list | None = None) -> tuple[Any, dict]:
+             rules: list | None = None, grad_mode: str = "autograd") -> tuple[Any, dict]:
     """One forward + backward of an HF model, weights by ``rules`` over ``tp`` (when the mesh
-    has it), token ids split over ``dp`` (when it has that); (loss, grads by name)."""
+    has it), token ids split over ``dp`` (when it has that), differentiated by ``grad_mode``
+    (``autograd``: ``torch.autograd.grad``; ``func``: ``torch.func.grad``, as functorch users
+    train); (loss, grads by name)."""
     torch.manual_seed(0)
     model = build().to(dtype=dtype)
     model = model.to(device) if device != "meta" else model.to("meta")
@@ -213,10 +291,45 @@ def _hf_step(build: Callable[[], Any], mesh: sf.Mesh, device: str, dtype: torch.
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     if "dp" in mesh.axis_names:
         ids = sf.distribute(ids, P("dp"), mesh=mesh)
-    out = torch.func.functional_call(model, params, (ids,))
-    loss = out.logits.float().pow(2).mean()
-    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)  # (a masked LM's unused pooler)
+
+    # no cache, as training and the tests (torch.func cannot run transformers' cache: it builds tensors
+    # inside the transform, as plain torch shows); without one transformers reads the ids' positions,
+    # which a meta tensor cannot answer: ``_unpacked_on_meta``
+    kwargs = {"use_cache": False} if hasattr(model.config, "use_cache") else {}
+
+    def loss_of(p: dict) -> Any:
+        return torch.func.functional_call(model, p, (ids,), kwargs).logits.float().pow(2).mean()
+
+    with _unpacked_on_meta(device):
+        if grad_mode == "func":
+            grads, loss = torch.func.grad_and_value(loss_of)(params)
+            return loss, grads
+        loss = loss_of(params)
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)  # (a masked LM's unused pooler)
     return loss, dict(zip(params, grads))
+
+
+@contextlib.contextmanager
+def _unpacked_on_meta(device: str) -> Iterator[None]:
+    """On meta, transformers' data-dependent mask checks (reads of the ids' positions and padding,
+    which a meta tensor cannot answer) answer as for the census's ids: not packed, not padded."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:
+        yield
+        return
+    saved = {n: getattr(mu, n, None) for n in ("find_packed_sequence_indices", "fast_all")}
+    if device != "meta" or None in saved.values():
+        yield
+        return
+    packed, all_ = saved["find_packed_sequence_indices"], saved["fast_all"]
+    mu.find_packed_sequence_indices = lambda position_ids: None if position_ids.is_meta else packed(position_ids)
+    mu.fast_all = lambda t: True if t.is_meta else all_(t)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mu, n, f)
 
 
 def _block_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
@@ -357,14 +470,21 @@ def _optim_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
         opt.step(p, grads, state)
 
 
-def models(families: str = "core") -> dict[str, Callable[[str, torch.dtype, sf.Mesh], Any]]:
-    """name -> run(device, dtype, mesh): one training step on a simulated mesh of that device."""
+def models(families: str = "core", grad_mode: str = "autograd") -> dict[str, Callable[[str, torch.dtype, sf.Mesh], Any]]:
+    """name -> run(device, dtype, mesh): one training step on a simulated mesh of that device
+    (the HF families differentiated by ``grad_mode``: ``autograd`` or ``func``)."""
     out: dict[str, Callable[[str, torch.dtype, sf.Mesh], Any]] = {}
     for name, build in hf_families().items():
-        out[name] = lambda device, dtype, mesh, build=build: _hf_step(build, mesh, device, dtype)
-    if families == "all":
-        for name, (build, rules) in more_families().items():
-            out[name] = lambda device, dtype, mesh, build=build, rules=rules: _hf_step(build, mesh, device, dtype, rules)
+        out[name] = lambda device, dtype, mesh, build=build: _hf_step(build, mesh, device, dtype, grad_mode=grad_mode)
+    if families in ("all", "new"):
+        skip = no_func() if grad_mode == "func" else set()
+        for name, (build, rules) in more_families(families).items():
+            if name in skip:
+                continue
+            out[name] = lambda device, dtype, mesh, build=build, rules=rules: _hf_step(build, mesh, device, dtype, rules,
+                                                                                       grad_mode)
+    if families == "new":
+        return out
     out["block"] = lambda device, dtype, mesh: _block_step(mesh, device, dtype)
     out["sdpa"] = lambda device, dtype, mesh: _sdpa_step(mesh, device, dtype)
     out["kernels"] = lambda device, dtype, mesh: _kernels_step(mesh, device, dtype)
@@ -412,16 +532,24 @@ def dtensor_strategy(op_name: str) -> str:
 
 
 def run_census(device: str, dtypes: list[torch.dtype], kernels: list[str], only: list[str] | None = None,
-               configs: list[str] | None = None, families: str = "core") -> list[tuple[str, str, str, list[str] | str]]:
+               configs: list[str] | None = None, families: str = "core",
+               grad_modes: tuple[str, ...] = ("autograd",)) -> list[tuple[str, str, str, list[str] | str]]:
     """(model/config, dtype, sdpa kernel, fallen-back ops or an error message) per run
-    (``configs``: default ``["dptp"]``, the block on dp x tp and the rest on ``tp``, as before)."""
+    (``configs``: default ``["dptp"]``, the block on dp x tp and the rest on ``tp``, as before;
+    ``grad_modes``: the HF families also under ``torch.func.grad`` with ``"func"``, labelled ``+func``)."""
     rows = []
-    for name, run in models(families).items():
-        if only and name not in only:
+    runs = []
+    for mode in grad_modes:
+        for name, run in models(families, mode).items():
+            if mode != "autograd" and name in ("block", "sdpa", "kernels", "optim"):
+                continue  # (no torch.func form: autograd only)
+            runs.append((name + ("" if mode == "autograd" else "+" + mode), name, run))
+    for name, base, run in runs:
+        if only and base not in only:
             continue
         for config in configs or [None]:
             if config is None:
-                config = "dptp" if name == "block" else "tp"
+                config = "dptp" if base == "block" else "tp"
                 label = name
             else:
                 label = f"{name}/{config}"
@@ -441,13 +569,13 @@ def run_census(device: str, dtypes: list[torch.dtype], kernels: list[str], only:
 
 
 def report(rows: list[tuple[str, str, str, list[str] | str]]) -> str:
-    lines = [f"{'model':16s}{'dtype':10s}{'sdpa':11s}ops that fell back (DTensor has a strategy?)"]
+    lines = [f"{'model':24s}{'dtype':10s}{'sdpa':11s}ops that fell back (DTensor has a strategy?)"]
     for name, dtype, kernel, ops in rows:
         if isinstance(ops, str):
             desc = ops
         else:
             desc = ", ".join(f"{op} ({dtensor_strategy(op)})" for op in ops) or "none"
-        lines.append(f"{name:16s}{dtype:10s}{kernel:11s}{desc}")
+        lines.append(f"{name:24s}{dtype:10s}{kernel:11s}{desc}")
     fell = sorted({op for *_, ops in rows if not isinstance(ops, str) for op in ops})
     errors = sum(isinstance(ops, str) for *_, ops in rows)
     lines.append(f"distinct ops that fell back: {len(fell)}{': ' + ', '.join(fell) if fell else ''}; "
@@ -463,13 +591,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="", help="comma-separated subset (default: all)")
     ap.add_argument("--configs", default="", help="comma-separated of tp, dp, dptp (default: the block on dptp, "
                                                   "the rest on tp)")
-    ap.add_argument("--families", default="core", help="core (Llama, Qwen2, Mistral, Gemma) or all (also "
-                                                       "tests/test_hf_families.py's)")
+    ap.add_argument("--families", default="core", help="core (Llama, Qwen2, Mistral, Gemma), all (also the "
+                                                       "families tests/test_hf_families*.py build) or new (the "
+                                                       "families no test builds yet: NEW_FAMILIES)")
+    ap.add_argument("--grad", default="autograd", help="comma-separated of autograd, func (torch.func.grad)")
     ns = ap.parse_args(argv)
     dtypes = [getattr(torch, d) for d in ns.dtypes.split(",") if d]
     kernels = list(SDPA_KERNELS) if ns.sdpa == "all" else [ns.sdpa]
     configs = [c for c in ns.configs.split(",") if c] or None
-    rows = run_census(ns.device, dtypes, kernels, [m for m in ns.models.split(",") if m] or None, configs, ns.families)
+    rows = run_census(ns.device, dtypes, kernels, [m for m in ns.models.split(",") if m] or None, configs, ns.families,
+                      tuple(g for g in ns.grad.split(",") if g))
     print(report(rows), flush=True)
     return 0
 
