@@ -222,8 +222,15 @@ def _new_empty(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     shape = tuple(int(n) for n in b["size"])
     dtype = b.get("dtype") or x.dtype
     device = x.device
+    # new_empty_strided reports the strides asked for: autograd's CopySlices (the gradient of a write
+    # into a view, under torch.func) copies the gradient into ``new_empty_strided(base's strides)`` and
+    # views it with ``as_strided`` by those strides; read as contiguous, a transposed base's view
+    # picked the wrong elements (Qwen3-Next's gated delta rule: wrong gradients)
+    stride = tuple(int(n) for n in b["stride"]) if "stride" in b else None
+    if stride is not None and stride == torch.empty(shape, device="meta").stride():
+        stride = None
     return _build(shape, replicated(x.mesh, len(shape)),
-                  lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device), dtype)
+                  lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device), dtype, stride=stride)
 
 
 def _normal_fill(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
