@@ -43,3 +43,16 @@ def test_a_leaking_seed_context_is_caught(quiet, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(keys, "_scoped", Shared())
     res = fuzz_threads.run_batch(list(range(9100, 9108)), 4)
     assert any(r and "rand" in r for r in res.values()), res
+
+
+@pytest.mark.parametrize("module", ["fuzz_threads", "fuzz_dist"])
+def test_digests_of_an_expanded_size_one_value(module) -> None:
+    """A [1, 1] vjp cotangent expanded from a scalar keeps stride 0 through contiguous(), which
+    view(uint8) rejects: the dist fuzzer reported its own digest's error as shardfn raising
+    (seed 5791219228 --dist). Digests read the values from fresh memory."""
+    import importlib
+
+    digest = importlib.import_module(module)._digest
+    v = torch.tensor(1 + 2j, dtype=torch.complex128).expand(1, 1)
+    wrap = (lambda t: t) if module == "fuzz_threads" else (lambda t: [("value", t)])
+    assert digest(wrap(v)) == digest(wrap(v.clone(memory_format=torch.contiguous_format)))

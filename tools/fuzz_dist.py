@@ -189,6 +189,9 @@ def _digest(outs: list[tuple[str, Any]]) -> str:
             t = v.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
             if t._is_zerotensor():  # torch.func's zero gradients hold no memory
                 t = torch.zeros(t.shape, dtype=t.dtype)
+            # fresh memory: contiguous() keeps an expanded size-1 value's 0 stride, which view(uint8) rejects
+            # (seed 5791219228 --dist: the vjp cotangent of v[..., :1].sum() on a [1, 1] input)
+            t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
             h.update(f"{t.dtype}{tuple(v.shape)}".encode())
             h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         else:

@@ -43,6 +43,9 @@ def _digest(v: Any, values: bool = True) -> str:
     t = v.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if t._is_zerotensor():  # torch.func's zero gradients hold no memory
         t = torch.zeros(t.shape, dtype=t.dtype)
+    # fresh memory: contiguous() keeps an expanded size-1 value's 0 stride, which view(uint8) rejects
+    # (seed 5791219228 --dist: the vjp cotangent of v[..., :1].sum() on a [1, 1] input)
+    t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
     if t.is_complex():
         t = torch.view_as_real(t)
     if t.is_floating_point():  # one NaN: its sign bit is no result (a cold and a warm path may differ in it)
