@@ -75,6 +75,7 @@ FOUND = [
     (5772895398, 3),  # float16 split x @ x.mT then pow by -1.8: one step's legit rounding amplified (oracle: step by step)
     (35004348, 4),  # complex pcast (a product by 1+0j) and parts added by torch's complex add (a + 1 * b): -inf j to nan
     (5788801577, 3, None, "jvp,jacfwd,hessian,vmap_grad,jacrev,vjp"),  # multi_margin of an empty batch: torch's unwritten output
+    (5792283956, 5, None, "jvp,jacfwd,hessian,vmap_grad,jacrev,vjp,vmap_sharded,vmap_mid"),  # vjp of complex prod of -inf: either branch
 ]
 
 
@@ -155,6 +156,17 @@ def test_no_step_is_drawn_past_the_step_cap(monkeypatch):
         small += bool(case.steps)
     assert big and small  # both kinds of input were drawn
     assert fuzz._step_numel(grow(None, None), torch.zeros(2**12)) == 2**24  # sized without the memory
+
+
+def test_the_other_vjp_branch_is_torchs_vjp_for_complex_and_matrix_outputs():
+    """``_grad_rows`` (torch's other branch of a vjp) on finite inputs equals torch.func.vjp for a
+    complex [2, 3] output (a complex sum was no loss: vjp of complex prod of -inf, seed 5792283956)."""
+    step = fuzz.Step("f", lambda v, A: v.reshape(2, 3) * 1j + v.reshape(2, 3) ** 2, "f")
+    x = torch.randn(6, dtype=torch.complex128, generator=torch.Generator().manual_seed(0))
+    case = fuzz.Case(None, (2,), x, fuzz.P(), [step], "vjp")
+    ct = torch.randn(2, 3, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    want = torch.func.vjp(lambda v: step.fn(v, None), x)[1](ct)[0]
+    torch.testing.assert_close(fuzz._grad_rows(case, ct[None]).reshape(x.shape), want)
 
 
 class _Picks(fuzz.Chooser):

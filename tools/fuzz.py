@@ -1793,10 +1793,13 @@ def _compare_either(got: Any, ref: Any, alt: Callable[[], Any], what: str, prec:
 
 
 def _grad_rows(case: Case, cts: torch.Tensor) -> torch.Tensor:
-    """``v -> ct . f(v)`` differentiated by ``torch.func.grad`` for each row of ``cts`` (real
-    outputs): torch's other branch of a vector-Jacobian product, one row at a time."""
+    """``v -> Re(conj(ct) . f(v))`` differentiated by ``torch.func.grad`` for each row of ``cts``:
+    torch's other branch of a vector-Jacobian product, one row at a time (complex outputs too:
+    that real part's gradient is torch's vjp; a complex sum was no loss, so vjp of a complex
+    ``prod`` had only the plain branch to match, seed 5792283956 --gen 5)."""
     f = lambda v: _chain(case.steps, v, lambda a: a.plain)  # noqa: E731
-    return torch.stack([torch.func.grad(lambda v, c=c: (f(v).reshape(-1) * c).sum())(case.x) for c in cts])
+    return torch.stack([torch.func.grad(lambda v, c=c: (f(v).reshape(-1) * c.reshape(-1).conj()).sum().real)(case.x)
+                        for c in cts])
 
 
 def _chain(steps: list[Step], v: Any, lift: Callable[[Aux], Any]) -> Any:
