@@ -1927,3 +1927,56 @@ def test_eigvals_of_a_non_finite_matrix_raises_as_on_torchs_subclass_branch(spec
         torch.linalg.eigvals(a.clone().requires_grad_())  # torch's subclass-like branch: not the crash
     with pytest.raises(RuntimeError, match="infs or NaNs"):
         torch.linalg.eigvals(sf.distribute(a, spec, mesh=mesh))
+
+
+_MARGIN = {"multi_margin": (F.multi_margin_loss, lambda n, c: torch.zeros(n, dtype=torch.long)),
+           "multilabel_margin": (F.multilabel_margin_loss, lambda n, c: torch.zeros(n, c, dtype=torch.long))}
+
+
+@pytest.mark.parametrize("name", sorted(_MARGIN))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("spec", [P(), P(None, "y"), P("x", "y")])
+def test_margin_losses_of_an_empty_batch_are_defined(name, reduction, spec):
+    """torch's margin-loss kernels return before writing the loss of a (0, C) input
+    (uninitialised memory; under vmap its fallback runs them per example), and shardfn ran them
+    on the full tensors: another value each call (fuzzer seed 5784032229, vmap over
+    ``multi_margin_loss`` of a (0, 1) input). The oracle is torch's reference decomposition:
+    the mean of no terms is nan, the sum 0."""
+    from torch._decomp import decompositions as ref
+
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    f, target = _MARGIN[name]
+    red = {"none": 0, "mean": 1, "sum": 2}[reduction]
+    oracle = (lambda v, t: ref.multi_margin_loss(v, t, reduction=red)) if name == "multi_margin" else (
+        lambda v, t: ref.multilabel_margin_loss_forward(v, t, red)[0])
+    x, t = torch.zeros(0, 3), target(0, 3)
+    X = sf.distribute(x, spec, mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)  # computed, not run on the gathered inputs
+        got = f(X, sf.distribute(t, P(*tuple(spec)[:t.dim()]), mesh=mesh), reduction=reduction)
+    _close(got, oracle(x, t), equal_nan=True)
+    xb, tb = torch.zeros(2, 0, 3), torch.stack([t, t])
+    XB = sf.distribute(xb, P(None, *tuple(spec)), mesh=mesh)
+    _close(torch.func.vmap(lambda v, u: f(v, u, reduction=reduction))(XB, tb), torch.func.vmap(oracle)(xb, tb),
+           equal_nan=True)
+    xl = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(f(sf.distribute(xl, spec, mesh=mesh), t, reduction=reduction).sum(), xl)
+    assert g.shape == x.shape
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.values.errors.FallbackWarning")  # no rule: torch's kernel on the whole
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_margin_losses_of_a_non_empty_or_invalid_batch_are_torchs(spec):
+    """The empty-batch value leaves every other call to torch's kernel: its values and errors."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    t = torch.tensor([0, 2, 1, 2])
+    _close(F.multi_margin_loss(sf.distribute(x, spec, mesh=mesh), t), F.multi_margin_loss(x, t))
+    with pytest.raises(RuntimeError, match="non-empty"):
+        F.multi_margin_loss(sf.distribute(torch.zeros(4, 0), spec, mesh=mesh), t)
+    with pytest.raises(RuntimeError):
+        F.multi_margin_loss(sf.distribute(torch.zeros(0, 3), spec, mesh=mesh), t)
+    with pytest.raises(RuntimeError):
+        torch.ops.aten.multi_margin_loss(sf.distribute(torch.zeros(0, 3), spec, mesh=mesh), torch.zeros(0, dtype=torch.long), 3)
+    with pytest.raises(RuntimeError):
+        torch.ops.aten.multi_margin_loss(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), 3)

@@ -1922,6 +1922,9 @@ def _run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
                 rg = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, plain)))(x)
         except Exception:  # noqa: BLE001
             run = "value"
+        if xb is not None and run.startswith("vmap"):
+            ex = (lambda v: _chain(case.steps, v, plain)) if run != "vmap_grad" else torch.func.grad(loss_of(plain))
+            rg = _per_example(rg, ex, xb, -1 if run == "vmap_last" else 1 if run == "vmap_mid" else 0, prec)
         got2, stage = None, ""
         try:
             if run == "value":
@@ -2035,6 +2038,28 @@ def _run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
         except Mismatch as e:
             return str(e)
     return None
+
+
+def _per_example(batched: Any, f: Callable[[torch.Tensor], Any], xb: torch.Tensor, at: int, prec: torch.dtype) -> Any:
+    """The oracle of a vmap mode: torch's ``vmap`` result where it agrees with ``f`` run on
+    each example (vmap's definition), else the per-example results stacked. torch's vmap of an
+    op without a batching rule runs its kernel per example, and some kernels leave an output
+    unwritten (``multi_margin_loss`` of an empty batch: uninitialised memory, seed 5784032229);
+    a per-example run that cannot be stacked leaves torch's vmap the oracle."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    try:
+        outs = [tree_flatten(f(xb.select(at, i))) for i in range(xb.shape[at])]
+        looped = tree_unflatten([torch.stack(ls) for ls in zip(*(o[0] for o in outs))], outs[0][1])
+    except Exception:  # noqa: BLE001 - not stackable: torch's vmap stays the oracle
+        return batched
+    try:
+        _compare(batched, looped, "torch's vmap against its per-example run", prec)
+    except Mismatch:
+        return looped
+    except Exception:  # noqa: BLE001
+        return batched
+    return batched
 
 
 def _compare_program(case: Case, got: Any, ref: Any, what: str, prec: torch.dtype,

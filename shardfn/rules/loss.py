@@ -10,6 +10,12 @@
   (other targets are ignored there), so loss and total weight are pending sums over the
   class axes.
 
+- margin losses of an empty batch: torch's ``multi_margin_loss`` and
+  ``multilabel_margin_loss`` kernels return before writing the loss of a ``(0, C)`` input
+  (uninitialised memory, another value each call); shardfn gives the value torch's own
+  reference (``torch._decomp``) defines: the mean nan (0 / 0, as every other mean loss of an
+  empty batch), the sum 0.
+
 ``SPECIAL`` handlers compose these from ops on ShardedArrays (each dispatched by its own
 rule) and return ``NotImplemented`` where the plain rule applies.
 """
@@ -78,7 +84,36 @@ def _log_softmax_backward_classes(func: Any, args: tuple, kwargs: dict) -> Any:
         return res if res.dtype == b["input_dtype"] else aten._to_copy(res, dtype=b["input_dtype"])
 
 
+def _margin_of_empty(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A margin loss of an empty ``(0, C)`` batch: torch's kernels leave a reduced one unwritten
+    (under ``vmap`` too: its fallback runs the kernel per example), so the result was whatever
+    memory the allocator handed out. The loss is the mean or sum of no terms, as torch's
+    reference decomposition computes it: ``x.mean()`` (nan) or ``x.sum()`` (0) of the empty
+    input (unreduced: the rows' empty sums, no fallback); the backwards' empty gradient is
+    computed too. Any argument the kernel would check otherwise goes to it (its own error)."""
+    b = bind(func, args, kwargs)
+    x, t, red = b["self"], b["target"], b["reduction"]
+    if (not _sharded(x) or not x.dtype.is_floating_point or x.dim() != 2 or x.shape[0] != 0 or x.shape[1] == 0
+            or red not in (0, _MEAN, _SUM) or not isinstance(t, torch.Tensor) or t.dtype != torch.int64):
+        return NotImplemented  # a loss the kernel writes (or its own error)
+    if func in (aten.multi_margin_loss.default, aten.multi_margin_loss_backward.default):
+        w = b["weight"]
+        if b["p"] not in (1, 2) or t.dim() > 1 or t.numel() != 0 or w is not None and (w.dim() > 1 or w.numel() != x.shape[1]):
+            return NotImplemented
+    elif tuple(t.shape) != tuple(x.shape):
+        return NotImplemented
+    if func in (aten.multi_margin_loss_backward.default, aten.multilabel_margin_loss_backward.default):
+        return aten.zeros_like.default(x)
+    with torch.no_grad():
+        loss = aten.mean.default(x) if red == _MEAN else aten.sum.default(x) if red == _SUM else aten.sum.dim_IntList(x, [1])
+        return loss if func is aten.multi_margin_loss.default else (loss, aten.zeros_like.default(x))
+
+
 SPECIAL = {
+    aten.multi_margin_loss.default: _margin_of_empty,
+    aten.multilabel_margin_loss_forward.default: _margin_of_empty,
+    aten.multi_margin_loss_backward.default: _margin_of_empty,
+    aten.multilabel_margin_loss_backward.default: _margin_of_empty,
     aten.nll_loss_forward.default: _nll_mean,
     aten._log_softmax.default: _log_softmax_classes,
     aten._log_softmax_backward_data.default: _log_softmax_backward_classes,
