@@ -1824,8 +1824,8 @@ def test_batched_solve_keeps_a_right_aligned_batch_split():
 def test_jacfwd_of_factorizations_over_a_split_batch(fn):
     """jacfwd vmaps a factorization's forward formula over the basis: its solves get a B of one
     more (leading) batch dim than A's split batch (fuzzer seed 5777923501: the basis size 9
-    against a shard of 5 raised)."""
-    warnings.simplefilter("ignore", sf.FallbackWarning)  # (forward AD's _new_zeros_with_same_feature_meta)
+    against a shard of 5 raised). No fallback: forward AD's ``_new_zeros_with_same_feature_meta``
+    with jacfwd's batch dim, ``_linalg_check_errors`` (no outputs) and ``diag_embed`` have rules."""
     mesh = sf.Mesh((2,), ("x",))
     x = torch.randn(9, 2, 2, dtype=torch.float64) + 3 * torch.eye(2, dtype=torch.float64)
     y = torch.randn(9, 2, 1, dtype=torch.float64)
@@ -1980,3 +1980,105 @@ def test_margin_losses_of_a_non_empty_or_invalid_batch_are_torchs(spec):
         torch.ops.aten.multi_margin_loss(sf.distribute(torch.zeros(0, 3), spec, mesh=mesh), torch.zeros(0, dtype=torch.long), 3)
     with pytest.raises(RuntimeError):
         torch.ops.aten.multi_margin_loss(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), 3)
+
+
+_NEW_ZEROS_CASES = [(P(None, "x"), P("x"), 1), (P("x"), P("x"), 1), (P("y"), P("x"), 1), (P("x", "y"), P(None, "x"), 2),
+                    (P(("x", "y")), P(), 1), (P("y"), P("x"), 0), (P("x", None), P(None, "y"), 2)]
+
+
+@pytest.mark.parametrize("self_spec,other_spec,k", _NEW_ZEROS_CASES)
+def test_new_zeros_with_same_feature_meta_keeps_batch_dims(self_spec, other_spec, k):
+    """Forward AD makes a tangent by ``_new_zeros_with_same_feature_meta(self, other,
+    self_num_batch_dims=k)``: ``self``'s k batch sizes then ``other``'s shape. Its rule covered
+    k = 0 only, so jacfwd (k = 1) fell back and gathered the primal (seed 5777923501's follow-up);
+    a batch dim split on an axis that also splits ``other`` is made whole on each device, no move."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    op = torch.ops.aten._new_zeros_with_same_feature_meta
+    s, o = torch.randn(5, 7, 4, 2), torch.randn(7, 4, 2, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)
+        with sf.debug.CommCounter() as cc:
+            got = op(sf.distribute(s, self_spec, mesh=mesh), sf.distribute(o, other_spec, mesh=mesh), self_num_batch_dims=k)
+    ref = op(s, o, self_num_batch_dims=k)
+    assert not cc.counts
+    assert (got.shape, got.dtype, got.stride()) == (ref.shape, ref.dtype, ref.stride())
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "y"), P("x", "y"), P(None, None, "x"), P(("x", "y"))])
+@pytest.mark.parametrize("offset,dim1,dim2", [(0, -2, -1), (1, 0, 2), (-2, 3, 1), (2, 0, 2)])
+def test_diag_embed_keeps_the_batch_sharded(spec, offset, dim1, dim2):
+    """``diag_embed`` had no rule (jacfwd of ``cholesky`` runs it over the basis and the split
+    batch: FallbackWarning and a gather): the input's other dims stay split, the diagonal whole;
+    values, gradients, vmap and a pending sum against torch."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    f = lambda v: torch.diag_embed(v, offset, dim1, dim2)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)
+        X = sf.distribute(x, spec, mesh=mesh)
+        out = f(X)
+        _close(out, f(x))
+        n = len(tuple(spec))
+        assert [a for a in tuple(out.spec) if a] == [a for a in tuple(spec)[:2] if a] or n == 3 or spec == P(("x", "y"))
+        g = lambda v: torch.diag_embed(v, offset, dim1 % 3, dim2 % 3)  # noqa: E731
+        _close(torch.func.vmap(g)(X), torch.func.vmap(g)(x))
+        _close(torch.diag_embed(sf.distribute(x, P("x"), mesh=mesh).sum(0), offset), torch.diag_embed(x.sum(0), offset))
+        xl = x.clone().requires_grad_()
+        (gr,) = torch.autograd.grad(f(sf.distribute(xl, spec, mesh=mesh)).pow(2).sum(), xl)
+        (rg,) = torch.autograd.grad(f(xl).pow(2).sum(), xl)
+        _close(gr, rg)
+
+
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_linalg_check_errors_over_a_split_batch(spec):
+    """``_linalg_check_errors`` returns nothing, so its meta run gave None, read as "an output
+    shape the data decides": a FallbackWarning on every ``lu_factor``/``inv``/``cholesky`` of a
+    ShardedArray. It checks the batch's info (4 bytes a matrix) whole: torch's error, with its
+    batch index, on the same calls; the factor itself stays split."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(9, 3, 3, dtype=torch.float64) + 3 * torch.eye(3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)
+        with sf.debug.CommCounter() as cc:
+            lu, piv = torch.linalg.lu_factor(sf.distribute(x, spec, mesh=mesh))
+        assert cc.bytes <= 4 * 9
+        assert tuple(lu.spec) == tuple(spec)
+        _close(lu, torch.linalg.lu_factor(x)[0])
+        _close(torch.linalg.inv(sf.distribute(x, spec, mesh=mesh)), torch.linalg.inv(x))
+        x[5] = 0
+        with pytest.raises(torch.linalg.LinAlgError) as theirs:
+            torch.linalg.inv(x)
+        with pytest.raises(torch.linalg.LinAlgError) as ours:
+            torch.linalg.inv(sf.distribute(x, spec, mesh=mesh))
+        assert str(ours.value) == str(theirs.value)
+        assert torch.ops.aten._linalg_check_errors(sf.distribute(torch.zeros(9, dtype=torch.int32), spec, mesh=mesh),
+                                                   "linalg.inv", is_matrix=False) is None
+
+
+_POLYGAMMA_INTO = {"product": lambda v: v * 2, "sin": lambda v: v.sin() + 1.5, "clone": lambda v: v.clone(),
+                   "written": lambda v: (v * 1).add_(1), "view": lambda v: (v * 2)[1:], "zeros_like": lambda v: torch.zeros_like(v).add_(v),
+                   "pending": lambda v: v.sum(0, keepdim=True)}
+
+
+@pytest.mark.parametrize("make", sorted(_POLYGAMMA_INTO))
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "y"), P("y", "x")])
+def test_polygamma_in_place_on_a_fresh_array(make, spec):
+    """``x.polygamma_(n)`` on an op's unread result: torch's functionalization has no kernel for
+    ``polygamma_`` (its out-of-place form takes ``n`` first: "custom (non-ATen) operator"), so
+    every such write raised. It runs as ``x.copy_(polygamma(n, x))``; values, autograd, vmap,
+    jvp and torch's cast error against torch."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    x = torch.rand(4, 6, dtype=torch.float64) + 0.5
+    for n in (0, 2):
+        f = lambda v, n=n: _POLYGAMMA_INTO[make](v).polygamma_(n)  # noqa: E731
+        X = sf.distribute(x, spec, mesh=mesh)
+        _close(f(X), f(x))
+        xl = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(f(sf.distribute(xl, spec, mesh=mesh)).sum(), xl)
+        (rg,) = torch.autograd.grad(f(xl).sum(), xl)
+        _close(g, rg)
+        _close(torch.func.vmap(f)(X), torch.func.vmap(f)(x))
+        _close(torch.func.jvp(f, (X,), (X,))[1], torch.func.jvp(f, (x,), (x,))[1])
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        (sf.distribute(torch.ones(4, 6, dtype=torch.long), spec, mesh=mesh) * 1).polygamma_(1)

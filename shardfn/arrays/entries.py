@@ -80,6 +80,8 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
             out_meta = _empty_meta(func, args, kwargs)
         else:
             out_meta = _meta_run(func, args, kwargs)
+        if out_meta is None and not func._schema.returns:
+            out_meta = ()  # no outputs (``_linalg_check_errors``): not a shape the data decides
     except ZeroDivisionError:  # a Python meta kernel dividing by numel() of empty inputs
         out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
@@ -215,6 +217,11 @@ def _flat_outputs(out: Any) -> tuple[list, Callable[[list], Any]]:
     return [out], (lambda xs: xs[0])
 
 
+def _nothing(outs: list) -> None:
+    """The result of an op with no outputs."""
+    return None
+
+
 @attrs.define
 class _Entry:
     """A compiled strategy for one cache key: which inputs to reshard, the backend's
@@ -244,6 +251,8 @@ class _Entry:
 
     def __attrs_post_init__(self) -> None:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
+        if not self.func._schema.returns:
+            self.rebuild = _nothing  # a check (``_linalg_check_errors``): torch's op returns None
         self.out_shapes = [tuple(m.shape) if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_dtypes = [m.dtype if isinstance(m, torch.Tensor) else None for m in metas]
         self.out_strides = [None if not isinstance(m, torch.Tensor) or _ft.is_symbolic(m.shape)

@@ -55,7 +55,7 @@ _ALL_DIMS = _packets(
 # Ops for which an empty dim list means the flattened tensor.
 _FLAT_WHEN_EMPTY = _packets("roll")
 # Ops whose dim arguments count the output's dims (a new dim is inserted).
-_OUT_RANK = _packets("unsqueeze", "unsqueeze_copy", "stack", "select_backward", "slice_backward")
+_OUT_RANK = _packets("unsqueeze", "unsqueeze_copy", "stack", "select_backward", "slice_backward", "diag_embed")
 # Ops that batch over leading dims once their dim arguments are negative.
 _LEADING = _ALL_DIMS | _OUT_RANK | _packets(
     "max", "min", "argmax", "argmin", "prod", "median", "nanmedian", "mode", "kthvalue",

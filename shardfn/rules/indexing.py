@@ -276,5 +276,6 @@ TABLE = {
     aten.put: _REPLICATED,
     aten.searchsorted: _REPLICATED,
     aten.bucketize: _REPLICATED,
-    aten._linalg_check_errors: _REPLICATED,
+    aten._linalg_check_errors: _REPLICATED,  # a batch's info gathered (4 bytes a matrix): torch's message and index
+    aten._assert_async: _REPLICATED,  # a one-element condition
 }

@@ -15,7 +15,7 @@ import torch
 
 from ..values.layout import Layout
 from ..values.mesh import check_mesh_device
-from .base import Candidate, OpCall, finite_factor, sum_passes
+from .base import Candidate, OpCall, bind, finite_factor, sum_passes
 
 aten = torch.ops.aten
 
@@ -180,17 +180,50 @@ class Like:
 
 @attrs.frozen
 class ZerosLikeOther:
-    """``_new_zeros_with_same_feature_meta(self, other)`` (forward AD: a new tangent made like
-    its primal ``other``): zeros laid out as ``other``, pending reductions dropped. Batch dims
-    taken from ``self`` (``self_num_batch_dims``) have no rule."""
+    """``_new_zeros_with_same_feature_meta(self, other, self_num_batch_dims)`` (forward AD: a new
+    tangent made like its primal ``other``, under vmap/jacfwd with ``self``'s leading batch
+    dims): zeros of ``self``'s batch sizes then ``other``'s shape, made on each device with no
+    move (only ``self``'s sizes are read). Feature dims are laid out as ``other``, pending
+    reductions dropped; a batch dim keeps ``self``'s sharding where its axes are free, else each
+    device makes it whole (a batch sharded on an axis that also splits ``other``: seed
+    5777923501's jacfwd of ``lu_factor`` over a split batch fell back)."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
-        if call.arg(2, "self_num_batch_dims", 0):
+        arrays = dict(call.arrays)
+        other = arrays.get(1, arrays.get("other"))
+        if other is None:
             return []
-        other = [v for path, v in call.arrays if path == 1]
-        if not other:
-            return []
-        return [Candidate(tuple(v._layout for _, v in call.arrays), (other[0]._layout.without_partial(),))]
+        k = call.arg(2, "self_num_batch_dims", 0)
+        feat = other._layout.dims
+        if not k:
+            return [Candidate(tuple(v._layout for _, v in call.arrays), (Layout(call.mesh, feat),))]
+        me = arrays.get(0, arrays.get("self"))
+        used = {a for axes in feat for a in axes}
+        batch = []
+        for axes in me._layout.dims[:k]:
+            free = not used.intersection(axes)
+            batch.append(axes if free else ())
+            used.update(axes if free else ())
+        out = Layout(call.mesh, (*batch, *feat))
+        whole = tuple(j for j, axes in enumerate(me._layout.dims[:k]) if axes and not batch[j])
+        fn = _BatchWhole(call.func, tuple(me.shape[:k]), whole) if whole else None
+        return [Candidate(tuple(v._layout for _, v in call.arrays), (out,), local_fn=fn)]
+
+
+@attrs.frozen
+class _BatchWhole:
+    """``_new_zeros_with_same_feature_meta`` on one device with the batch dims ``whole`` of
+    their global sizes: ``self`` stands in as an expanded scalar of the output's batch sizes."""
+
+    func: Any
+    sizes: tuple[int, ...]
+    whole: tuple[int, ...]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        b = bind(self.func, args, kwargs)
+        me = b["self"]
+        sizes = [g if j in self.whole else n for j, (g, n) in enumerate(zip(self.sizes, me.shape))]
+        return self.func(me.new_empty(()).expand(sizes), b["other"], self_num_batch_dims=b["self_num_batch_dims"])
 
 
 @attrs.frozen

@@ -344,6 +344,26 @@ class DiagonalBackward:
 
 
 @attrs.frozen
+class DiagEmbed:
+    """diag_embed(input, offset, dim1, dim2): the input's last dim written on the diagonal of
+    the output's new dims ``dim1``/``dim2`` (jacfwd of ``cholesky``, ``eigh``...): the diagonal
+    dim and those two whole, the other dims sharded as the input's. Linear, zeros elsewhere: a
+    pending reduction stays pending."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, x), = call.arrays
+        if x.dim() == 0:
+            return []
+        n = x.dim() + 1
+        b = bind(call.func, call.args, call.kwargs)
+        d1, d2 = b["dim1"] % n, b["dim2"] % n
+        batch = iter(x._layout.dims[:-1])
+        out_dims = tuple(() if i in (d1, d2) else next(batch) for i in range(n))
+        src = Layout(call.mesh, (*x._layout.dims[:-1], ()), x._layout.partial)
+        return [Candidate((src,), (Layout(call.mesh, out_dims, x._layout.partial),))]
+
+
+@attrs.frozen
 class ViewScatter:
     """select_scatter / slice_scatter / diagonal_scatter(input, src, ...): ``src`` written
     into the view of ``input`` that ``mapping`` describes (torch's view inverses, which an
@@ -426,6 +446,7 @@ TABLE = {
     aten.slice_backward: SizedBackward(),
     aten.select_backward: SizedBackward(insert=True),
     aten.diagonal_backward: DiagonalBackward(),
+    aten.diag_embed: DiagEmbed(),
     aten.constant_pad_nd: PadLast(),
     aten.select_scatter: ViewScatter(_select_map),
     aten.slice_scatter: ViewScatter(_slice_map),

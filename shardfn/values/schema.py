@@ -70,18 +70,28 @@ def is_inplace(func: Any) -> bool:
 def functional_overload(func: Any) -> Any:
     """The out-of-place overload of an in-place op (``pow_.Scalar`` -> ``pow.Tensor_Scalar``):
     the one taking the same arguments (names, types, keyword-only) and returning one tensor;
-    overload names do not always agree (``pow.Scalar`` takes a Scalar base). None if none."""
+    overload names do not always agree (``pow.Scalar`` takes a Scalar base), nor does the
+    order (``polygamma_(self, n)`` -> ``polygamma(n, self)``: call it with
+    ``functional_args``). None if none."""
     if not is_inplace(func):
         return None
     packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1][:-1], None)
     if packet is None:
         return None
     want = _signature(func)
-    for overload in packet.overloads():
-        op = getattr(packet, overload)
-        if _signature(op) == want and len(op._schema.returns) == 1 and not op._schema.is_mutable:
-            return op
-    return None
+    ops = [getattr(packet, o) for o in packet.overloads()]
+    ops = [op for op in ops if len(op._schema.returns) == 1 and not op._schema.is_mutable]
+    return next((op for op in ops if _signature(op) == want), None) or next(
+        (op for op in ops if sorted(_signature(op)) == sorted(want)), None)
+
+
+def functional_args(func: Any, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``func``'s arguments as its out-of-place overload ``op`` takes them, matched by name."""
+    if _signature(op) == _signature(func):
+        return args, kwargs
+    b = bind(func, args, kwargs)
+    return (tuple(b[a.name] for a in op._schema.arguments if not a.kwarg_only),
+            {a.name: b[a.name] for a in op._schema.arguments if a.kwarg_only and a.name in b})
 
 
 def _signature(op: Any) -> tuple:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ...values.schema import functional_overload, is_inplace
+from ...values.schema import functional_args, functional_overload, is_inplace
 
 _CASTS: dict = {}  # (op, operand dtypes and kinds) -> the error torch raises, or None
 
@@ -41,7 +41,8 @@ def _cast_error(func: Any, args: tuple, kwargs: dict, targets: list) -> str | No
             op = functional_overload(func)  # ``pow_.Scalar`` -> ``pow.Tensor_Scalar``
             if op is None:
                 return None
-            out = op(*margs, **mkw)
+            fargs, fkw = functional_args(func, op, margs, mkw)
+            out = op(*fargs, **fkw)
             if not isinstance(out, torch.Tensor):
                 return None
             result, want = out.dtype, written[0].dtype

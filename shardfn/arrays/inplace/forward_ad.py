@@ -10,7 +10,7 @@ import torch
 from ..aliases import rebind, regenerate_views
 from ..array import ShardedArray
 from ..fresh import writing
-from ...values.schema import functional_overload
+from ...values.schema import functional_args, functional_overload
 
 
 def forward_ad_live() -> bool:
@@ -37,7 +37,8 @@ def out_of_place(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
     op = functional_overload(func)
     if op is None:
         return None
-    new = op(*args, **kwargs)
+    fargs, fkwargs = functional_args(func, op, args, kwargs)
+    new = op(*fargs, **fkwargs)
     if not isinstance(new, ShardedArray) or new.dtype != x.dtype or tuple(new.shape) != tuple(x.shape):
         return None
     with writing():

@@ -9,10 +9,25 @@ import torch
 
 from ..aliases import rebind, regenerate_views, replay, root
 from ..fresh import writing
+from ...values.schema import functional_args, functional_overload
+
+aten = torch.ops.aten
 
 
 def run_functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
     """Run ``func`` under functionalization on the targets' roots; rebind what changed."""
+    result = None
+    if not _functionalizes(func):
+        op = functional_overload(func)
+        if op is not None and len(targets) == 1 and args and args[0] is targets[0]:
+            # ``x.op_(...)`` as ``x.copy_(op(...))``: torch's functionalization has no kernel for
+            # it (``polygamma_``, whose out-of-place form takes ``n`` first, raised "custom
+            # (non-ATen) operator" on every fresh or private array)
+            fargs, fkwargs = functional_args(func, op, args, kwargs)
+            with writing():  # its own value is part of the write, not a read
+                new = op(*fargs, **fkwargs)
+            result = _result(func, args, kwargs, None)
+            func, args, kwargs = aten.copy_.default, (targets[0], new), {}
     roots: dict[int, Any] = {}
     for t in targets:
         r = root(t)
@@ -40,7 +55,14 @@ def run_functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> A
         for i, r in roots.items():
             rebind(r, new[i])
             regenerate_views(r)
-    return _result(func, args, kwargs, out)
+    return _result(func, args, kwargs, out) if result is None else result
+
+
+def _functionalizes(func: Any) -> bool:
+    """Whether torch's functionalization has a kernel for ``func`` (composites decompose first)."""
+    name = func.name()
+    return (torch._C._dispatch_has_kernel_for_dispatch_key(name, "Functionalize")
+            or torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"))
 
 
 def _foreach_in_order(func: Any, fargs: tuple, fkwargs: dict, n: int) -> None:
