@@ -76,6 +76,9 @@ FOUND = [
     (35004348, 4),  # complex pcast (a product by 1+0j) and parts added by torch's complex add (a + 1 * b): -inf j to nan
     (5788801577, 3, None, "jvp,jacfwd,hessian,vmap_grad,jacrev,vjp"),  # multi_margin of an empty batch: torch's unwritten output
     (5792283956, 5, None, "jvp,jacfwd,hessian,vmap_grad,jacrev,vjp,vmap_sharded,vmap_mid"),  # vjp of complex prod of -inf: either branch
+    (5794753488, 3),  # vmap(in_dims=-1) of roll of a 0-d value: torch's vmap rolls across the batch; either answer
+    (5794755900, 3),  # vmap(in_dims=1) of is_contiguous: torch's vmap and its per-example run differ; either answer
+    (5794753736, 3),  # compile_dynamic hinge_embedding_loss: empty_like of a dynamic size hashed a SymInt
 ]
 
 
