@@ -2082,3 +2082,20 @@ def test_polygamma_in_place_on_a_fresh_array(make, spec):
         _close(torch.func.jvp(f, (X,), (X,))[1], torch.func.jvp(f, (x,), (x,))[1])
     with pytest.raises(RuntimeError, match="can't be cast"):
         (sf.distribute(torch.ones(4, 6, dtype=torch.long), spec, mesh=mesh) * 1).polygamma_(1)
+
+
+@pytest.mark.parametrize("spec", [P(None), P("x")])
+def test_like_ops_under_dynamic_compile(spec):
+    """``*_like`` ops of a ShardedArray whose size is dynamic under torch.compile: the shards'
+    boxes were read from the SymInt size ("unhashable type: non-nested SymInt", fuzzer seed
+    5794753736, hinge_embedding_loss's decomposition making an empty_like)."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    x, y = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    X, Y = sf.distribute(x, spec, mesh=mesh), sf.distribute(y, spec, mesh=mesh)
+    hinge = torch.compile(lambda v, t: F.hinge_embedding_loss(v, torch.sign(t)), backend="aot_eager", dynamic=True)
+    torch.testing.assert_close(sf.gather(hinge(X, Y)), F.hinge_embedding_loss(x, torch.sign(y)))
+    like = torch.compile(lambda v: (torch.zeros_like(v) + torch.empty_like(v).fill_(2.0) * torch.rand_like(v) * 0,
+                                    torch.empty_like(v).shape), backend="aot_eager", dynamic=True)
+    out, shape = like(X)
+    assert tuple(shape) == (4,)
+    torch.testing.assert_close(sf.gather(out), torch.zeros(4, dtype=torch.float64))

@@ -29,6 +29,7 @@ from ..arrays import rule_table
 from ..arrays.array import ShardedArray, wrap
 from ..arrays.redistribute import raw_reshard
 from ..arrays.factories import _box_shape, _build, _from_boxes, _shard_of
+from ..arrays.functorch import static_int
 from ..rules.base import bind, replicated
 from ..values.layout import Box, Layout
 from . import counter_rng as _rng
@@ -45,8 +46,9 @@ _INT_MAX = {torch.uint8: 2**8 - 1, torch.int8: 2**7 - 1, torch.int16: 2**15 - 1,
 
 
 def _target(x: ShardedArray) -> tuple[tuple[int, ...], Layout]:
-    """Shape and output layout of a value drawn "like" ``x`` (pending reductions dropped)."""
-    return tuple(x.shape), x._layout.without_partial()
+    """Shape and output layout of a value drawn "like" ``x`` (pending reductions dropped); a
+    dynamic size under torch.compile is specialised, as the shards' boxes are read from it."""
+    return tuple(static_int(n) for n in x.shape), x._layout.without_partial()
 
 
 def _like_strides(x: ShardedArray, memory_format: Any = None) -> tuple[int, ...] | None:
