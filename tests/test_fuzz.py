@@ -79,6 +79,7 @@ FOUND = [
     (5794753488, 3),  # vmap(in_dims=-1) of roll of a 0-d value: torch's vmap rolls across the batch; either answer
     (5794755900, 3),  # vmap(in_dims=1) of is_contiguous: torch's vmap and its per-example run differ; either answer
     (5794753736, 3),  # compile_dynamic hinge_embedding_loss: empty_like of a dynamic size hashed a SymInt
+    (5794766001, 3),  # compile_dynamic recompile, uneven parts -> stacked input: Dynamo read _part_1 explaining it
 ]
 
 

@@ -2099,3 +2099,18 @@ def test_like_ops_under_dynamic_compile(spec):
     out, shape = like(X)
     assert tuple(shape) == (4,)
     torch.testing.assert_close(sf.gather(out), torch.zeros(4, dtype=torch.float64))
+
+
+def test_part_names_read_on_an_array_without_those_parts_give_none():
+    """Dynamo, explaining a recompile, evaluates the previous input's inner names (``_part_i``)
+    on the new input; an array held stacked, or with fewer parts, answers None instead of
+    raising IndexError (fuzzer seed 5794766001); real parts read as before."""
+    mesh = sf.Mesh((8,), ("x",), backend="local")
+    x = torch.randn(9, 5)
+    uneven = sf.distribute(x, P("x", None), mesh=mesh)
+    names, _ = uneven.__tensor_flatten__()
+    assert len(names) == 8
+    for i, n in enumerate(names):
+        torch.testing.assert_close(getattr(uneven, n), uneven.local_shards()[i])
+    stacked = sf.distribute(x, P(), mesh=mesh)
+    assert all(getattr(stacked, n) is None for n in names)

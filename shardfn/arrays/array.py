@@ -445,13 +445,21 @@ def _part_names(n: int) -> list[str]:
     names = _PART_NAMES[:n]
     for i in range(len(names), n):
         name = f"_part_{i}"
-        setattr(ShardedArray, name, property(lambda self, i=i: self._local[i], functools.partial(_set_part, i=i)))
+        setattr(ShardedArray, name, property(functools.partial(_get_part, i=i), functools.partial(_set_part, i=i)))
         _PART_NAMES.append(name)
         names.append(name)
     return names
 
 
 _PART_NAMES: list[str] = []
+
+
+def _get_part(self: ShardedArray, i: int) -> torch.Tensor | None:
+    """``x._part_i``: device ``i``'s shard, or None where ``x`` holds no such part (held stacked,
+    or fewer parts). Dynamo, explaining a recompile, evaluates the previous input's part names on
+    the new input (an uneven input relaid replicated: IndexError, fuzzer seed 5794766001)."""
+    local = self._local
+    return local[i] if isinstance(local, tuple) and i < len(local) else None
 
 
 def _set_part(self: ShardedArray, value: torch.Tensor, i: int) -> None:
