@@ -171,3 +171,57 @@ def test_compiled_product_of_a_pending_sum_and_a_non_finite_factor(dynamic):
     got, bounded = torch.compile(lambda A, B, F, T: ((A @ B) * F, (A @ B) * torch.cos(T)), dynamic=dynamic)(A, B, F, T)
     _close(got, (a @ b) * f, tol=1e-6)  # (inf entries compare exactly at any tolerance)
     _close(bounded, (a @ b) * torch.cos(t), tol=1e-6)
+
+
+_ACTIVATION_BACKWARDS = [
+    ("softplus", lambda g, x: torch.ops.aten.softplus_backward(g, x, 1.0, 20.0)),
+    ("softplus beta", lambda g, x: torch.ops.aten.softplus_backward(g, x, 3.0, 1000.0)),  # exp(x) overflows: nan
+    ("silu", torch.ops.aten.silu_backward), ("gelu", torch.ops.aten.gelu_backward),
+    ("gelu tanh", lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
+    ("mish", torch.ops.aten.mish_backward), ("hardswish", torch.ops.aten.hardswish_backward),
+    ("hardsigmoid", torch.ops.aten.hardsigmoid_backward),
+    ("hardtanh", lambda g, x: torch.ops.aten.hardtanh_backward(g, x, -1.0, 1.0)),
+    ("threshold", lambda g, x: torch.ops.aten.threshold_backward(g, x, 0.0)),
+    ("leaky_relu", lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, 0.1, False)),
+]
+
+
+@pytest.mark.parametrize("name, op", _ACTIVATION_BACKWARDS, ids=[n for n, _ in _ACTIVATION_BACKWARDS])
+def test_a_pending_gradient_passes_an_activation_backward(name, op):
+    """``op(grad_output, x)`` is ``grad_output`` times a derivative bounded for every ``x`` (nan at
+    ±inf or nan ``x``, in every part as in the total), or a selection of it: a pending gradient
+    passes with no collective (a replicated parameter applied to split activations, as xIELU's
+    ``softplus(alpha)`` in Apertus), and the values are torch's on the total, non-finite
+    gradients and inputs included."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    parts = [torch.tensor([1.0, 0.0, INF, -2.0, 0.5, 3.0, 1e30, 0.0], dtype=torch.float64) * s
+             for s in (1.0, -1.0, 0.5, 2.0)]
+    parts[1][0] = 0.0  # a total of 1.0 beside the ±inf and inf - inf ones
+    x = torch.tensor([0.3, -1.5, 2.0, INF, -INF, NAN, 40.0, -0.0], dtype=torch.float64)
+    X = sf.distribute(x, P(), mesh=mesh)
+    p = sf.ShardedArray.from_local(parts, P(partial=("x", "y")), mesh=mesh)
+    with sf.debug.CommCounter() as cc:
+        out = op(p, X)
+    assert cc.total == 0 and out._layout.partial, (name, cc)
+    _close(out, op(sum(parts), x), tol=1e-12)  # (the parts summed in another order)
+
+
+def test_an_activation_backward_reduces_first_where_its_factor_may_be_inf():
+    """A slope of inf (``leaky_relu``), or ``sigmoid_backward`` / ``tanh_backward`` reading a result
+    not known finite, may multiply a part by inf: reduced first; a result their forward made
+    (bounded) keeps the gradient pending."""
+    mesh = sf.Mesh((2,), ("x",))
+    parts = [torch.tensor([1.0, 0.0, 2.0, 0.0]), torch.tensor([-1.0, 3.0, -2.0, 0.0])]
+    x = torch.tensor([-1.0, 2.0, -3.0, 0.5])
+    X = sf.distribute(x, P(), mesh=mesh)
+    cases = [(lambda g, v: torch.ops.aten.leaky_relu_backward(g, v, INF, False), X, x, 1),
+             (torch.ops.aten.sigmoid_backward, X * INF, x * INF, 1),
+             (torch.ops.aten.tanh_backward, X * INF, x * INF, 1),
+             (torch.ops.aten.sigmoid_backward, torch.sigmoid(X), torch.sigmoid(x), 0),
+             (torch.ops.aten.tanh_backward, torch.tanh(X), torch.tanh(x), 0)]
+    for op, arg, plain, reduces in cases:
+        p = sf.ShardedArray.from_local(parts, P(partial="x"), mesh=mesh)
+        with sf.debug.CommCounter() as cc:
+            out = op(p, arg)
+        assert cc.total == reduces, (op, cc)
+        _close(out, op(sum(parts), plain), tol=1e-6)

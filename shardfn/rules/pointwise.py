@@ -25,6 +25,19 @@ _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.positive.def
 # the value is the index of the only operand allowed to be Partial, or None for any.
 _MULTILINEAR = {aten.mul.Tensor: None, aten.mul.Scalar: 0, aten.div.Tensor: 0, aten.div.Scalar: 0}
 _LINEAR_PARTIAL_OPS = {"sum", "avg"}
+# Activation backwards ``op(grad_output, x, ...)``: ``grad_output`` times a derivative bounded
+# for every ``x`` (nan only where ``x`` is ±inf or nan: a nan factor is nan in every part and in
+# the total alike), or a selection of ``grad_output``: a pending ``grad_output`` passes, as
+# through ``mul`` by a known-finite factor. (A replicated parameter applied to split
+# activations, e.g. xIELU's ``softplus(alpha)`` in Apertus: its gradient stays pending, as other
+# parameters' do, rather than being reduced at every such op.)
+_BOUNDED_GRAD = {getattr(aten, n).default for n in (
+    "softplus_backward", "silu_backward", "gelu_backward", "mish_backward", "hardswish_backward",
+    "hardsigmoid_backward", "hardtanh_backward", "threshold_backward", "leaky_relu_backward",
+) if hasattr(aten, n)}
+# ... and those whose factor is computed from the op's result (``sigmoid_backward(g, y)`` is
+# ``g * y * (1 - y)``, ``tanh_backward`` ``g * (1 - y**2)``): finite exactly where ``y`` is
+_RESULT_GRAD = {aten.sigmoid_backward.default, aten.tanh_backward.default}
 # Casts: linear between floating (or complex) dtypes up to rounding, as a reduction in
 # another order is; a cast to an integer or bool dtype is not.
 _CASTS = {aten._to_copy.default}
@@ -67,6 +80,8 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
         return set()  # parts / 0 are ±inf or nan, whose sum need not be the total's ±inf
     if func in (aten.mul.Tensor, aten.mul.Scalar) and not _finite_factors(call, call.arrays[base][0]):
         return set()  # parts * inf have mixed signs (or are 0 * inf) where the total's is one signed inf
+    if func in _BOUNDED_GRAD or func in _RESULT_GRAD:
+        return {base} if call.arrays[base][0] in (0, "grad_output") and _grad_factor_finite(call) else set()
     n = len(call.arrays)
     if func in _CASTS:
         return set(range(n)) if _float_cast(call) else set()
@@ -96,6 +111,18 @@ def _finite_factors(call: OpCall, base_path: Any) -> bool:
                 return False
         elif isinstance(a, (float, complex)) and not cmath.isfinite(a):
             return False
+    return True
+
+
+def _grad_factor_finite(call: OpCall) -> bool:
+    """Whether an activation backward's factor on ``grad_output`` is known finite (or nan):
+    its numbers are finite (``leaky_relu``'s slope), and for ``_RESULT_GRAD`` the result it
+    reads is known finite (``finite_factor``)."""
+    if any(isinstance(a, (float, complex)) and not cmath.isfinite(a) for a in call.args[2:]):
+        return False
+    if call.func in _RESULT_GRAD:
+        y = call.args[1] if len(call.args) > 1 else call.kwargs.get("output")
+        return isinstance(y, torch.Tensor) and finite_factor(y)
     return True
 
 
