@@ -20,7 +20,24 @@ which the in-place policy runs as functional updates (unread results are fresh: 
   positions; BERT's position embeddings broadcast over the batch keep their gradient
   pending over dp, as DDP does), GLM-4-MoE and ERNIE-4.5-MoE (dense first layer, shared
   experts column/row-parallel), dots.llm1 (the same), HunYuan-MoE (shared expert
-  column/row-parallel);
+  column/row-parallel), Apertus (xIELU: its learned scalars' gradients stay
+  pending, as other parameters'), GPT-BigCode with multi-head attention (c_attn fused per head,
+  viewed (heads, 3 * head_dim), as GPT-NeoX: the row split is per head);
+- the same, with a fused projection split by concatenated parts (below; gathers counted in
+  ``TP_GATHERS``): GLM, GLM-4 (post-norms), ModernBERT-decoder ([gate | up]), GPT-BigCode
+  (multi-query [Q | K | V]), MPT ([Q | K | V], alibi), ModernBERT (both);
+- eager attention, (2, 4) under autograd, the heads gathered at torch's matmul fold under
+  torch.func: VaultGemma, GPT-Neo; attention that folds batch and heads in the model's own code
+  (XGLM), heads paired across devices (DiffLlama), routers sorting the whole batch (JetMoE): their
+  tests say what each gathers and why.
+
+Fused projections split by concatenated parts ([gate | up] viewed by ``chunk(2)``, [Q | K | V] by
+``split``): a row split gives one device all of gate (or of Q) and the other all of up; the
+consumer needs both halves of each on each device, so the projection's output is gathered in the
+forward, and its gradient assembled from the parts' gradients in the backward (``cat``: one gather
+per part split across the devices). Megatron stores each rank's parts side by side instead, a
+layout a block split of HF's weight cannot give (DTensor's ``_StridedShard``; see
+test_hf_families' module doc).
 - parallel residual, one norm (1, 2): CodeGen (fused qkv_proj in per-head groups), Cohere2, Cohere2-MoE
   (routed experts replicated);
 - attention only (routed experts replicated) (1, 2): Qwen3-MoE, GraniteMoE,
@@ -61,6 +78,10 @@ STD = [(_C + r"\.weight$", COL), (_C + r"\.bias$", P("tp")), (_R + r"\.weight$",
 _EC = r"(query|key|value|q_lin|k_lin|v_lin|intermediate\.dense|lin1)"
 _ER = r"(attention\.output\.dense|layer\.\d+\.output\.dense|out_lin|lin2)"
 ENCODER = [(_EC + r"\.weight$", COL), (_EC + r"\.bias$", P("tp")), (_ER + r"\.weight$", ROW)]
+# fused projections (GLM's gate_up_proj, GPT-BigCode's c_attn, MPT's and ModernBERT's Wqkv and Wi)
+# column-parallel, their outputs (c_proj, Wo) row-parallel
+_FC = r"(gate_up_proj|c_attn|c_fc|Wqkv|Wi)"
+FUSED = STD + [(_FC + r"\.weight$", COL), (_FC + r"\.bias$", P("tp")), (r"(c_proj|Wo)\.weight$", ROW)]
 
 
 def _cfg(name: str) -> tuple:
@@ -72,6 +93,10 @@ def _cfg(name: str) -> tuple:
                first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     enc = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
                intermediate_size=128)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    bigcode = dict(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=64, n_inner=128, **ids)
+    modernbert = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, max_position_embeddings=64, cls_token_id=1, sep_token_id=2, **ids)
     causal, masked = T.AutoModelForCausalLM, T.AutoModelForMaskedLM
     table = {
         "helium": (lambda: T.HeliumConfig(**c, head_dim=16), STD),
@@ -121,16 +146,41 @@ def _cfg(name: str) -> tuple:
         "roberta": (lambda: T.RobertaConfig(**enc, max_position_embeddings=70), ENCODER),
         "xlmroberta": (lambda: T.XLMRobertaConfig(**enc, max_position_embeddings=70), ENCODER),
         "electra": (lambda: T.ElectraConfig(**enc, embedding_size=64, max_position_embeddings=64), ENCODER),
+        "apertus": (lambda: T.ApertusConfig(**c, pad_token_id=0), STD),
+        "glm": (lambda: T.GlmConfig(**c, head_dim=16, pad_token_id=0), FUSED),
+        "glm4": (lambda: T.Glm4Config(**c, head_dim=16, pad_token_id=0), FUSED),
+        "gptbigcode": (lambda: T.GPTBigCodeConfig(**bigcode), FUSED),
+        "gptbigcode_mha": (lambda: T.GPTBigCodeConfig(**bigcode, multi_query=False), FUSED),
+        "modernbert": (lambda: T.ModernBertConfig(**modernbert), FUSED, "sdpa", masked),
+        "modernbertdecoder": (lambda: T.ModernBertDecoderConfig(**modernbert, local_attention=4,
+                                                                layer_types=["full_attention", "sliding_attention"]),
+                              FUSED),
+        "mpt": (lambda: T.MptConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=LAYERS, expansion_ratio=2,
+                                    max_seq_len=64), FUSED, "eager"),
+        "vaultgemma": (lambda: T.VaultGemmaConfig(**c, head_dim=16, sliding_window=4, query_pre_attn_scalar=16),
+                       STD, "eager"),
+        "gptneo": (lambda: T.GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=LAYERS, num_heads=4,
+                                          intermediate_size=128, max_position_embeddings=64, window_size=4,
+                                          attention_types=[[["global", "local"], 1]], bos_token_id=1, eos_token_id=2),
+                   FUSED, "eager"),
+        "xglm": (lambda: T.XGLMConfig(vocab_size=VOCAB, d_model=64, ffn_dim=128, num_layers=LAYERS, attention_heads=4,
+                                      max_position_embeddings=64, dropout=0.0, attention_dropout=0.0), STD, "eager"),
+        "diffllama": (lambda: T.DiffLlamaConfig(**c, head_dim=16), STD),
+        "jetmoe": (lambda: T.JetMoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_key_value_heads=2,
+                                          kv_channels=16, intermediate_size=64, max_position_embeddings=64,
+                                          num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4), []),
         "distilbert": (lambda: T.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=LAYERS, n_heads=4, hidden_dim=128,
                                                   max_position_embeddings=64), ENCODER),
     }
-    make, rules, *attn = table[name]  # (GPT-OSS has no SDPA path: its attention sinks)
-    return make, attn[0] if attn else "sdpa", rules, masked if rules is ENCODER else causal
+    make, rules, *rest = table[name]  # (GPT-OSS has no SDPA path: its attention sinks; nor have MPT, VaultGemma,
+    # GPT-Neo, XGLM)
+    attn, auto = (rest + ["sdpa", masked if rules is ENCODER else causal][len(rest):])[:2]
+    return make, attn, rules, auto
 
 
 SEQUENTIAL = ("helium", "arcee", "nemotron", "olmo", "smollm3", "ernie4_5", "exaone4", "seedoss", "ministral", "hunyuan",
               "llama4", "llama4moe", "hunyuanmoe", "persimmon", "biogpt", "glm4moe", "ernie4_5_moe", "dots1", "bert", "roberta", "xlmroberta", "electra",
-              "distilbert")
+              "distilbert", "apertus", "gptbigcode_mha", "glm", "glm4", "gptbigcode", "modernbert", "modernbertdecoder", "mpt")
 # family -> Megatron's (forward all_reduce per layer, forward + backward all_reduce per layer)
 MEGATRON = {**{f: (2, 4) for f in SEQUENTIAL},
             **{f: (1, 2) for f in ("codegen", "cohere2", "cohere2moe", "qwen3moe", "granitemoe", "granitemoeshared",
@@ -143,6 +193,16 @@ POST_NORM = {"exaone4", "olmo3"}
 # Llama 4's router repeats the (dp-split) tokens once per expert, expert-major, and flattens the
 # transposed (experts, tokens) scores the same way, so a device's rows are no longer its tokens
 DP_GATHERS = {"llama4moe": (2, 3)}
+# all_gathers over tp (forward, forward + backward per layer) where the model's code splits a fused
+# projection by concatenated parts (module doc): GLM / GLM-4 / ModernBERT-decoder's [gate | up] (the
+# forward's chunk, the backward's cat of the two gradients: 1, 3), GPT-BigCode's multi-query
+# [Q | K | V] (K and V one head each: 1, 2), MPT's [Q | K | V] (1, 2), ModernBERT's both (2, 5)
+TP_GATHERS = {"glm": (1, 3), "glm4": (1, 3), "modernbertdecoder": (1, 3), "gptbigcode": (1, 2), "mpt": (1, 2),
+              "modernbert": (2, 5)}
+# eager attention (no SDPA path): under torch.func torch's 4-d matmul composite folds batch and heads,
+# gathered as in test_hf_families' test_eager_attention_under_func (MPT's heads are gathered already)
+EAGER = ("vaultgemma", "gptneo")
+EXTRA = (*EAGER, "xglm", "diffllama", "jetmoe")  # (tested below; for tools/fallback_census.py)
 MLA = {"deepseekv2": (2, 6), "deepseekv3": (2, 8)}
 MOE = ("qwen3moe", "granitemoe", "granitemoeshared", "phimoe", "olmoe", "glm4moe", "ernie4_5_moe", "dots1", "deepseekv2",
        "deepseekv3", "llama4moe", "gptoss", "hunyuanmoe", "minimaxm2", "cohere2moe")
@@ -189,7 +249,7 @@ def test_megatron_counts_values_and_gradients(name: str) -> None:
     """TP forward and forward + backward under torch.func: Megatron's all_reduce counts
     (module doc) and nothing else; values and gradients equal unsharded."""
     fwd, both = _check(name, "func")
-    gathers = DP_GATHERS.get(name, (0, 0))
+    gathers = DP_GATHERS.get(name, TP_GATHERS.get(name, (0, 0)))
     assert dict(fwd.counts) == _counts(MEGATRON[name][0] * LAYERS, gathers[0] * LAYERS), fwd
     assert dict(both.counts) == _counts(MEGATRON[name][1] * LAYERS + 1 - (name in POST_NORM), gathers[1] * LAYERS), both
 
@@ -259,3 +319,60 @@ def test_phimoe_training_router_backward():
     assert set(grads) == set(want_grads)
     for n in want_grads:
         close(grads[n], want_grads[n])
+
+
+@pytest.mark.parametrize("name", EAGER)
+def test_eager_attention_families(name: str) -> None:
+    """VaultGemma (soft-capping) and GPT-Neo (local attention layers), eager attention: Megatron's
+    sequential counts (2, 4) under autograd; under torch.func the same values and gradients and,
+    as test_hf_families' Gemma2, 4 all_gather per layer (q, k, the probabilities folded with the
+    heads; the output's gradient)."""
+    fwd, both = _check(name, "autograd")
+    assert dict(fwd.counts) == _counts(2 * LAYERS), fwd
+    assert dict(both.counts) == _counts(4 * LAYERS + 1), both
+    fwd, both = _check(name, "func")
+    assert dict(both.counts) == _counts(4 * LAYERS + 1, 4 * LAYERS), both
+
+
+@pytest.mark.parametrize("mode", ["autograd", "func"])
+def test_xglm_attention_folds_batch_and_heads(mode: str) -> None:
+    """XGLM's attention reshapes (batch, heads) into one dim itself (``bsz * num_heads``, then
+    ``bmm``). With the batch over dp and the heads over tp a device holds, of that dim, a run of
+    heads for each of its batch rows: no block of it, so a block layout cannot hold it (that needs
+    a strided layout, DTensor's ``_StridedShard``) and q, k, v are gathered over tp (3 per layer),
+    the attention runs on every tp device, and the output's gradient is gathered at the same fold
+    in the backward (1). Megatron's local code folds each device's own heads: no gather. The
+    all_reduces are Megatron's (2, 4); values and gradients equal unsharded."""
+    fwd, both = _check("xglm", mode)
+    assert dict(fwd.counts) == _counts(2 * LAYERS, 3 * LAYERS), fwd
+    assert dict(both.counts) == _counts(4 * LAYERS + 1, 4 * LAYERS), both
+
+
+def test_diffllama_pairs_heads_across_devices() -> None:
+    """DiffLlama's differential attention pairs head ``h`` with head ``h + H/2`` (``chunk(2)`` of
+    the heads) and attends with each half of the value heads (``chunk(value, 2, dim=1)``
+    repeated): with the heads split over tp in blocks, every pair spans the two devices, so each
+    layer gathers the value halves and the second half of the heads' outputs (2 all_gather forward,
+    2 more backward), and reduces the value projection's gradient (both devices' heads read each
+    value head). Its learned ``lambda_*`` vectors enter through ``exp`` (a factor not known finite),
+    so their pending gradients are all-reduced over dp and tp there (4 scalar all_reduce per
+    layer), as ``tests/test_pending_factors.py`` requires. Megatron's (2, 4) on top: forward
+    2 + 2, forward + backward 9 + 4 per layer; values and gradients equal unsharded."""
+    fwd, both = _check("diffllama", "func")
+    assert dict(fwd.counts) == _counts(2 * LAYERS, 2 * LAYERS), fwd
+    assert dict(both.counts) == _counts(9 * LAYERS + 1, 4 * LAYERS), both
+
+
+def test_jetmoe_data_parallel() -> None:
+    """JetMoE (mixture of attention heads and MoE MLP; experts replicated, no tp rules): its routers
+    sort all the tokens by expert (``sort`` of the flattened top-k ids) and gather their rows, so a
+    batch split over dp is gathered at each router (7 all_gather per layer forward: the sort and
+    its index for the attention's and the MLP's router, and the token rows the experts read, 3 more
+    backward) and the expert outputs scattered back into the tokens arrive pending over dp
+    (all_reduce). Data-parallel Megatron routes each device's tokens locally: no collective but
+    the loss's. Values and gradients equal unsharded under autograd. (torch.func cannot run it:
+    its router's ``expert_size.tolist()`` reads a wrapped ShardedArray's storage, which functorch
+    takes directly, beneath the array's ``tolist``.)"""
+    fwd, both = _check("jetmoe", "autograd")
+    assert dict(fwd.counts) == _counts(2 * LAYERS, 7 * LAYERS), fwd
+    assert dict(both.counts) == _counts(2 * LAYERS + 1, 10 * LAYERS), both
