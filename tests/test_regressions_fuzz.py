@@ -2114,3 +2114,35 @@ def test_part_names_read_on_an_array_without_those_parts_give_none():
         torch.testing.assert_close(getattr(uneven, n), uneven.local_shards()[i])
     stacked = sf.distribute(x, P(), mesh=mesh)
     assert all(getattr(stacked, n) is None for n in names)
+
+
+@pytest.mark.parametrize("shape, dtype, transpose", [
+    ((5, 5, 5), torch.float64, False), ((5, 5, 5), torch.float64, True), ((6, 6), torch.float64, True),
+    ((7, 0, 7, 7), torch.complex128, False)])
+def test_compiled_backward_of_equal_sizes_after_a_graph_break(shape, dtype, transpose):
+    """Under ``dynamic=True`` equal sizes share one symbol, so a dense stride is a power of it
+    (``s0**2``); AOTAutograd rebuilt the tangent with that stride from its metadata pass, which
+    the joint trace does not know: "s0**2 is not tracked with proxy" (fuzzer seed 5799832834,
+    sf.random's graph break inside a helper). The tangent's dense strides are computed again
+    from its rebuilt sizes; values and gradients match torch."""
+    mesh = sf.Mesh((1, 1), ("x", "y"))
+    key = sf.random.key(3)
+
+    def noise(v):  # sf.random runs eagerly: a graph break inside a helper
+        return v + sf.random.bernoulli(key, 0.3, tuple(v.shape), P(), mesh=mesh).to(torch.float64)
+
+    def loss(v):
+        out = noise(v)
+        return (torch.view_as_real(out) if out.is_complex() else out).square().sum()
+
+    x = torch.randn(shape, dtype=dtype)
+    x = x.transpose(0, -1) if transpose else x
+    torch._dynamo.reset()
+    f = torch.compile(loss, backend="aot_eager", dynamic=True)
+    xs = x.clone().requires_grad_()
+    got = f(sf.distribute(xs, P(None, "y"), mesh=mesh))
+    (g,) = torch.autograd.grad(got, xs)
+    mask = sf.random.bernoulli(key, 0.3, tuple(shape if not transpose else x.shape), P(), mesh=mesh).full_tensor()
+    want = x + mask.to(torch.float64)
+    _close(got, (torch.view_as_real(want) if want.is_complex() else want).square().sum())
+    _close(g, 2 * want)

@@ -560,8 +560,31 @@ def _traced_sizes(layout: Layout, shape: tuple, stride: tuple | None, local: tor
                 by_expr[n.node.expr] = n
         sizes.append(n)
     if stride is not None and by_expr:
-        stride = tuple(by_expr.get(s.node.expr, s) if isinstance(s, torch.SymInt) else s for s in stride)
+        stride = _traced_dense_strides(shape, stride, sizes) or tuple(
+            by_expr.get(s.node.expr, s) if isinstance(s, torch.SymInt) else s for s in stride)
     return tuple(sizes), stride
+
+
+def _traced_dense_strides(shape: tuple, stride: tuple, sizes: list) -> tuple | None:
+    """Dense ``stride`` (of ``shape``, in some dim order) computed again from the rebuilt
+    ``sizes``, or None where ``stride`` is not dense. A product of sizes (``s0**2``, the
+    stride of a contiguous (n, 0, n, n)) from the earlier trace is unknown to this one: the
+    joint graph of an array with such a stride raised "s0**2 is not tracked with proxy"
+    (fuzzer seed 5799832834)."""
+    def expr(v: Any) -> Any:
+        return v.node.expr if isinstance(v, torch.SymInt) else v
+
+    hints = [s if type(s) is int else s.node.hint for s in stride]
+    if None in hints:  # (an unbacked size: no order to read)
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-hints[d], d))
+    old, new, acc_old, acc_new = [0] * len(shape), [0] * len(shape), 1, 1
+    for d in reversed(order):
+        old[d], new[d] = acc_old, acc_new
+        acc_old, acc_new = acc_old * torch.sym_max(shape[d], 1), acc_new * torch.sym_max(sizes[d], 1)
+    if any(expr(a) != expr(b) for a, b in zip(old, stride)):
+        return None
+    return tuple(new)
 
 
 @functools.lru_cache(maxsize=4096)
