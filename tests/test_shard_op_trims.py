@@ -167,3 +167,54 @@ def test_meta_products_run_the_chain():
     warm = stacked_matmul.matmul(a, b)
     assert not stacked_matmul._FOLDS or all(g is None for g in stacked_matmul._FOLDS[next(iter(stacked_matmul._FOLDS))][:2])
     assert warm.shape == first.shape == (2, 4, 8, 3) and warm.stride() == first.stride()
+
+
+def _sdpa_step(q, k, v, go):
+    """Attention's output and the gradients of q, k, v for the output gradient ``go``."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return (out, *torch.autograd.grad(out, (q, k, v), go))
+
+
+@pytest.mark.parametrize("shape,names,spec", [((8,), ("dp",), P("dp")), ((2, 4), ("dp", "tp"), P("dp", "tp"))])
+def test_warm_flash_attention_folds_are_one_view_each(shape, names, spec):
+    """CPU flash attention forward and backward on a simulated mesh: warm, each tensor argument's
+    fold of the mesh dims into (batch, heads) and each output's unfold is one ``as_strided`` (the
+    chain's reshapes and permutes replayed; the logsumexp's dense copy stays), with torch's values."""
+    mesh = sf.Mesh(shape, names, backend="local")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(8, 4, 6, 8, generator=gen) for _ in range(4))
+    want = _sdpa_step(q, k, v, go)
+    arrays = [sf.distribute(t, spec, mesh=mesh) for t in (q, k, v, go)]
+    for _ in range(2):
+        _sdpa_step(*arrays)
+    with TorchCalls() as mode:
+        got = _sdpa_step(*arrays)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.full_tensor(), b)
+    calls = [str(c) for c in mode.calls]
+    assert not {"aten.reshape.default", "aten.permute.default", "aten.view.default"} & set(calls), calls
+    # forward: q, k, v in, output and logsumexp out; backward: six in, three out
+    assert calls.count("aten.as_strided.default") == 14, calls
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_replayed_attention_folds_follow_the_operands_strides(transposed):
+    """The replayed folds are keyed by the operands' strides: the same shapes laid out another way
+    (a transposed-contiguous query) after a warm call still give torch's values and gradients."""
+    mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, go = (torch.randn(8, 4, 6, 8, generator=gen) for _ in range(4))
+    spec = P("dp", "tp")
+    arrays = [sf.distribute(t, spec, mesh=mesh) for t in (q, k, v, go)]
+    for _ in range(2):
+        _sdpa_step(*arrays)
+    if transposed:  # (batch, seq, heads, dim) in memory, viewed as (batch, heads, seq, dim)
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        arrays[0] = sf.distribute(q.transpose(1, 2).contiguous(), P("dp", None, "tp"), mesh=mesh).transpose(1, 2)
+    else:
+        arrays[0] = sf.distribute(q, spec, mesh=mesh)
+    for _ in range(2):
+        got = _sdpa_step(*arrays)
+        for a, b in zip(got, _sdpa_step(q, k, v, go)):
+            torch.testing.assert_close(a.full_tensor(), b)
