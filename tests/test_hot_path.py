@@ -379,3 +379,30 @@ def test_first_read_of_a_fresh_buffer_takes_the_fast_path(mesh, monkeypatch):
     w = x.clone()
     w.add_(1)  # never read: still fresh, filled in place
     torch.testing.assert_close(w.full_tensor(), x.full_tensor() + 1)
+
+
+def test_views_of_a_fresh_array_skip_the_observability_test(mesh, monkeypatch):
+    """A view of a fresh array (an op's output not yet read: ``fresh.py``) is linked to its base
+    whoever holds the base, so ``note_views`` does not count the base's references
+    (``is_observed``: a Python call on most warm view ops); a view of a read array still does.
+    Writes into the fresh base reach its views, as in torch."""
+    x = sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh)
+    asked: list = []
+    observed = _aliases.is_observed
+
+    def counting(*args, **kwargs):
+        asked.append(args[0])
+        return observed(*args, **kwargs)
+
+    monkeypatch.setattr(_aliases, "is_observed", counting)
+    for _ in range(2):  # cold, then warm
+        asked.clear()
+        y = x * 2
+        v = y.t()
+        assert asked == [] and "_view_of" in v.__dict__
+        y.add_(1)  # still fresh: filled in place, its view follows
+        torch.testing.assert_close(v.full_tensor(), (x.full_tensor() * 2 + 1).t())
+        y * 1  # read: fresh no longer
+        w = y.t()
+        assert [a is y for a in asked] == [True]
+        torch.testing.assert_close(w.full_tensor(), (x.full_tensor() * 2 + 1).t())

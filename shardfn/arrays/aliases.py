@@ -16,6 +16,7 @@ import torch
 
 from .array import ShardedArray
 from .fresh import fresh_root
+from . import observed as _observed
 from .observed import is_observed
 
 aten = torch.ops.aten
@@ -47,10 +48,11 @@ def note_views(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         return
     outs = out if isinstance(out, (tuple, list)) else (out,)
     d = base.__dict__
-    observed = d.get("_aliases_observable") or is_observed(base, refs - 1, args, kwargs, "view")
-    # (linked: a fresh root's views; a root's own flag read inline)
+    # (linked: a fresh root's views, observed or not; a root's own flag read inline)
     fresh = fresh_root(base) is not None if "_view_of" in d else "_fresh" in d and "_aliases_observable" not in d
-    if observed and not fresh:
+    # (asked only where it decides, but always while ``observed.calibrate`` measures)
+    if (not fresh or _observed._calibrating) and (
+            d.get("_aliases_observable") or is_observed(base, refs - 1, args, kwargs, "view")) and not fresh:
         compiled = d.get("_compiled_out")  # (a view of a compiled graph's output: for immutable_error's message)
         for o in outs:
             if isinstance(o, ShardedArray):
