@@ -406,3 +406,32 @@ def test_views_of_a_fresh_array_skip_the_observability_test(mesh, monkeypatch):
         w = y.t()
         assert [a is y for a in asked] == [True]
         torch.testing.assert_close(w.full_tensor(), (x.full_tensor() * 2 + 1).t())
+
+
+def test_warm_detach_of_a_batched_array_calls_no_torch_function_hook(mesh, monkeypatch):
+    """A warm detach of an array with batch dims (autograd's engine detaches saved outputs such
+    as attention's in the backward, outside any torch-function hook: two a step in bench_sim)
+    reads the dtype from its cache entry, not off the array through its torch-function hook (a
+    Python call each); the result is the same kind of array with the same value and fast key."""
+    from shardfn.arrays import array as _array
+    from shardfn.arrays import special_ops as _special
+    from shardfn.arrays.fresh import held_fragment
+
+    t = torch.randn(4, 2, 6)
+    x = sf.distribute(t, P("x", "y"), mesh=mesh) * 2
+    entry = _special.alias_entry(torch.ops.aten.detach.default, (x,), {})
+    hooked: list = []
+    hook = _array._BatchedArray.__dict__["__torch_function__"].__func__
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        hooked.append(func)
+        return hook(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(_array._BatchedArray, "__torch_function__", classmethod(counting))
+    d = entry.warm((x,), {})
+    assert hooked == [], hooked
+    assert type(d) is _array._BatchedArray and d._local is x._local and d._layout is x._layout
+    assert d._kf is held_fragment(x) is not None  # (x is fresh: the fragment it holds back)
+    monkeypatch.undo()
+    assert d.dtype == t.dtype and tuple(d.shape) == (4, 2, 6)
+    torch.testing.assert_close(d.full_tensor(), t * 2)
