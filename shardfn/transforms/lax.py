@@ -31,6 +31,7 @@ from ..backends.hooks import OBSERVERS, SUBMESH_COLLECTIVES, notify
 from ..values.context import ThreadStack
 from ..values.errors import ShardingError, ShardingRuntimeError, ShardingTypeError
 from ..values.mesh import Mesh
+from . import inner as _inner
 
 AxisName = str | tuple[str, ...]
 
@@ -78,6 +79,7 @@ class Collectives(Protocol):
 # -- the enclosing shard_map ------------------------------------------------------------
 
 _running = ThreadStack()  # the shard_map bodies running in this thread, innermost last
+_base_levels = ThreadStack()  # the torch.func level each of them was entered at
 _manual_sets = ThreadStack()  # their manual axes, innermost last
 
 
@@ -88,12 +90,21 @@ def _bodies() -> list[Collectives]:
 @contextlib.contextmanager
 def _entered(body: Collectives) -> Iterator[Collectives]:
     """Make ``body`` the target of collectives in this thread (used by shard_map)."""
-    stack = _bodies()
+    stack, levels = _bodies(), _base_levels.items
     stack.append(body)
+    level = torch._C._functorch.maybe_current_level()
+    levels.append(-1 if level is None else level)
     try:
         yield body
     finally:
         stack.pop()
+        levels.pop()
+
+
+def _run(body: Collectives, call: tuple, x: torch.Tensor) -> torch.Tensor:
+    """Collective ``call`` (see ``inner.Call``) on ``x`` in ``body``; through ``inner`` when a
+    torch.func transform opened inside the body traces ``x``."""
+    return _inner.run(body, _base_levels.items[-1], call, x)  # body is the innermost (_context)
 
 
 def _in_shard_map() -> bool:
@@ -260,7 +271,7 @@ def _reduce(fn: str, x: Any, axis_name: AxisName, op: str) -> Any:
                 f"use a real dtype (e.g. x.real or x.abs()), or sf.lax.psum / pmean"
             )
         _record(body, "all_reduce", axes, t, op)
-        return body.reduce(t, axes, op)
+        return _run(body, (op, axes, None, None), t)
 
     return optree.tree_map(_on_whole(one), x)
 
@@ -312,7 +323,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
     else:
         axis = _dim("all_gather", "axis", axis, x.dim())
     _record(body, "all_gather", axes, x)
-    return body.all_gather(x, axes, axis)
+    return _run(body, ("all_gather", axes, axis, None), x)
 
 
 def all_gather_invariant(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0,
@@ -372,7 +383,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     d = _dim("psum_scatter", "scatter_dimension", scatter_dimension, x.dim())
     _check_split("psum_scatter", f"dim {d} of the local tensor", x.shape[d], g, tiled, axes)
     _record(body, "reduce_scatter", axes, x, "sum")
-    out = body.psum_scatter(x, axes, d)
+    out = _run(body, ("psum_scatter", axes, d, None), x)
     return out if tiled else out.squeeze(d)
 
 
@@ -394,14 +405,14 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
     _check_split("all_to_all", f"split_axis {sa}", x.shape[sa], g, tiled, axes)
     _record(body, "all_to_all", axes, x)
     if tiled or sa == ca:
-        return body.all_to_all(x, axes, sa, ca)
+        return _run(body, ("all_to_all", axes, sa, ca), x)
     if sa < ca:  # concat_axis counts positions after split_axis is removed
         ca += 1
         x = x.unsqueeze(ca)
     else:
         x = x.unsqueeze(ca)
         sa += 1
-    return body.all_to_all(x, axes, sa, ca).squeeze(sa)
+    return _run(body, ("all_to_all", axes, sa, ca), x).squeeze(sa)
 
 
 @_on_whole
@@ -415,7 +426,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     x = _tensor("ppermute", x)
     pairs = _check_perm(perm, _group_size(body.mesh, axes), axes)
     _record(body, "permute", axes, x)
-    return body.ppermute(x, axes, pairs)
+    return _run(body, ("ppermute", axes, pairs, None), x)
 
 
 _perms: dict[int, tuple[Any, tuple]] = {}

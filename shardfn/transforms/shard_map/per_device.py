@@ -72,8 +72,10 @@ def _check_untraced(tensors: list) -> None:
     from torch._C._functorch import is_functorch_wrapped_tensor
     from torch.autograd import forward_ad
 
+    inner = torch._C._functorch.maybe_current_level() or 0  # transforms opened inside the body, in this thread
     for t in tensors:
-        if is_functorch_wrapped_tensor(t) or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None):
+        wrapped = is_functorch_wrapped_tensor(t) and torch._C._functorch.maybe_get_level(t) > inner
+        if wrapped or (forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None):
             raise ShardingError(
                 "a shard_map body with uneven shards uses a tensor that an enclosing torch.func transform "
                 "(or forward-AD dual) tracks without receiving it as an argument (a closure); the body runs "

@@ -31,6 +31,7 @@ from ...values.errors import ShardingError
 from ...values.layout import Layout
 from ...values.mesh import Mesh, to_mesh_device
 from .. import boundary as B
+from ..inner import at_level
 from ..lax import _entered
 from ..specs import _match
 from . import recompute as _recompute
@@ -42,6 +43,8 @@ _RANDOMNESS = "same"
 
 class StackedBody:
     """The vmap levels of one shard_map call; also the lax implementation inside it."""
+
+    one_shape = True  # every device's body tensor has the same shape (transforms/inner.py)
 
     def __init__(self, mesh: Mesh, *, leader: bool = True) -> None:
         self.mesh = mesh
@@ -86,6 +89,23 @@ class StackedBody:
                 t, bdim = _ft._unwrap_batched(t, lvl)
             t = t.unsqueeze(0) if bdim is None else t.movedim(bdim, 0)
         return t
+
+    def vma(self, t: torch.Tensor) -> set[str]:
+        """Mesh axes over which body tensor ``t`` varies, under any torch.func transform
+        opened inside the body too (its wrappers are looked through)."""
+        top = max((lvl for lvl in self.levels if lvl is not None), default=None)
+        if top is None:
+            return set()
+        while _ft.maybe_get_level(t) > top:
+            t = _ft.get_unwrapped(t)
+        out = set()
+        for k in reversed(range(self.m)):
+            lvl = self.levels[k]
+            if lvl is not None and _ft.maybe_get_level(t) == lvl:
+                t, bdim = _ft._unwrap_batched(t, lvl)
+                if bdim is not None:
+                    out.add(self.mesh.axis_names[k])
+        return out
 
     def varying(self, c: torch.Tensor) -> set[str]:
         """Mesh axes over which canonical ``c`` varies."""
@@ -172,8 +192,10 @@ class StackedBody:
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
         ais = self._ais(axes)
         g = math.prod(self.mesh.shape[k] for k in ais)
-        idx = torch.arange(g, device=self.mesh.device_type).view([1] * self.m + [g])
-        return self.wrap(self._from_group(idx, ais))
+        top = max((lvl for lvl in self.levels if lvl is not None), default=None)
+        with at_level(-1 if top is None else top):  # a plain tensor under a transform opened in the body
+            idx = torch.arange(g, device=self.mesh.device_type).view([1] * self.m + [g])
+            return self.wrap(self._from_group(idx, ais))
 
 
 def run(mesh: Mesh, f: Any, args: list, is_mapped: list[bool], rebuild: Any, kwargs: dict,
