@@ -318,3 +318,73 @@ def test_sdpa_on_a_meta_mesh_keeps_heads_sharded() -> None:
         torch.autograd.grad(out.float().pow(2).sum(), (qs, ks, vs))
     assert cc.records == []
     assert out.spec == bhsd and out.device.type == "meta"
+
+
+# -- multi-query attention: one kv head serves every query head ----------------------------------
+
+
+@pytest.mark.parametrize("q_spec", [P("dp", "tp"), P(None, ("dp", "tp")), P(None, "tp")])
+def test_multi_query_keeps_query_heads_split_and_kv_whole(q_spec: P) -> None:
+    """Megatron's multi-query plan: the query heads split (over any axes), the one key/value head
+    whole (its projection replicated), as F.scaled_dot_product_attention runs it on CPU (the fused
+    CPU kernel, grouped-query): no collective in the forward, nor in the backward, whose key and
+    value gradients are sums over the heads' devices left pending (each device's heads read the
+    kv head); values and gradients equal torch's. (Before, the query heads were gathered: the
+    rule paired kv heads with query heads only when the pieces divided the kv heads.)"""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, 1, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    qs = sf.distribute(q, q_spec, mesh=mesh).requires_grad_()
+    kv_spec = P(q_spec[0])
+    ks, vs = (sf.distribute(t, kv_spec, mesh=mesh).requires_grad_() for t in (k, v))
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*plain, is_causal=True, enable_gqa=True)
+    wgrads = torch.autograd.grad((want ** 2).sum(), plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)
+        with sf.debug.CommCounter() as cc:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            grads = torch.autograd.grad((out ** 2).sum(), (qs, ks, vs))
+    assert [r.kind for r in cc.records if r.op != "aten.sum.default"] == [], cc.records
+    assert out.spec == q_spec and grads[0].spec == q_spec
+    heads_axes = q_spec[1] if isinstance(q_spec[1], tuple) else (q_spec[1],)
+    assert all({a for a, _ in gr._layout.partial} == set(heads_axes) for gr in grads[1:]), grads[1]._layout
+    torch.testing.assert_close(out.full_tensor(), want)
+    for got, w in zip(grads, wgrads):
+        torch.testing.assert_close(got.full_tensor(), w)
+
+
+def test_multi_query_flash_kernel_on_meta_mesh() -> None:
+    """CUDA's flash kernel with one kv head: query heads over tp, kv whole, nothing moves."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    q, k, v, _ = _inputs(hkv=1, device="meta")
+    qs = sf.distribute(q, HEADS, mesh=mesh).requires_grad_()
+    ks, vs = (sf.distribute(t, P("dp"), mesh=mesh).requires_grad_() for t in (k, v))
+    with sf.debug.CommCounter() as cc:
+        outs = _attend("flash", qs, ks, vs, causal=True)
+        grads = torch.autograd.grad(outs[0].sum(), (qs, ks, vs))
+    assert [r.kind for r in cc.records if r.op != "aten.sum.default"] == [], cc.records
+    assert outs[0].spec == HEADS and grads[0].spec == HEADS
+    assert all(g._layout.partial for g in grads[1:]) and grads[1].shape == (B, S, 1, D)
+
+
+def test_multi_query_flash_kernel_values_and_grads(cpu_kernels: None) -> None:
+    """The same through the flash kernel (its test-only CPU formula): values and gradients equal
+    the unsharded call, nothing gathered."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    q, k, v, _ = _inputs(hkv=1)
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _attend("flash", *plain, causal=True, scale=0.3)[0]
+    wgrads = torch.autograd.grad((want * want).sum(), plain)
+    qs = sf.distribute(q, HEADS, mesh=mesh).requires_grad_()
+    ks, vs = (sf.distribute(t, P("dp"), mesh=mesh).requires_grad_() for t in (k, v))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)
+        with sf.debug.CommCounter() as cc:
+            got = _attend("flash", qs, ks, vs, causal=True, scale=0.3)[0]
+            grads = torch.autograd.grad((got * got).sum(), (qs, ks, vs))
+    assert "all_gather" not in cc.counts, cc
+    torch.testing.assert_close(got.full_tensor(), want)
+    for g, w in zip(grads, wgrads):
+        torch.testing.assert_close(g.full_tensor(), w)

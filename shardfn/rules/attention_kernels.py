@@ -5,7 +5,8 @@ backends, ``torch.nn.attention.varlen`` and custom attention code call on CUDA).
 They take (batch, seq, heads, head_dim) -- or packed (total, heads, head_dim) with
 cumulative sequence lengths -- so batch and heads may stay sharded and sequence and
 head_dim must be whole. Grouped-query kv heads split like the query heads when the number
-of pieces divides the kv head count (see ``rules/nn.py``'s ``Attention``). Packed
+of pieces divides the kv head count (see ``rules/nn.py``'s ``Attention``); one kv head
+(multi-query) stays whole under split query heads, its gradients pending sums over them. Packed
 sequences keep the batch whole (the offsets are global). The logsumexp follows batch and
 heads; RNG state, philox seed/offset and the unused output are per-call constants
 (replicated); a bias broadcast over batch or heads gets a pending-sum gradient.
@@ -28,12 +29,14 @@ aten = torch.ops.aten
 _QKV = ("query", "key", "value", "out", "grad_out", "grad_out_")
 
 
-def _qkv_letters(ndim: int, packed: bool) -> tuple:
-    """(batch, seq, heads, head_dim) or packed (total, heads, head_dim)."""
+def _qkv_letters(ndim: int, packed: bool, whole_heads: bool = False) -> tuple:
+    """(batch, seq, heads, head_dim) or packed (total, heads, head_dim); ``whole_heads``: the
+    heads dim unlettered (a multi-query key or value, or their gradients)."""
+    h = None if whole_heads else "h"
     if ndim == 4:
-        return (None if packed else "b", None, "h", None)
+        return (None if packed else "b", None, h, None)
     if ndim == 3:
-        return (None, "h", None)
+        return (None, h, None)
     return (None,) * ndim
 
 
@@ -86,12 +89,13 @@ class HeadsAttention:
             return []
         batch = q.shape[0] if q.dim() == 4 else -1
         names = _schema_info(call.func)[0]
+        mqa = kv_heads == 1 < heads  # every query head reads the one kv head: it stays whole
         ins = []
         for path, v in call.arrays:
             name = names[path] if isinstance(path, int) else path if isinstance(path, str) else names[path[0]]
             shape = tuple(v.shape)
             if name in _QKV:
-                ins.append(_qkv_letters(len(shape), packed))
+                ins.append(_qkv_letters(len(shape), packed, mqa and name in ("key", "value")))
             elif name == "logsumexp":
                 ins.append(_bh_led(shape, batch, heads, packed))
             elif name in ("bias", "attn_bias"):
@@ -106,7 +110,7 @@ class HeadsAttention:
             if not isinstance(m, torch.Tensor):
                 outs.append(None)
             elif i in self.q_like or i in self.k_like:
-                outs.append(_qkv_letters(m.dim(), packed))
+                outs.append(_qkv_letters(m.dim(), packed, mqa and i in self.k_like))
             elif i == self.grad_bias:  # a pending sum over the letters it lacks
                 outs.append(_bias_led(tuple(m.shape), batch, heads, packed))
             elif i in self.bh_outs:
@@ -119,15 +123,20 @@ class HeadsAttention:
             else:
                 outs.append(None)
                 loose.append(i)
-        reduce = (("b", "sum"), ("h", "sum")) if self.grad_bias is not None else ()
+        # the key/value gradients of multi-query: sums over the devices of the query heads
+        reduce = (("b", "sum"), ("h", "sum")) if self.grad_bias is not None else (("h", "sum"),) if mqa else ()
         cands = compile_dims(call, Dims(tuple(ins), tuple(outs), reduce))
         if self.grad_bias is not None:
-            cands = [c for c in cands if not _partial_besides(c, self.grad_bias)]
+            pending = {self.grad_bias, *(self.k_like if mqa else ())}
+            cands = [c for c in cands if not _partial_besides(c, pending)]
         if kv_heads != heads:
             mesh = call.mesh
             qi = next(i for i, (p, _) in enumerate(call.arrays) if p in (names.index("query"), "query"))
-            cands = [c for c in cands
-                     if kv_heads % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[-2]) == 0]
+            if mqa:  # the query heads split only as the query comes (see rules/nn.py's Attention)
+                cands = [c for c in cands if c.in_layouts[qi].dims[-2] in ((), q._layout.dims[-2])]
+            else:
+                cands = [c for c in cands
+                         if kv_heads % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[-2]) == 0]
         fill = {i: replicated(call.mesh, call.out_metas[i].dim()) for i in loose}
         meta_fn = _META_FNS.get(call.func) if call.mesh.device_type == "meta" else None
         fn = _EmptyHeads(call.func, meta_fn)
@@ -137,10 +146,10 @@ class HeadsAttention:
                 for c in cands]
 
 
-def _partial_besides(c: Candidate, keep: int) -> bool:
-    """Whether an output other than the bias gradient would be pending (never: dq/dk/dv
-    carry every letter; a guard against a rule bug)."""
-    return any(o is not None and o.partial for i, o in enumerate(c.out_layouts) if i != keep)
+def _partial_besides(c: Candidate, keep: set[int]) -> bool:
+    """Whether an output other than those in ``keep`` (the bias gradient, multi-query's key and
+    value gradients) would be pending (never: dq carries every letter; a guard against a rule bug)."""
+    return any(o is not None and o.partial for i, o in enumerate(c.out_layouts) if i not in keep)
 
 
 def _no_heads_somewhere(call: OpCall, c: Candidate, names: list) -> bool:

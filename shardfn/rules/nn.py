@@ -136,7 +136,8 @@ class Attention:
     reads kv head ``h // (Hq // Hkv)``, so kv heads are split like query heads, over the
     same axes. That pairs every query head with its own kv head exactly when the number
     of pieces divides ``Hkv`` (contiguous blocks then line up); other splits of the heads
-    are dropped (the heads stay whole: a correct, costlier plan)."""
+    are dropped (the heads stay whole: a correct, costlier plan). One kv head (multi-query)
+    serves every query head: the query heads split over any axes, key and value whole."""
 
     forward: bool
     loose_outs: tuple[int, ...] = ()  # see Leading: RNG state, cumulative sequence lengths, debug mask
@@ -155,11 +156,21 @@ class Attention:
             hq, hkv = q.shape[1], k.shape[1]
             if hkv == 0 or hq % hkv:
                 return []
-            rule = attrs.evolve(base, grouped=("key", "value"), grouped_outs=() if self.forward else (1, 2))
-            qi = 0 if self.forward else 1
-            mesh = call.mesh
-            cands = [c for c in rule.candidates(call)
-                     if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
+            if hkv == 1:
+                # multi-query: every query head reads the one kv head, so the query heads split
+                # with key and value whole (Megatron's plan: k/v projections replicated); the
+                # backward's key and value gradients are then pending sums over the heads' axes.
+                # Only as the query comes: splitting a whole query here would trade a gather for
+                # pending kv gradients, which a fused [Q | K | V] projection cannot take as they come
+                cands = (base if self.forward else attrs.evolve(base, lead_fn=_heads_reduce)).candidates(call)
+                qi = 0 if self.forward else 1
+                cands = [c for c in cands if c.in_layouts[qi].dims[1] in ((), q._layout.dims[1])]
+            else:
+                rule = attrs.evolve(base, grouped=("key", "value"), grouped_outs=() if self.forward else (1, 2))
+                qi = 0 if self.forward else 1
+                mesh = call.mesh
+                cands = [c for c in rule.candidates(call)
+                         if hkv % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[1]) == 0]
         # the CPU kernel misreads grouped-query heads from transposed strides (which gathers
         # produce): those calls need dense inputs; others a last dim of stride 1 (torch's front-end
         # checks it before picking the kernel; a gathered shard may lack it)
