@@ -59,6 +59,7 @@ from .messages import COMPILED, OVERLAP, immutable_error
 from .forward_ad import forward_ad_live, out_of_place
 from .functionalized import run_functionalized
 from .plain import into_plain
+from .view_meta import is_view_meta, run_view_meta
 from .. import observed
 from ..observed import is_observed
 from ...values.errors import ShardingRuntimeError
@@ -89,6 +90,8 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
     if not accumulating:
         check_cast(func, args, kwargs, targets)
     note_reads(args, kwargs, keep=fresh)  # its other operands are read (a fresh target's own value is part of the write)
+    if len(targets) == 1 and is_view_meta(func):
+        return run_view_meta(func, args, kwargs, targets[0])
     if forward_ad_live():
         done = out_of_place(func, args, kwargs, targets)
         if done is not None:
