@@ -57,8 +57,10 @@ def run(body: Any, base: int, call: Call, x: torch.Tensor) -> torch.Tensor:
         if kind in _VARYING or (not vma and _outer_traced(body, x)):
             spread = tuple(a for a in axes if a not in vma and body.mesh.axis_size(a) > 1)
     if spread:  # JAX's implicit pvary: x varies over the whole group, its transpose sums over it
-        one = body.axis_index(spread) * 0 + 1
-        x = x * one.to(x.dtype)
+        # + (-0.0) is the identity on every float (-0.0, inf and nan too), and its derivative
+        # passes the cotangent unchanged, so x's gradient stays as invariant as x
+        zero = (body.axis_index(spread) * 0 + 1).to(x.dtype) * -0.0
+        x = x + zero
         vma = vma | set(spread)
     return _Inner.apply(x, body, base, call, spread, vma)
 

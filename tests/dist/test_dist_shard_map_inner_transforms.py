@@ -258,6 +258,14 @@ def grad_and_jacrev_of_invariant_results(mesh: sf.Mesh) -> None:
     f = sf.shard_map(lambda w: torch.func.grad(lambda v: lax.psum(v * v, a).sum())(w), mesh=mesh,
                      in_specs=P(), out_specs=P())
     _close(sf.gather(f(w)), 2 * g * w, "grad of a replicated input")
+    # a replicated input of ppermute / psum_scatter varies first (JAX's pvary); its gradient
+    # sums over the devices and stays replicated (out_specs P() passes check_vma)
+    ring = [(i, (i + 1) % g) for i in range(g)]
+    for name, fn, scale in (("ppermute", lambda v: lax.ppermute(v, a, ring), 2 * g),
+                            ("psum_scatter", lambda v: lax.psum_scatter(v, a, tiled=True), 2 * g * g)):
+        f = sf.shard_map(lambda w, fn=fn: torch.func.grad(lambda v: (fn(v) ** 2).sum())(w), mesh=mesh,
+                         in_specs=P(), out_specs=P())
+        _close(sf.gather(f(w)), scale * w, f"grad of a replicated input of {name}")
 
 
 test_local, test_dist = collect(globals())
