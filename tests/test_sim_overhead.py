@@ -275,3 +275,80 @@ def test_a_replicated_lower_rank_operand_broadcasts_without_a_reshape(mesh_shape
     grads = torch.autograd.grad((out ** 2).sum(), (xs, ws, bs, cs))
     for got, w_ in zip(grads, torch.autograd.grad((want ** 2).sum(), plain)):
         torch.testing.assert_close(got.full_tensor(), w_)
+
+
+def test_warm_stacked_products_read_their_plan_inline(monkeypatch):
+    """A warm simulated mm runs ``stacked_matmul.matmul`` as the batched form itself (no wrapper
+    frame) and reads its fold plan from the cache inline (``_cached_plan`` only on a miss); values
+    as torch's."""
+    from shardfn.backends import batching
+
+    assert batching._mm is stacked_matmul.matmul
+    mesh = sf.Mesh((2, 4), ("dp", "tp"), backend="local")
+    x, w = torch.randn(16, 8), torch.randn(8, 12)
+    xs, ws = sf.distribute(x, P("dp"), mesh=mesh), sf.distribute(w, P(), mesh=mesh)
+    for _ in range(2):
+        xs @ ws
+    planned: list = []
+    cached = stacked_matmul._cached_plan
+    monkeypatch.setattr(stacked_matmul, "_cached_plan", lambda *a, **k: planned.append(a) or cached(*a, **k))
+    y = xs @ ws
+    assert planned == []
+    torch.testing.assert_close(y.full_tensor(), x @ w)
+    stacked_matmul._PLANS.clear()  # a miss still plans
+    torch.testing.assert_close((xs @ ws).full_tensor(), x @ w)
+    assert len(planned) == 1
+
+
+def test_size_one_restrides_are_remembered(monkeypatch):
+    """``size_one_strided`` (gelu's stacked operands every step) works out the strides once per
+    (sizes, strides): a warm call restrides as the first did, with no recomputation; tensors
+    already strided so come back as they are."""
+    from shardfn.backends import device_call as dc
+
+    dc._SIZE_ONE.clear()
+    worked: list = []
+    strides = dc._size_one_strides
+    monkeypatch.setattr(dc, "_size_one_strides", lambda t: worked.append(t.stride()) or strides(t))
+    base = torch.randn(2, 6)
+    for _ in range(2):
+        t = base.clone().as_strided((2, 1, 1, 6), (6, 0, 0, 1))  # replicated mesh dims of a stacked value
+        got = dc.size_one_strided(t)
+        assert got.stride() == (6, 6, 6, 1) and torch.equal(got, t)
+        u = torch.randn(3, 4)
+        assert dc.size_one_strided(u) is u
+    assert worked == [(6, 0, 0, 1)]
+    mesh = sf.Mesh((2, 1, 4), ("a", "b", "c"), backend="local")
+    x = torch.randn(4, 8)
+    xs = sf.distribute(x, P("a"), mesh=mesh)
+    for _ in range(2):
+        torch.testing.assert_close(torch.nn.functional.gelu(xs).full_tensor(), torch.nn.functional.gelu(x))
+
+
+def test_a_warm_ones_like_of_a_pending_loss_takes_the_lean_call(monkeypatch):
+    """Autograd's seed of a backward from a pending loss (``ones_like`` of a sum over 'dp', whose
+    batched output needs its canonical form: ``settle``) runs, warm, on the lean path like any
+    other verified call (not the checked ``StackedCall.__call__``), with torch's values and
+    gradients."""
+    from shardfn.backends.local_calls import StackedCall
+
+    mesh = sf.Mesh((8,), ("dp",), backend="local")
+    x, w = torch.randn(16, 4), torch.randn(4, 3)
+    xs, ws = sf.distribute(x, P("dp"), mesh=mesh), sf.distribute(w, P(), mesh=mesh)
+
+    def grad(x, w):
+        w = w.detach().requires_grad_()
+        return torch.autograd.grad((x @ w).pow(2).mean(), w)[0]
+
+    loss = (xs @ ws).sum()
+    assert loss._layout.partial  # pending over 'dp'
+    for _ in range(2):
+        torch.ones_like(loss)
+        grad(xs, ws)
+    checked: list = []
+    call = StackedCall.__call__
+    monkeypatch.setattr(StackedCall, "__call__", lambda self, *a, **k: checked.append(self) or call(self, *a, **k))
+    ones = torch.ones_like(loss)
+    assert checked == []
+    assert ones.sharding.spec == P() and torch.equal(ones.full_tensor(), torch.ones(()))
+    torch.testing.assert_close(grad(xs, ws).full_tensor(), grad(x, w))

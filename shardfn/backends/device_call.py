@@ -103,16 +103,35 @@ def size_one_strided(t: Any) -> Any:
     """``t`` with each size-1 dim strided as a contiguous layout's: the extent of the dims
     inside it (a view; any stride is valid there, but torch's views of stacked shards give
     such a dim the stride of the dim next inside, and some CPU kernels step through a batch
-    by one dim's stride: ``lu_solve`` by ``LU.stride(-3)`` and ``pivots.stride(-2)``)."""
-    if not isinstance(t, torch.Tensor) or 1 not in t.shape or any(
-            isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride())):
+    by one dim's stride: ``lu_solve`` by ``LU.stride(-3)`` and ``pivots.stride(-2)``). The
+    strides are remembered per (sizes, strides): every warm gelu restrides its stacked operands."""
+    if not isinstance(t, torch.Tensor) or 1 not in t.shape:
         return t
+    key = (t.shape, t.stride())
+    try:
+        stride = _SIZE_ONE.get(key, _SIZE_ONE)
+    except TypeError:  # symbolic sizes or strides (SymInts do not hash): left as they are
+        return t
+    if stride is _SIZE_ONE:
+        if len(_SIZE_ONE) >= 4096:
+            _SIZE_ONE.clear()
+        stride = _SIZE_ONE[key] = _size_one_strides(t)
+    return t if stride is None else t.as_strided(t.shape, stride, t.storage_offset())
+
+
+_SIZE_ONE: dict = {}
+
+
+def _size_one_strides(t: torch.Tensor) -> list | None:
+    """:func:`size_one_strided`'s strides for ``t``, None where they are ``t``'s own (or symbolic)."""
+    if any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride())):
+        return None
     stride, step = [], 1
     for n, s in reversed(list(zip(t.shape, t.stride()))):
         stride.append(step if n == 1 else s)
         step = step if n == 1 else max(step, s * n)
     stride.reverse()
-    return t if stride == list(t.stride()) else t.as_strided(t.shape, stride, t.storage_offset())
+    return None if stride == list(t.stride()) else stride
 
 
 def dense(v: Any, mode: bool | str = True) -> Any:

@@ -80,6 +80,7 @@ class StackedCall:
         self.m = mesh.ndim
         self.canon = canon  # the inputs' mesh-dim sizes when the arrays are stored canonically
         self.ready = False  # that call verified: ``lean`` may run it without looking at shapes
+        self.settles = False  # and its output then put in canonical form (``settle``: a ``ones_like`` of a pending loss)
         # ``lean``'s call of a batched form whose adaptation (dims, sizes) is fixed for canonical
         # inputs and static arguments: (fn, adapted positional arguments, keywords), made once
         self.bound: tuple | None = None
@@ -112,13 +113,13 @@ class StackedCall:
             a = [*bound[1]]
             for p in self.positional:
                 a[p] = args[p]._local
-            return bound[0](*a, **bound[2])
-        a = list(args)  # (``with_locals``, inlined: one Python call less on every warm op)
-        for p in self.positional:
-            a[p] = args[p]._local
-        if self.direct is not None:
-            return self.direct(*a, **kwargs)
-        return self.fn(tuple(a), kwargs, False)
+            out = bound[0](*a, **bound[2])
+        else:
+            a = list(args)  # (``with_locals``, inlined: one Python call less on every warm op)
+            for p in self.positional:
+                a[p] = args[p]._local
+            out = self.direct(*a, **kwargs) if self.direct is not None else self.fn(tuple(a), kwargs, False)
+        return settle(out, self.layouts[0]) if self.settles else out
 
     def _once(self, args: tuple, kwargs: dict) -> torch.Tensor:
         """Device 0's call on the squeezed values, its output given size-1 mesh dims: what
@@ -165,7 +166,9 @@ class StackedCall:
                 fixed = [o if t is None else settle(o, l) for o, t, l in zip(outs, tensors, layouts)]
                 if len(self.verified) < 64:
                     self.verified[sig] = all(f is o for f, o in zip(fixed, outs))
-                    self.ready = self.verified.get(self.canon) is True and self.positional is not None
+                    canon = self.verified.get(self.canon)
+                    self.ready = canon is not None and self.positional is not None
+                    self.settles = canon is False
                 return fixed
             self.mode, self.ready = "full", False
         if self.mode == "full":
