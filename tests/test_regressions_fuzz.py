@@ -1964,7 +1964,6 @@ def test_margin_losses_of_an_empty_batch_are_defined(name, reduction, spec):
     assert g.shape == x.shape
 
 
-@pytest.mark.filterwarnings("ignore::shardfn.values.errors.FallbackWarning")  # no rule: torch's kernel on the whole
 @pytest.mark.parametrize("spec", [P(), P("x")])
 def test_margin_losses_of_a_non_empty_or_invalid_batch_are_torchs(spec):
     """The empty-batch value leaves every other call to torch's kernel: its values and errors."""

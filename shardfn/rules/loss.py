@@ -15,6 +15,9 @@
   (uninitialised memory, another value each call); shardfn gives the value torch's own
   reference (``torch._decomp``) defines: the mean nan (0 / 0, as every other mean loss of an
   empty batch), the sum 0.
+- margin losses of batch-sharded rows (``RowsOfLoss``): each device runs the kernel on its
+  rows with ``reduction="sum"``, a reduced loss is a pending sum over the batch axes; "mean"
+  divides each device's sum (and gradient) by the global row count.
 
 ``SPECIAL`` handlers compose these from ops on ShardedArrays (each dispatched by its own
 rule) and return ``NotImplemented`` where the plain rule applies.
@@ -198,3 +201,64 @@ class _ClassRange:
         b["target"] = torch.where(inside, t - lo, torch.full_like(t, ii))
         names = [a.name for a in self.func._schema.arguments]
         return self.func(*(b[n] for n in names))
+
+
+@attrs.frozen
+class RowsOfLoss:
+    """A row-wise loss (``multi_margin_loss``, ``multilabel_margin_loss`` and their backwards)
+    whose rows (dim 0 of a 2-D ``self``) ``rule`` may shard: where a candidate shards them, each
+    device calls :class:`_RowsSummed` (a "mean" divides by the global row count, which no
+    device sees; a device holding no rows gives the zero loss torch's kernel leaves unwritten).
+    Classes stay whole (a class-sharded input is gathered along them first)."""
+
+    rule: Any
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        b = bind(call.func, call.args, call.kwargs)
+        x = b["self"]
+        cands = self.rule.candidates(call)
+        names = [_arg_name(call.func, p) for p, _ in call.arrays]
+        if x.dim() != 2 or b["reduction"] not in (_MEAN, _SUM) or "self" not in names:
+            return cands
+        i = names.index("self")
+        fn = _RowsSummed(call.func, x.shape[0])
+        return [attrs.evolve(c, local_fn=fn) if c.in_layouts[i].dims[0] else c for c in cands]
+
+    @staticmethod
+    def out_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+        """The backwards have no meta kernel: the forward's meta checks the shapes as the kernel
+        does, and the gradient is laid out like ``self`` (contiguous, as the kernel allocates it)."""
+        fwd = _FORWARD.get(func)
+        if fwd is None:
+            return func(*args, **kwargs)
+        b = bind(func, args, kwargs)
+        fwd(*(b[a.name] for a in fwd._schema.arguments))
+        return torch.empty(b["self"].shape, dtype=b["self"].dtype, device=b["self"].device)
+
+
+_FORWARD = {aten.multi_margin_loss_backward.default: aten.multi_margin_loss.default,
+            aten.multilabel_margin_loss_backward.default: aten.multilabel_margin_loss_forward.default}
+
+
+@attrs.frozen
+class _RowsSummed:
+    """The op on one device's rows of a reduced row-wise loss: run with ``reduction="sum"``,
+    divided by the global row count ``rows`` for "mean" (the loss and the gradient alike); the
+    loss of no rows is 0 (torch's kernels return it unwritten)."""
+
+    func: Any
+    rows: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        b = bind(self.func, args, kwargs)
+        mean = b["reduction"] == _MEAN
+        b["reduction"] = _SUM
+        x = b["self"]
+        if "grad_output" not in b and x.shape[0] == 0:
+            zero = x.new_zeros(())
+            out: Any = zero if self.func is aten.multi_margin_loss.default else (zero, x.new_zeros(x.shape))
+        else:
+            out = self.func(*(b[a.name] for a in self.func._schema.arguments))
+        if not mean:
+            return out
+        return out / self.rows if isinstance(out, torch.Tensor) else (out[0] / self.rows, *out[1:])

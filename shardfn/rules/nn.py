@@ -17,7 +17,7 @@ import torch
 from ..values.layout import local_shapes
 from .base import Candidate, OpCall, ShardFact, _schema_info, bind, letters, out_of_range, replicated
 from .dims import LINEAR_OPS, Dims, compile_dims
-from .loss import ClassSharded
+from .loss import ClassSharded, RowsOfLoss
 
 aten = torch.ops.aten
 
@@ -119,6 +119,10 @@ def _nll_lead(b: dict) -> tuple[int, bool]:
     if x.dim() < 2 or b.get("reduction", 1) == 1 and "grad_output" not in b:
         return 0, False  # "mean" divides by the global total weight: rows must be whole
     return 1, True
+
+
+def _margin_lead(b: dict) -> tuple[int, bool]:
+    return (1 if b["self"].dim() == 2 else 0), True
 
 
 def _heads_lead(b: dict) -> tuple[int, bool]:
@@ -328,6 +332,9 @@ _LN_BWD = _Dense(Leading(("grad_out", "input", "mean", "rstd"), _layer_norm_lead
 _NLL_BWD = _Dense(_AnyOf((Leading(("grad_output", "self", "target"), _nll_lead, linear=("grad_output",), batched_outs=(0,),
                                   factors=("weight",)),
                           ClassSharded(backward=True))))
+# margin losses: rows (dim 0 of a 2-D input) may be sharded, classes whole; a 1-D input is one row
+_MARGIN = RowsOfLoss(Leading(("self", "target", "is_target"), _margin_lead, batched_outs=(0, 1)))
+_MARGIN_BWD = RowsOfLoss(_Dense(Leading(("grad_output", "self", "target", "is_target"), _margin_lead, batched_outs=(0,))))
 # the efficient kernel's backward names its gradient grad_out_
 _ATTN = ("query", "key", "value", "attn_mask", "grad_out", "grad_out_", "out", "logsumexp", "attn_bias")
 # CUDA's fused kernels: outputs beyond (output, logsumexp) are per-call constants -- cumulative
@@ -357,6 +364,10 @@ TABLE = {
     aten.nll_loss2d_forward: _NLL,
     aten.nll_loss_backward: _NLL_BWD,
     aten.nll_loss2d_backward: _NLL_BWD,
+    aten.multi_margin_loss: _MARGIN,
+    aten.multi_margin_loss_backward: _MARGIN_BWD,
+    aten.multilabel_margin_loss_forward: _MARGIN,
+    aten.multilabel_margin_loss_backward: _MARGIN_BWD,
     **{op: rule for op, rule in ATTENTION_RULES.items()},
     aten._fused_rms_norm: _RMS,
     aten._fused_rms_norm_backward: _RMS_BWD,
