@@ -123,12 +123,16 @@ def _note_derived(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
 _VIEWS: dict[int, Any] = {}
 
 
+_DEVICE_NOT_MESHS = (aten.to, aten._assert_tensor_metadata)  # a ``device=`` that names no device for the output
+
+
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
     if _fresh_ops.reads_values(func):
         note_reads(args, kwargs)  # a fresh array read is fresh no longer (``fresh.py``; only this path sees them)
     # factories (*_like, new_*, random): the mesh owns the device (casts: ``_to_copy``'s rule; ``aten.to``
-    # itself reaches here only from torch.func's internals, which decompose it)
-    if kwargs.get("device") is not None and func.overloadpacket is not aten.to:
+    # itself reaches here only from torch.func's internals, which decompose it; ``_assert_tensor_metadata``'s
+    # device is an expectation it checks, ``special_ops``)
+    if kwargs.get("device") is not None and func.overloadpacket not in _DEVICE_NOT_MESHS:
         mesh = next((a.mesh for a in args if isinstance(a, ShardedArray)), None)
         if mesh is not None:
             check_mesh_device(func.__name__.split(".")[0], kwargs["device"], mesh)

@@ -1,5 +1,5 @@
 """Ops dispatch runs by hand rather than by a rule: aliases of an immutable array (the
-array itself), size and storage queries, whole-value comparisons, ``.item()``, and torch's lazy
+array itself), size and storage queries and checks (``_assert_tensor_metadata``), whole-value comparisons, ``.item()``, and torch's lazy
 conj/neg flags (``_conj``, ``_neg_view``, what torch rejects on flagged views)."""
 
 from __future__ import annotations
@@ -110,11 +110,15 @@ def alias_entry(func: Any, args: tuple, kwargs: dict) -> AliasEntry | CopyEntry 
 
 def _meta_strides(func: Any, x: Any, args: tuple, kwargs: dict) -> tuple:
     """(strides, storage offset) of ``func``'s output on a meta tensor laid out as ``x`` reports."""
+    out = func(_meta_like(x), *args[1:], **kwargs)
+    return tuple(out.stride()), out.storage_offset()
+
+
+def _meta_like(x: Any) -> torch.Tensor:
+    """A meta tensor of ``x``'s dtype laid out as ``x`` reports (sizes, strides, storage offset)."""
     stride, off = x.stride(), x.storage_offset()
     extent = off + 1 + sum((n - 1) * s for n, s in zip(x.shape, stride) if n > 0)
-    m = torch.empty(extent, dtype=x.dtype, device="meta").as_strided(tuple(x.shape), stride, off)
-    out = func(m, *args[1:], **kwargs)
-    return tuple(out.stride()), out.storage_offset()
+    return torch.empty(extent, dtype=x.dtype, device="meta").as_strided(tuple(x.shape), stride, off)
 
 
 def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -135,6 +139,25 @@ def _storage_numel(t: torch.Tensor) -> int:
     if t._is_zerotensor():
         return 0
     return t.untyped_storage().nbytes() // t.element_size()
+
+
+def _assert_metadata(func: Any, args: tuple, kwargs: dict) -> None:
+    """``_assert_tensor_metadata`` (export and torch.compile graphs check a cast's input with it):
+    the array's global sizes, strides, dtype, device and layout against the expected ones, as
+    torch checks a tensor's, without reading a shard. torch's own check runs on a meta tensor laid
+    out as the array reports (its errors, word for word); the device, which a meta tensor cannot
+    carry, is compared here in torch's words."""
+    from ..values.schema import bind
+
+    b = bind(func, args, kwargs)
+    a = b["a"]
+    if not isinstance(a, ShardedArray):
+        return NotImplemented
+    func(_meta_like(a), b["size"], b["stride"], b["dtype"], layout=b["layout"])
+    device = b["device"]
+    if device is not None and torch.device(device) != a.device:
+        raise ShardingRuntimeError(f"Tensor device mismatch! Expected: {torch.device(device)}, Got: {a.device}")
+    return None
 
 
 def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -255,6 +278,7 @@ HANDLERS: dict[Any, Callable] = {
     aten.is_same_size.default: _is_same_size,
     aten._has_same_storage_numel.default: _same_storage_numel,
     aten.equal.default: _equal,
+    aten._assert_tensor_metadata.default: _assert_metadata,
     aten.allclose.default: _allclose,
     aten._local_scalar_dense.default: _scalar,
     aten._conj.default: _flag_view,
