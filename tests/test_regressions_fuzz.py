@@ -351,19 +351,17 @@ def test_compile_after_a_graph_break_runs_dispatch_eagerly(fn):
         _close(f(sf.distribute(x, spec, mesh=mesh)), fn(x))
 
 
-_OPEN_BACKWARD = pytest.mark.xfail(strict=True, reason=(
-    "open: convolution_backward has no batched form, so the joint pass specialises sizes the forward "
-    "kept symbolic (AOTAutograd: 'Node ... was invalid, but is output')"))
-
-
 @pytest.mark.parametrize("shape, spec, wshape, dynamic", [
     ((3, 0, 2), P(None, "y", None), (2, 0, 2), True), ((3, 0, 2), P(None, "y", None), (2, 0, 2), None),  # zero channels
-    pytest.param((0, 5), P(), (2, 0, 2), True, marks=_OPEN_BACKWARD), ((0, 5), P(), (2, 0, 2), None)])  # unbatched
+    ((0, 5), P(), (2, 0, 2), True), ((0, 5), P(), (2, 0, 2), None)])  # unbatched
 def test_conv1d_of_no_elements_on_stacked_shards(shape, spec, wshape, dynamic):
     """The batched convolution folded the mesh dims into the batch with reshape(-1, ...), which
     torch refuses for a tensor of no elements ("the unspecified dimension size -1 can be any
     value"): compile_dynamic raised on a zero-channel conv1d (seed 5784045073); eager took the
-    per-device path. The sizes are explicit now; values and gradients match torch."""
+    per-device path. The sizes are explicit now; values and gradients match torch. The unbatched
+    one's backward ran per device (convolution_backward had no stacked form), which specialised
+    the sizes the forward kept symbolic: AOTAutograd's partitioner then failed ("Node ... was
+    invalid, but is output"); a backward with no terms now has one (zeros, no kernel)."""
     mesh = sf.Mesh((4, 2), ("x", "y"))
     x, w = torch.randn(shape, dtype=torch.float64), torch.randn(wshape, dtype=torch.float64)
     torch._dynamo.reset()
@@ -376,6 +374,26 @@ def test_conv1d_of_no_elements_on_stacked_shards(shape, spec, wshape, dynamic):
     gx, gw = torch.autograd.grad(got.sum(), (xs, ws))
     assert gx.shape == x.shape and gw.shape == w.shape
     _close(gw, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+@pytest.mark.parametrize("spec", [P("x"), P(), P(None, None, "y")])
+def test_conv_backward_of_an_empty_input_is_zeros(spec, dynamic):
+    """The stacked backward of a convolution of no input channels gives zero gradients for the
+    input, the weight and the bias (torch's forward ignores the bias then: no output channels),
+    as torch's kernel does, eagerly and compiled with dynamic sizes."""
+    mesh = sf.Mesh((4, 2), ("x", "y"))
+    x, w, b = torch.randn(4, 0, 6, dtype=torch.float64), torch.randn(3, 0, 2, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    gout = torch.randn(4, 0, 5, dtype=torch.float64)
+    torch._dynamo.reset()
+    f = torch.compile(lambda v, k, c: (F.conv1d(v, k, c) * gout).sum(), backend="aot_eager", dynamic=dynamic)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    got = f(sf.distribute(leaves[0], spec, mesh=mesh), *(sf.distribute(t, P(), mesh=mesh) for t in leaves[1:]))
+    ref = [t.clone().requires_grad_() for t in (x, w, b)]
+    want = (F.conv1d(*ref) * gout).sum()
+    _close(got, want)
+    for g, r in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, ref)):
+        _close(g, r)
 
 
 def test_compiled_backward_through_an_uneven_contraction_with_dynamic_sizes():

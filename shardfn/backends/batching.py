@@ -798,6 +798,30 @@ def _convolution(info: Info) -> "_Call | None":
     return _Call(info, run, (), ())
 
 
+def _convolution_backward_of_no_terms(info: Info) -> "_Call | None":
+    """convolution_backward of an input with no elements (no channels, an empty batch): every
+    gradient is zeros, as torch's kernel gives them (its forward ignores the bias then: an
+    input of no channels gives an output of none). No kernel runs, so symbolic sizes stay
+    symbolic: the per-device path, the kernel's only form, specialised them under
+    torch.compile(dynamic=True), and AOTAutograd's joint pass then met concrete sizes where the
+    forward had symbols. Any other call: None (per device)."""
+    names = _schema_info(info.func)[0]
+    shape = {names[p]: s for p, s in info.shapes.items() if isinstance(p, int)}
+    if not {"grad_output", "input", "weight"} <= set(shape) or math.prod(shape["input"]):
+        return None
+    m = info.m
+
+    def run(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias_sizes: Any, stride: Any, padding: Any,
+            dilation: Any, transposed: bool, output_padding: Any, groups: int, mask: Sequence[bool]) -> Any:
+        lead = torch.broadcast_shapes(g.shape[:m], x.shape[:m], w.shape[:m])
+        gi = x.new_zeros((*lead, *x.shape[m:])) if mask[0] else None
+        gw = w.new_zeros((*lead, *w.shape[m:])) if mask[1] else None
+        gb = g.new_zeros((*lead, *bias_sizes)) if mask[2] and bias_sizes is not None else None
+        return gi, gw, gb
+
+    return _Call(info, run, (), ())
+
+
 _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.mm: _matrix_product,
     aten.bmm: _matrix_product,
@@ -847,6 +871,7 @@ _FORMS: dict[Any, Callable[[Info], Any]] = {
     aten.native_layer_norm_backward.default: _layer_norm_backward,
     aten.embedding.default: _embedding,
     aten.convolution.default: _convolution,
+    aten.convolution_backward.default: _convolution_backward_of_no_terms,
     aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention,
     aten._scaled_dot_product_flash_attention: _attention,
