@@ -19,6 +19,9 @@
   rows with ``reduction="sum"``, a reduced loss is a pending sum over the batch axes; "mean"
   divides each device's sum (and gradient) by the global row count.
 
+- elementwise losses (``mse_loss``, ``huber_loss``, ``binary_cross_entropy``...): their terms
+  are pointwise (the table's rule), a "mean" or "sum" is the terms' ``mean()`` / ``sum()``.
+
 ``SPECIAL`` handlers compose these from ops on ShardedArrays (each dispatched by its own
 rule) and return ``NotImplemented`` where the plain rule applies.
 """
@@ -112,7 +115,32 @@ def _margin_of_empty(func: Any, args: tuple, kwargs: dict) -> Any:
         return loss if func is aten.multi_margin_loss.default else (loss, aten.zeros_like.default(x))
 
 
+def _elementwise_then_reduced(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A loss that is an elementwise term, then reduced (``mse_loss``, ``huber_loss``,
+    ``binary_cross_entropy``...: ``ELEMENTWISE_LOSSES``), "mean" or "sum" of a sharded input: the
+    unreduced terms (the pointwise rule: they keep the input's sharding), then ``mean()`` /
+    ``sum()`` (pending over the split dims), as torch's kernels reduce them. The backwards: the
+    unreduced gradient of the broadcast ``grad_output``, divided by the element count for "mean"
+    (the kernels' ``norm``)."""
+    b = bind(func, args, kwargs)
+    x, red = b["self"], b["reduction"]
+    if red not in (_MEAN, _SUM) or not any(_sharded(v) for v in b.values()):
+        return NotImplemented
+    b["reduction"] = 0
+    with torch.no_grad():
+        terms = func(*(b[a.name] for a in func._schema.arguments))
+        if "grad_output" in b:
+            return terms / x.numel() if red == _MEAN else terms
+        return terms.mean() if red == _MEAN else terms.sum()
+
+
+# losses whose kernels compute elementwise terms, then reduce them (forward and backward)
+ELEMENTWISE_LOSSES = ("mse_loss", "mse_loss_backward", "smooth_l1_loss", "smooth_l1_loss_backward", "huber_loss",
+                      "huber_loss_backward", "soft_margin_loss", "soft_margin_loss_backward", "binary_cross_entropy",
+                      "binary_cross_entropy_backward", "binary_cross_entropy_with_logits")
+
 SPECIAL = {
+    **{getattr(aten, n).default: _elementwise_then_reduced for n in ELEMENTWISE_LOSSES},
     aten.multi_margin_loss.default: _margin_of_empty,
     aten.multilabel_margin_loss_forward.default: _margin_of_empty,
     aten.multi_margin_loss_backward.default: _margin_of_empty,

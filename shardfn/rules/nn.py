@@ -278,6 +278,15 @@ def _first_dim(b: dict) -> tuple[int, bool]:
     return (1 if x is not None and x.dim() >= 3 else 0), False  # unbatched inputs reject empty dim 0
 
 
+def _batch_of(rank: int) -> LeadFn:
+    """Lead 1 where the input has ``rank`` dims (batched), else 0 (unbatched: all whole)."""
+    return lambda b: ((1 if b["self"].dim() == rank else 0), False)
+
+
+def _sampler_lead(b: dict) -> tuple[int, bool]:
+    return 1, False  # (batch, ...) input, grid and gradient alike
+
+
 def _pixel_lead(b: dict) -> tuple[int, bool]:
     return b["self"].dim() - 3, False
 
@@ -296,10 +305,76 @@ _POOL_OPS = (
     "replication_pad2d_backward", "replication_pad3d_backward", "upsample_nearest1d",
     "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d", "upsample_bilinear2d",
     "upsample_bicubic2d", "upsample_trilinear3d", "_upsample_nearest_exact1d",
-    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
+    "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
+    "max_unpool2d", "max_unpool3d", "channel_shuffle",
 )
 
 _LN = Leading(("input",), _layer_norm_lead(False))
+
+
+def _channels_lead(b: dict) -> tuple[int, bool]:
+    g = b["grad_output"]
+    return (2 if g.dim() >= 3 else 0), False  # (batch, channels, *spatial): each (batch, channel) plane apart
+
+
+@attrs.frozen
+class _Sized:
+    """``rule``'s candidates, with size arguments that name an output's shape made local
+    (``local_sizes``: an upsampling backward's ``input_size``)."""
+
+    rule: Any
+    sizes: tuple[tuple[str, int], ...]
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return [attrs.evolve(c, local_sizes=self.sizes) for c in self.rule.candidates(call)]
+
+
+# the upsampling backwards: each (batch, channel) plane's gradient from its own plane
+_UPSAMPLE_BWD = _Sized(Leading(("grad_output",), _channels_lead), (("input_size", 0),))
+_UPSAMPLE_BWD_OPS = (
+    "upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward",
+    "_upsample_nearest_exact1d_backward", "_upsample_nearest_exact2d_backward", "_upsample_nearest_exact3d_backward",
+    "upsample_linear1d_backward", "upsample_bilinear2d_backward", "upsample_bicubic2d_backward",
+    "upsample_trilinear3d_backward", "_upsample_bilinear2d_aa_backward", "_upsample_bicubic2d_aa_backward",
+)
+
+
+@attrs.frozen
+class GroupNorm:
+    """native_group_norm and its backward: rows (dim 0) independent, a group's channels and
+    positions whole; the weight and bias gradients are pending sums over split rows. The op
+    takes the row count ``N`` as an argument: a device whose rows are split runs it with its own
+    (``_LocalRows``)."""
+
+    rule: Any
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        names = [_arg_name(call.func, p) for p, _ in call.arrays]
+        if "input" not in names:
+            return []
+        i = names.index("input")
+        fn = _LocalRows(call.func)
+        return [attrs.evolve(c, local_fn=fn) if c.in_layouts[i].dims[0] else c for c in self.rule.candidates(call)]
+
+
+def _arg_name(func: Any, path: Any) -> str:
+    return _schema_info(func)[0][path] if isinstance(path, int) else path
+
+
+@attrs.frozen
+class _LocalRows:
+    """The op on one device's rows, its ``N`` (row count) argument the shard's."""
+
+    func: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        b = bind(self.func, args, kwargs)
+        b["N"] = b["input"].shape[0]
+        return self.func(*(b[a.name] for a in self.func._schema.arguments))
+
+
+def _rows_lead(reduce: bool) -> LeadFn:
+    return lambda b: ((1 if b["input"].dim() >= 2 else 0), reduce)
 
 
 @attrs.frozen
@@ -354,6 +429,8 @@ ATTENTION_RULES = {
     aten._scaled_dot_product_fused_attention_overrideable: Attention(forward=True, loose_outs=_FLASH_LOOSE),
     aten._scaled_dot_product_fused_attention_overrideable_backward: Attention(forward=False, reduce=True),
 }
+_GN = GroupNorm(Leading(("input",), _rows_lead(False)))
+_GN_BWD = GroupNorm(_Dense(Leading(("grad_out", "input", "mean", "rstd"), _rows_lead(True), batched_outs=(0,))))
 _RMS = Leading(("input",), _layer_norm_lead(False))
 _RMS_BWD = _Dense(Leading(("grad_out", "input", "rstd"), _layer_norm_lead(True), batched_outs=(0,)))
 
@@ -370,6 +447,15 @@ TABLE = {
     aten.multilabel_margin_loss_backward: _MARGIN_BWD,
     **{op: rule for op, rule in ATTENTION_RULES.items()},
     aten._fused_rms_norm: _RMS,
+    aten.native_group_norm: _GN,
+    aten.native_group_norm_backward: _GN_BWD,
+    **{getattr(aten, n): _UPSAMPLE_BWD for n in _UPSAMPLE_BWD_OPS if hasattr(aten, n)},
+    # unfold / fold: each batch row's patches from its own image
+    aten.im2col: Leading(("self",), _batch_of(4)),
+    aten.col2im: Leading(("self",), _batch_of(3)),
+    # grid_sample: each batch row samples its own image at its own grid
+    **{getattr(aten, n): Leading(("input", "grid", "grad_output"), _sampler_lead) for n in (
+        "grid_sampler_2d", "grid_sampler_2d_backward", "grid_sampler_3d", "grid_sampler_3d_backward")},
     aten._fused_rms_norm_backward: _RMS_BWD,
     aten.embedding: Embedding(),
     aten.convolution: Leading(("input",), _conv_lead, batched_outs=(0,)),

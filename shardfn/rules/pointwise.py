@@ -16,6 +16,7 @@ import torch
 from ..values.layout import Layout
 from ..values.mesh import check_mesh_device
 from .base import Candidate, OpCall, bind, finite_factor, sum_passes
+from .loss import ELEMENTWISE_LOSSES
 
 aten = torch.ops.aten
 
@@ -294,7 +295,10 @@ _UNTAGGED = (
     "resolve_neg", "relu6", "rsub", "floor_divide", "log_sigmoid_forward",
     "softshrink_backward", "hardshrink_backward", "alias_copy", "detach_copy", "hardtanh", "elu", "leaky_relu", "softplus",
     "hardswish", "hardsigmoid", "mish", "logit_backward", "threshold", "celu", "selu",
-    "silu_backward", "gelu_backward", "lift_fresh_copy", "masked_fill", "polar",
+    "silu_backward", "gelu_backward", "lift_fresh_copy", "masked_fill", "polar", "complex",
+    "_prelu_kernel", "_prelu_kernel_backward",  # the weight already broadcast against the input (prelu reshapes it)
+    # losses, unreduced (rules/loss.py reduces the "mean" / "sum" of sharded inputs by ops)
+    *ELEMENTWISE_LOSSES,
 )
 
 TABLE = {

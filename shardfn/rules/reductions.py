@@ -186,7 +186,7 @@ TABLE = {
         aten.max.dim, aten.min.dim, aten.argmax, aten.argmin, aten.var, aten.std, aten.var_mean,
         aten.std_mean, aten.logsumexp, aten.linalg_vector_norm, aten.prod.default, aten.prod.dim_int,
         aten.any, aten.all, aten.median.default, aten.median.dim, aten.nanmedian.default, aten.nanmedian.dim,
-        aten.mode, aten.kthvalue, aten.aminmax)},
+        aten.mode, aten.kthvalue, aten.aminmax, aten.norm)},
     aten._softmax: _ALONG,
     aten._safe_softmax: _ALONG,
     aten._log_softmax: _ALONG,
@@ -200,4 +200,11 @@ TABLE = {
     aten.sort: _ALONG,
     aten.linalg_cross: _ALONG,
     aten.topk: _ALONG,
+    # FFTs over the dims named by ``dim`` (whole; their sizes may change: onesided halves, c2r's
+    # last_dim_size): the other dims keep their shardings
+    aten._fft_r2c: _ALONG,
+    aten._fft_c2c: _ALONG,
+    aten._fft_c2r: _ALONG,
+    aten.glu: _ALONG,  # halves along dim: the other dims keep their shardings
+    aten.glu_backward: _ALONG,
 }
