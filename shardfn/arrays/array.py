@@ -20,18 +20,11 @@ from ..values.graph_calls import surface_in_compile, surfaces_in_compile
 from ..values.layout import Layout
 from ..values.mesh import DEVICE_FUNCS, Mesh, check_call_device
 from ..values.sharded import Sharded
+from ..values.strides import dense_strides
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
 from .fresh import end_fresh
 from ..values.spec import NamedSharding, P, Placement, Sharding, layout_placements, layout_to_spec, to_layout
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc = acc * torch.sym_max(n, 1)
-    return tuple(reversed(strides))
 
 
 _no_torch_function = torch._C._disabled_torch_function_impl
@@ -578,13 +571,9 @@ def _traced_dense_strides(shape: tuple, stride: tuple, sizes: list) -> tuple | N
     if None in hints:  # (an unbacked size: no order to read)
         return None
     order = sorted(range(len(shape)), key=lambda d: (-hints[d], d))
-    old, new, acc_old, acc_new = [0] * len(shape), [0] * len(shape), 1, 1
-    for d in reversed(order):
-        old[d], new[d] = acc_old, acc_new
-        acc_old, acc_new = acc_old * torch.sym_max(shape[d], 1), acc_new * torch.sym_max(sizes[d], 1)
-    if any(expr(a) != expr(b) for a, b in zip(old, stride)):
+    if any(expr(a) != expr(b) for a, b in zip(dense_strides(shape, order), stride)):
         return None
-    return tuple(new)
+    return dense_strides(sizes, order)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -636,7 +625,7 @@ def copy_strides(t: torch.Tensor) -> tuple[int, ...] | None:
     if t.is_contiguous():
         return None
     strides = torch.empty_like(t, device="meta").stride()
-    return None if strides == _contiguous_strides(t.shape) else tuple(strides)
+    return None if strides == dense_strides(t.shape) else tuple(strides)
 
 
 def strides_in_order_of(shape: Sequence[int], local: torch.Tensor) -> tuple[int, ...] | None:
@@ -647,13 +636,7 @@ def strides_in_order_of(shape: Sequence[int], local: torch.Tensor) -> tuple[int,
         return None
     dense = torch.empty_like(local, device="meta").stride()
     order = sorted(range(len(shape)), key=lambda d: (-dense[d], d))
-    if order == list(range(len(shape))):
-        return None
-    strides, acc = [0] * len(shape), 1
-    for d in reversed(order):
-        strides[d] = acc
-        acc *= torch.sym_max(shape[d], 1)
-    return tuple(strides)
+    return None if order == list(range(len(shape))) else dense_strides(shape, order)
 
 
 def rebuild_array(mesh: Mesh, dims: tuple, partial: tuple, shards: tuple, shape: tuple, dtype: torch.dtype,

@@ -11,6 +11,7 @@ from ..backends.registry import backend_for
 from ..values.layout import Layout
 from .fresh import fresh_root, held_fragment
 from .reduced import reduced_forms
+from ..values.strides import dense_strides
 
 
 _fragments: dict[tuple, Any] = {}
@@ -77,18 +78,14 @@ def known_finite(x: Any) -> bool:
 _CONTIGUOUS: dict[tuple, tuple] = {}  # shape -> its contiguous strides
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
+def _contiguous(shape: tuple) -> tuple:
     """The contiguous strides of ``shape`` (remembered per shape: every new array's fragment asks)."""
     try:
         strides = _CONTIGUOUS.get(shape)
     except TypeError:  # symbolic sizes do not hash
         strides = None
     if strides is None:
-        out, acc = [], 1
-        for n in reversed(shape):
-            out.append(acc)
-            acc *= max(n, 1)
-        strides = tuple(reversed(out))
+        strides = dense_strides(shape)
         try:
             if len(_CONTIGUOUS) >= _FRAGMENTS_MAX:
                 _CONTIGUOUS.clear()
@@ -104,7 +101,7 @@ def _odd_stride(shape: tuple, stride: tuple, offset: int = 0) -> tuple | None:
     tensor (the meta run's), so ``x.t().is_contiguous()`` is False and autograd's
     ``as_strided`` on views reads the right elements; shards are stored however the backend
     likes."""
-    return None if not offset and stride == _contiguous_strides(shape) else (tuple(stride), offset)
+    return None if not offset and stride == _contiguous(shape) else (tuple(stride), offset)
 
 
 class _Fragment:

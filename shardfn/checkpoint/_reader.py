@@ -26,6 +26,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from ..values.strides import dense_strides
+
 _LITTLE = sys.byteorder == "little"
 
 
@@ -59,17 +61,9 @@ class _Storage:
         self.dtype, self.key, self.numel = dtype, key, numel
 
 
-def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(size):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 def _rebuild(storage: Any, offset: int, size: tuple, stride: tuple, requires_grad: Any, hooks: Any,
              metadata: Any = None) -> _Chunk:
-    if not isinstance(storage, _Storage) or offset != 0 or tuple(stride) != _contiguous_strides(tuple(size)) \
+    if not isinstance(storage, _Storage) or offset != 0 or tuple(stride) != dense_strides(tuple(size)) \
             or storage.numel != math.prod(size):
         raise pickle.UnpicklingError("not a tensor that is exactly its storage")
     return _Chunk(storage.key, storage.dtype, tuple(size))

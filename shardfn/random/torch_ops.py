@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from ..arrays import rule_table
-from ..arrays.array import ShardedArray, _contiguous_strides, wrap
+from ..arrays.array import ShardedArray, wrap
+from ..values.strides import dense_strides
 from ..arrays.redistribute import raw_reshard
 from ..arrays.factories import _box_shape, _build, _from_boxes, _shard_of
 from ..arrays.functorch import static_int
@@ -229,7 +230,7 @@ def _new_empty(func: Any, args: tuple, kwargs: dict) -> ShardedArray:
     # views it with ``as_strided`` by those strides; read as contiguous, a transposed base's view
     # picked the wrong elements (Qwen3-Next's gated delta rule: wrong gradients)
     stride = tuple(int(n) for n in b["stride"]) if "stride" in b else None
-    if stride is not None and stride == _contiguous_strides(shape):
+    if stride is not None and stride == dense_strides(shape):
         stride = None
     return _build(shape, replicated(x.mesh, len(shape)),
                   lambda box: torch.empty(_box_shape(box), dtype=dtype, device=device), dtype, stride=stride)
