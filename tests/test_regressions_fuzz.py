@@ -2163,3 +2163,44 @@ def test_compiled_backward_of_equal_sizes_after_a_graph_break(shape, dtype, tran
     want = x + mask.to(torch.float64)
     _close(got, (torch.view_as_real(want) if want.is_complex() else want).square().sum())
     _close(g, 2 * want)
+
+
+_VIEWS = {"t": lambda v: v.t(), "narrow": lambda v: v.narrow(1, 0, 3), "step": lambda v: v[:, ::2]}
+_MOVES = {
+    "reshard": sf.reshard,
+    "constraint": sf.with_sharding_constraint,
+    "tree": lambda v, s: sf.reshard([v, v * 2], s)[0],
+}
+
+
+@pytest.mark.parametrize("view", sorted(_VIEWS))
+@pytest.mark.parametrize("move", sorted(_MOVES))
+@pytest.mark.parametrize("src, dst", [(P(), P("x")), (P("x"), P()), (P(partial="x"), P()), (P(), P())])
+def test_a_moved_view_keeps_its_strides(view, move, src, dst):
+    """A move into another layout (``reshard``, ``with_sharding_constraint``, a tree's) is the
+    same value, so it keeps the strides torch gives the view, as a move into the layout the
+    array already has (the array itself) and DTensor's ``redistribute`` do: a resharded narrow
+    reported contiguous strides, so ``view(-1)`` ran where torch raises (fuzzer seed 5803851959:
+    narrow > reshard > view(-1)), and a resharded transpose said ``is_contiguous()``. Values and
+    gradients through the strided result match torch."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    want = _VIEWS[view](x)
+    X = sf.distribute(x, src, mesh=mesh)
+    got = _MOVES[move](_VIEWS[view](X), sf.NamedSharding(mesh, dst))
+    assert got.stride() == want.stride() and got.is_contiguous() == want.is_contiguous()
+    if view == "step":  # (4, 3) with strides (6, 2): one run of memory, torch views it flat
+        _close(got.view(-1), want.view(-1))
+    else:
+        for v in (want, got):
+            with pytest.raises(RuntimeError, match="view size is not compatible"):
+                v.view(-1)
+    _close(got, want)
+    _close(got.reshape(-1) * 3, want.reshape(-1) * 3)
+    xs = x.clone().requires_grad_()
+    Xs = sf.distribute(xs, P(), mesh=mesh)
+    out = sf.reshard(_VIEWS[view](Xs), sf.NamedSharding(mesh, dst))
+    (g,) = torch.autograd.grad((out.mT @ out).sum(), xs)
+    xt = x.clone().requires_grad_()
+    (w,) = torch.autograd.grad((_VIEWS[view](xt).mT @ _VIEWS[view](xt)).sum(), xt)
+    _close(g, w)

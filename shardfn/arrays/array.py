@@ -617,6 +617,16 @@ def wrap(local: Any, layout: Layout, shape: Sequence[int], dtype: torch.dtype, *
     return ShardedArray(local, layout, tuple(shape), dtype, requires_grad=requires_grad, stride=stride)
 
 
+def kept_strides(x: torch.Tensor) -> tuple[int, ...] | None:
+    """``x``'s own strides, or None where they are contiguous: what a move of ``x`` into
+    another layout (``reshard``, ``with_sharding_constraint``, a move across meshes) reports.
+    A move is the same global value, as DTensor's ``redistribute`` keeps its input's strides
+    and a move into the layout ``x`` already has returns ``x`` itself: so a resharded
+    transposed or narrowed array is still not contiguous (``view(-1)`` raises) whichever
+    layout it went to."""
+    return None if x.is_contiguous() else tuple(x.stride())
+
+
 def copy_strides(t: torch.Tensor) -> tuple[int, ...] | None:
     """The strides torch gives a copy of ``t`` (``t.clone()``, ``empty_like``: ``t``'s own where it
     is dense, else dense in ``t``'s dim order), or None where those are contiguous. A distributed

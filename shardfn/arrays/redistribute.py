@@ -23,7 +23,7 @@ from .fresh import end_fresh
 from .reduced import base_reduced, keep_reduction, link_of
 from ..values.spec import NamedSharding, P, Sharding, check_mesh, to_layout
 from . import array as _array  # ``_array._dispatch_fn``: read at call time (dispatch installs it)
-from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, copy_strides, wrap
+from .array import ARRAY_TYPES as _ARRAY_TYPES, ShardedArray, copy_strides, kept_strides, wrap
 
 
 def _shares_memory(a: Any, sources: Any) -> bool:
@@ -306,7 +306,7 @@ def _vmap_into_layout(fn: type, in_dims: tuple, x: Any, layout: Layout) -> tuple
 class _Reshard(_Function):
     @staticmethod
     def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
-        return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype)
+        return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype, stride=kept_strides(x))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -434,7 +434,8 @@ def _move(x: Any, dst: Layout) -> Any:
         out = wrap(raw_reshard(out, dst), dst, shape, x.dtype)
     if dst.mesh.device_type != src_mesh.device_type:  # the mesh owns the device: the shards move there
         out = wrap(_onto_device(out._local, dst.mesh), dst, shape, x.dtype)
-    return out
+    stride = kept_strides(x)
+    return out if stride is None else wrap(out._local, out._layout, shape, x.dtype, stride=stride)
 
 
 def _onto_device(value: Any, mesh: Mesh) -> Any:

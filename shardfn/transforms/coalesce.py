@@ -167,8 +167,8 @@ def _group_key(v: ShardedArray, dst: Layout) -> tuple | None:
     unchanged. Whole-dim leaves make a true 1-D value (any plan); leaves with sharded
     dims only when their plan is all_reduces (elementwise on equal-sized even shards)."""
     src = v._layout
-    if dst == src or src.dims != dst.dims or not src.partial:
-        return None
+    if dst == src or src.dims != dst.dims or not src.partial or not v.is_contiguous():
+        return None  # (a bucket's outputs are contiguous; a strided leaf keeps its strides alone)
     if any(op not in _LINEAR for _, op in src.partial) or not set(dst.partial) <= set(src.partial):
         return None
     if any(src.dims):
