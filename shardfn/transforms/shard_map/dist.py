@@ -136,6 +136,35 @@ def _ppermute(x: torch.Tensor, mesh: Mesh, axes: tuple, perm: tuple) -> torch.Te
     return gathered[src[me]] if me in src else torch.zeros_like(x)
 
 
+_MAX_NDIM = 64  # torch's limit on a tensor's dims
+
+
+def _group_shapes(x: torch.Tensor, mesh: Mesh, axes: tuple) -> list[tuple[int, ...]]:
+    """Every group member's local shape of ``x`` (in the group's order), by one small
+    all_gather: an uneven body's ranks hold blocks of different shapes, which a collective
+    of the wrong sizes would hang or abort on."""
+    enc = torch.full((1 + _MAX_NDIM,), -1, dtype=torch.int64, device=x.device)
+    enc[0] = x.dim()
+    enc[1:1 + x.dim()] = torch.tensor(tuple(x.shape), dtype=torch.int64)
+    rows = _all_gather(enc, mesh, axes, 0).view(-1, 1 + _MAX_NDIM).tolist()
+    return [tuple(r[1:1 + r[0]]) for r in rows]
+
+
+def _gather_sized(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int, sizes: tuple) -> torch.Tensor:
+    """all_gather of pieces whose lengths along ``dim`` are ``sizes`` (group order): each
+    padded to the longest, gathered, cut back and concatenated."""
+    top = max(sizes)
+    pad = x.new_zeros(x.shape[:dim] + (top - x.shape[dim],) + x.shape[dim + 1:])
+    full = _all_gather(torch.cat([x, pad], dim), mesh, axes, dim)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(full.split(top, dim), sizes)], dim)
+
+
+def _slice_summed(x: torch.Tensor, mesh: Mesh, axes: tuple, dim: int, sizes: tuple) -> torch.Tensor:
+    """The transpose of :func:`_gather_sized`: the group's sum, this member's piece of it."""
+    me = _rank_in(mesh, axes)
+    return _all_reduce(x, mesh, axes, "sum").narrow(dim, sum(sizes[:me]), sizes[me])
+
+
 # -- differentiable collectives -------------------------------------------------------------------------------
 
 
@@ -222,6 +251,8 @@ class _Move(torch.autograd.Function):
         if bd is None:
             return _Move.apply(x, kind, mesh, axes, a, b), None
         x = x.movedim(bd, 0)
+        if kind in ("gather_sized", "slice_summed"):
+            return _Move.apply(x, kind, mesh, axes, a + 1, b), 0
         if kind != "ppermute":  # a and b are dims of the local tensor: shift past the batch dim
             a, b = a + 1, (None if b is None else b + 1)
         return _Move.apply(x, kind, mesh, axes, a, b), 0
@@ -232,38 +263,67 @@ _MOVES: dict[str, Callable] = {
     "psum_scatter": lambda x, mesh, axes, dim, _: _reduce_scatter(x, mesh, axes, dim),
     "all_to_all": _all_to_all,
     "ppermute": lambda x, mesh, axes, perm, _: _ppermute(x, mesh, axes, perm),
+    "gather_sized": _gather_sized,
+    "slice_summed": _slice_summed,
 }
 _TRANSPOSE: dict[str, Callable] = {
     "all_gather": lambda dim, _: ("psum_scatter", dim, None),
     "psum_scatter": lambda dim, _: ("all_gather", dim, None),
     "all_to_all": lambda split, concat: ("all_to_all", concat, split),
     "ppermute": lambda perm, _: ("ppermute", tuple((d, s) for s, d in perm), None),
+    "gather_sized": lambda dim, sizes: ("slice_summed", dim, sizes),
+    "slice_summed": lambda dim, sizes: ("gather_sized", dim, sizes),
 }
 
 
 class DistBody:
-    """The lax implementation on the dist backend (plain tensors, one rank)."""
+    """The lax implementation on the dist backend (plain tensors, one rank). In an ``uneven``
+    body (blocks of different shapes on different ranks) each collective first compares the
+    group's shapes: pieces of different lengths along the gathered dim are gathered padded,
+    shapes no collective can combine raise a ShardingError on every rank (as the local
+    backend does) instead of hanging or aborting in the process group."""
 
     leader = True
 
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
+    def __init__(self, mesh: Mesh, uneven: bool = False) -> None:
+        self.mesh, self.uneven = mesh, uneven
+
+    def _same_shapes(self, x: torch.Tensor, axes: tuple[str, ...], what: str, gather: int | None = None) -> Any:
+        """None where every member's ``x`` has one shape; the lengths along ``gather`` where
+        only those differ; else a ShardingError (on every rank alike)."""
+        if not self.uneven:
+            return None
+        shapes = _group_shapes(x, self.mesh, axes)
+        if len(set(shapes)) == 1:
+            return None
+        if gather is not None and len({len(s) for s in shapes}) == 1 and len(
+                {s[:gather] + s[gather + 1:] for s in shapes}) == 1:
+            return tuple(s[gather] for s in shapes)
+        raise ShardingError(f"sf.lax.{what} over {axes}: the devices' local tensors have shapes {shapes}, "
+                            "which this collective cannot combine (shard_map with uneven blocks)")
 
     def reduce(self, x: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
+        self._same_shapes(x, axes, {"sum": "psum"}.get(op, f"p{op}"))
         if op == "sum":
             return _Psum.apply(x, self.mesh, axes)
         return _Pextreme.apply(x, self.mesh, axes, op)
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...], axis: int) -> torch.Tensor:
+        sizes = self._same_shapes(x, axes, "all_gather", axis)
+        if sizes is not None:
+            return _Move.apply(x, "gather_sized", self.mesh, axes, axis, sizes)
         return _Move.apply(x, "all_gather", self.mesh, axes, axis, None)
 
     def psum_scatter(self, x: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+        self._same_shapes(x, axes, "psum_scatter")
         return _Move.apply(x, "psum_scatter", self.mesh, axes, dim, None)
 
     def all_to_all(self, x: torch.Tensor, axes: tuple[str, ...], split_axis: int, concat_axis: int) -> torch.Tensor:
+        self._same_shapes(x, axes, "all_to_all")
         return _Move.apply(x, "all_to_all", self.mesh, axes, split_axis, concat_axis)
 
     def ppermute(self, x: torch.Tensor, axes: tuple[str, ...], perm: tuple) -> torch.Tensor:
+        self._same_shapes(x, axes, "ppermute")
         return _Move.apply(x, "ppermute", self.mesh, axes, perm, None)
 
     def axis_index(self, axes: tuple[str, ...]) -> torch.Tensor:
@@ -283,7 +343,7 @@ def shard_map_call(f: Callable, inputs: Any, out_specs: Any, check_vma: bool, kw
 
                 check_replicas(mesh, v, mesh.axis_names, f"shard_map: {p}, a plain tensor argument,")
     leaves = [_local_input(v, l) if l is not None else v for v, l in zip(inputs.leaves, inputs.layouts)]
-    body = DistBody(mesh)
+    body = DistBody(mesh, uneven=not inputs.even())
     # closures matter only to gradients (values are right without the mode)
     closures = (_Closures(mesh, [v for v, l in zip(leaves, inputs.layouts) if l is not None])
                 if torch.is_grad_enabled() else contextlib.nullcontext())
