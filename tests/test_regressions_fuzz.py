@@ -2204,3 +2204,32 @@ def test_a_moved_view_keeps_its_strides(view, move, src, dst):
     xt = x.clone().requires_grad_()
     (w,) = torch.autograd.grad((_VIEWS[view](xt).mT @ _VIEWS[view](xt)).sum(), xt)
     _close(g, w)
+
+
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, "x")])
+def test_logsigmoid_reports_the_cpu_kernels_strides(spec):
+    """torch's CPU ``log_sigmoid_forward`` lays its outputs out contiguously whatever the
+    input's strides; its meta kernel keeps the input's dim order, which shardfn reported: a
+    transposed input's ``F.logsigmoid`` said transposed strides, so ``view(-1)`` raised where
+    torch's did not (fuzzer seed 5804731484 --gen 5, vmap(in_dims=1) of logsigmoid >
+    index_fill > view(-1): the batch dim moved to the front is such a transpose). Strides,
+    values and gradients match torch, eager and under vmap."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(4, 6, dtype=torch.float64)
+    X = sf.distribute(x, spec, mesh=mesh)
+    want, got = F.logsigmoid(x.t()), F.logsigmoid(X.t())
+    assert got.stride() == want.stride()
+    _close(got.view(-1), want.view(-1))
+    xs = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad((F.logsigmoid(sf.distribute(xs, spec, mesh=mesh).t()).view(-1) ** 2).sum(), xs)
+    xt = x.clone().requires_grad_()
+    (w,) = torch.autograd.grad((F.logsigmoid(xt.t()).view(-1) ** 2).sum(), xt)
+    _close(g, w)
+    xb = torch.stack([torch.randn(3, 3, 6), torch.randn(3, 3, 6)], 1)
+    idx = torch.tensor([2, 1])
+
+    def f(v):
+        return F.logsigmoid(v).index_fill(1, idx, 2).view(-1)
+
+    XB = sf.distribute(xb, P(None, None, None, "x" if spec != P() else None), mesh=mesh)
+    _close(torch.func.vmap(f, in_dims=1)(XB), torch.func.vmap(f, in_dims=1)(xb))

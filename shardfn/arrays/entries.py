@@ -40,6 +40,11 @@ _EMPTY_CHECKED = frozenset({aten.max.default, aten.min.default, aten.argmax.defa
 # ops whose eager kernel gives empty inputs another shape than their meta kernel: the kernel's
 # (torch's CPU pixel_unshuffle returns an empty input's clone, (6, 0, 0) -> (6, 0, 0); meta: (24, 0, 0))
 _EMPTY_BY_KERNEL = frozenset({aten.pixel_unshuffle.default})
+# ops whose CPU kernel lays its outputs out contiguously where the meta kernel keeps the
+# input's dim order: on a CPU mesh the outputs report the kernel's strides (torch's CPU
+# log_sigmoid_forward allocates both outputs MemoryFormat.Contiguous; a transposed input's
+# F.logsigmoid reported transposed strides, so view(-1) raised where torch's did not)
+_CONTIGUOUS_ON_CPU = frozenset({aten.log_sigmoid_forward.default})
 
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -82,6 +87,8 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
             out_meta = _meta_run(func, args, kwargs)
         if out_meta is None and not func._schema.returns:
             out_meta = ()  # no outputs (``_linalg_check_errors``): not a shape the data decides
+        if func in _CONTIGUOUS_ON_CPU and mesh.device_type == "cpu":
+            out_meta = _contiguous(out_meta)
     except ZeroDivisionError:  # a Python meta kernel dividing by numel() of empty inputs
         out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
@@ -111,6 +118,13 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
     return _Entry(func, call, best)
+
+
+def _contiguous(out_meta: Any) -> Any:
+    """``out_meta``'s tensors (one, or a tuple of them) with contiguous strides."""
+    if isinstance(out_meta, torch.Tensor):
+        return out_meta.contiguous()
+    return type(out_meta)(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out_meta)
 
 
 def _rejected(func: Any, leaves: list, e: Exception) -> Exception:
