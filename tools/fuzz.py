@@ -2036,11 +2036,31 @@ def _run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             bad = _compiled_grad(case, x, mesh, ref, prec, dynamic=True if run == "compile_dynamic" else None)
             if bad:
                 return bad
+        alt: list = []  # torch's compiled answer, once asked for
+
+        def compiled_alt() -> Any:
+            # torch.compile of the plain program is torch's other answer: its decompositions
+            # differ from the eager kernels (complex pinv of a well-conditioned matrix: 0.39
+            # apart, then divided into 2e7; seed 5805265943): shardfn's compiled program may
+            # match either
+            if not alt:
+                alt.append(_compiled_plain(case.steps, x, run == "compile_dynamic", run == "compile_marked"))
+            return alt[0]
+
+        def either(value: Any, what: str, check: Callable[[Any, Any, str], None]) -> None:
+            try:
+                check(value, raw_ref, what)
+            except Mismatch:
+                if not run.startswith("compile") or compiled_alt()[1] is not None:
+                    raise
+                check(value, compiled_alt()[0], what + " (against torch's compiled program)")
+
         try:
-            _compare_program(case, raw_got, raw_ref, "value", prec, None if run.startswith("compile") else (X, x, None))
+            either(raw_got, "value", lambda g, r, w: _compare_program(
+                case, g, r, w, prec, None if run.startswith("compile") else (X, x, None)))
             if got2 is not None:
-                what = f"value in layout {_relaid_spec(case, x, mesh)} (recompiled)"
-                _compare(*_undone_pair(case, got2, raw_ref, what), what, prec, _inverse(case))
+                either(got2, f"value in layout {_relaid_spec(case, x, mesh)} (recompiled)",
+                       lambda g, r, w: _compare(*_undone_pair(case, g, r, w), w, prec, _inverse(case)))
         except Mismatch as e:
             return str(e)
     return None
