@@ -2233,3 +2233,21 @@ def test_logsigmoid_reports_the_cpu_kernels_strides(spec):
 
     XB = sf.distribute(xb, P(None, None, None, "x" if spec != P() else None), mesh=mesh)
     _close(torch.func.vmap(f, in_dims=1)(XB), torch.func.vmap(f, in_dims=1)(xb))
+
+
+@pytest.mark.parametrize("spec", [P(), P(None, "x"), P(None, None, "y")])
+def test_solve_under_vmap_of_the_last_dim(spec):
+    """``torch.linalg.solve`` checks its batch's info with ``_linalg_check_errors``, whose CPU
+    kernel asserts the info tensor is contiguous; under ``vmap(in_dims=-1)`` the replicated
+    info was held as a strided view of the batched stack: "infos.is_contiguous() INTERNAL
+    ASSERT FAILED" (fuzzer seed 5805294189). The check now gets its inputs dense."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    x = torch.randn(6, 2, 5, 4, 2, dtype=torch.float64)
+
+    def f(v):
+        a = v[..., :2, :2] @ v[..., :2, :2].mT + 2 * torch.eye(2, dtype=v.dtype)
+        return torch.linalg.solve(a, v[..., :2, :])
+
+    want = torch.func.vmap(f, in_dims=-1)(x)
+    got = torch.func.vmap(f, in_dims=-1)(sf.distribute(x, spec, mesh=mesh))
+    _close(got, want)

@@ -229,12 +229,16 @@ class IndexPut:
 @attrs.frozen
 class Replicated:
     """Ops with no better strategy: every input whole, the output replicated (no
-    warning: the op is known to need the full tensors)."""
+    warning: the op is known to need the full tensors). ``dense``: the kernel needs its
+    inputs contiguous (a replica held as a view of a stacked or batched tensor is not)."""
+
+    dense: bool = False
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         ins = tuple((None,) * len(s) for s in call.shapes)
         outs = tuple((None,) * m.dim() if isinstance(m, torch.Tensor) else None for m in call.out_metas)
-        return compile_dims(call, Dims(ins, outs))
+        cands = compile_dims(call, Dims(ins, outs))
+        return [attrs.evolve(c, dense=True) for c in cands] if self.dense else cands
 
 
 _REPLICATED = Replicated()
@@ -276,6 +280,8 @@ TABLE = {
     aten.put: _REPLICATED,
     aten.searchsorted: _REPLICATED,
     aten.bucketize: _REPLICATED,
-    aten._linalg_check_errors: _REPLICATED,  # a batch's info gathered (4 bytes a matrix): torch's message and index
+    # (dense: torch asserts infos.is_contiguous(), and a batch's info under vmap(in_dims=-1) is
+    # held as a strided view: seed 5805294189, solve under vmap of the last dim)
+    aten._linalg_check_errors: Replicated(dense=True),  # a batch's info gathered (4 bytes a matrix): torch's message and index
     aten._assert_async: _REPLICATED,  # a one-element condition
 }
