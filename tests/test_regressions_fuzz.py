@@ -2251,3 +2251,23 @@ def test_solve_under_vmap_of_the_last_dim(spec):
     want = torch.func.vmap(f, in_dims=-1)(x)
     got = torch.func.vmap(f, in_dims=-1)(sf.distribute(x, spec, mesh=mesh))
     _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float32])
+@pytest.mark.parametrize("spec", [P(), P("x"), P(None, None, "y")])
+def test_angle_reports_the_cpu_kernels_strides(dtype, spec):
+    """torch's CPU ``angle`` of a complex input returns a contiguous tensor where its meta kernel
+    keeps the input's dim order (a real input keeps it in both): a transposed complex input's
+    angle reported transposed strides, so ``view(-1)`` raised where torch's did not (fuzzer
+    seed 5807404802, under vmap of a middle dim). Strides, view(-1) and values as torch."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x = torch.randn(4, 3, 4, dtype=dtype).permute(1, 0, 2)
+    want = torch.angle(x)
+    got = torch.angle(sf.distribute(x, spec, mesh=mesh))
+    assert got.stride() == want.stride()
+    if want.is_contiguous():
+        _close(got.view(-1), want.view(-1))
+    else:
+        with pytest.raises(RuntimeError):
+            got.view(-1)
+    _close(got, want)

@@ -44,7 +44,10 @@ _EMPTY_BY_KERNEL = frozenset({aten.pixel_unshuffle.default})
 # input's dim order: on a CPU mesh the outputs report the kernel's strides (torch's CPU
 # log_sigmoid_forward allocates both outputs MemoryFormat.Contiguous; a transposed input's
 # F.logsigmoid reported transposed strides, so view(-1) raised where torch's did not)
-_CONTIGUOUS_ON_CPU = frozenset({aten.log_sigmoid_forward.default})
+# (aten.angle of a complex input: the CPU kernel computes it through a contiguous temporary,
+# seed 5807404802; a real input keeps its dim order in both): a predicate on the arguments
+_CONTIGUOUS_ON_CPU: dict = {aten.log_sigmoid_forward.default: lambda args: True,
+                            aten.angle.default: lambda args: args[0].is_complex()}
 
 
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
@@ -87,7 +90,7 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
             out_meta = _meta_run(func, args, kwargs)
         if out_meta is None and not func._schema.returns:
             out_meta = ()  # no outputs (``_linalg_check_errors``): not a shape the data decides
-        if func in _CONTIGUOUS_ON_CPU and mesh.device_type == "cpu":
+        if func in _CONTIGUOUS_ON_CPU and mesh.device_type == "cpu" and _CONTIGUOUS_ON_CPU[func](args):
             out_meta = _contiguous(out_meta)
     except ZeroDivisionError:  # a Python meta kernel dividing by numel() of empty inputs
         out_meta = _empty_meta(func, args, kwargs)
