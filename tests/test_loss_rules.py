@@ -9,27 +9,12 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
-from shardfn.arrays import entries as _entries
+
+from _no_fallback import NoFallback
 
 
 def _full(a):
     return a.full_tensor() if isinstance(a, sf.ShardedArray) else a
-
-
-class _NoFallback:
-    """Fails a call that runs through the replicate-everything fallback (its FallbackWarning is
-    given once per op per process, so catching the warning would miss all but the first)."""
-
-    def __enter__(self) -> None:
-        self._orig = _entries._Fallback.run
-
-        def run(entry, *a, **k):
-            raise AssertionError(f"{entry.func} ran through the replicate fallback")
-
-        _entries._Fallback.run = run
-
-    def __exit__(self, *exc) -> None:
-        _entries._Fallback.run = self._orig
 
 
 def _multi_margin(p, weighted):
@@ -70,7 +55,7 @@ def test_margin_losses_of_sharded_rows_match_torch(name, reduction, case):
     xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     want = f(xr, t, reduction)
     gout = torch.randn(want.shape, generator=gen, dtype=torch.float64)
-    with _NoFallback():
+    with NoFallback():
         got = f(sf.distribute(xs, xspec, mesh=mesh), sf.distribute(t, tspec, mesh=mesh), reduction)
         (g,) = torch.autograd.grad(got, xs, sf.distribute(gout, P(*tuple(xspec)[:gout.dim()]), mesh=mesh))
     if "x" in str(xspec[0]) and reduction != "none":
@@ -85,7 +70,7 @@ def test_margin_loss_of_unbatched_input_and_aten_backward(reduction):
     """A 1-D input is one row (whole); the backward called directly checks shapes as the forward."""
     mesh = sf.Mesh((2,), ("x",))
     x, t = torch.randn(5, dtype=torch.float64), torch.tensor(3)
-    with _NoFallback():
+    with NoFallback():
         got = F.multi_margin_loss(sf.distribute(x, P("x"), mesh=mesh), t, reduction=reduction)
     torch.testing.assert_close(_full(got), F.multi_margin_loss(x, t, reduction=reduction))
     xb = sf.distribute(torch.randn(4, 3, dtype=torch.float64), P("x"), mesh=mesh)

@@ -9,24 +9,10 @@ import torch
 
 import shardfn as sf
 from shardfn import P
-from shardfn.arrays import entries as _entries
+
+from _no_fallback import NoFallback
 
 aten = torch.ops.aten
-
-
-class _NoFallback:
-    """Fails a call that runs through the replicate-everything fallback."""
-
-    def __enter__(self) -> None:
-        self._orig = _entries._Fallback.run
-
-        def run(entry, *a, **k):
-            raise AssertionError(f"{entry.func} ran through the replicate fallback")
-
-        _entries._Fallback.run = run
-
-    def __exit__(self, *exc) -> None:
-        _entries._Fallback.run = self._orig
 
 
 def _outcome(fn):
@@ -58,7 +44,7 @@ def test_assert_tensor_metadata_checks_the_global_metadata(spec, view):
     for want in _EXPECTED:
         kw = dict(want)
         args = (kw.pop("size", None), kw.pop("stride", None), kw.pop("dtype", None))
-        with _NoFallback():
+        with NoFallback():
             got = _outcome(lambda: aten._assert_tensor_metadata(X, *args, **kw))
         assert got == _outcome(lambda: aten._assert_tensor_metadata(base, *args, **kw)), want
 
@@ -80,7 +66,7 @@ def test_exported_cast_runs_on_arrays(spec):
     for fn in (gm, torch.compile(lambda v: aten._assert_tensor_metadata(v, None, None, torch.float32) or v.sin(),
                                  backend="aot_eager", dynamic=True)):
         xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with _NoFallback():
+        with NoFallback():
             got = fn(sf.distribute(xs, spec, mesh=mesh))
             (g,) = torch.autograd.grad(got.sum(), xs)
         want = fn(xr)
