@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..arrays import rule_table
-from . import attention_kernels, foreach, fused, indexing, loss, matrix, nn, pointwise, reductions, strided, views
+from . import (attention_kernels, foreach, fused, indexing, loss, matrix, nn, pointwise, quantized, reductions, strided,
+               views)
 
-for _family in (pointwise, matrix, reductions, views, strided, indexing, nn, attention_kernels, foreach, fused):
+for _family in (pointwise, matrix, quantized, reductions, views, strided, indexing, nn, attention_kernels, foreach, fused):
     rule_table.install(_family.TABLE)
 rule_table.set_pointwise_rule(pointwise.POINTWISE)
 rule_table.SPECIAL.update(loss.SPECIAL)

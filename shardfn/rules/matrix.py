@@ -189,7 +189,9 @@ class GroupedMm:
     experts, or the contracted dim of two 2-D operands) and the group/expert dim stay whole
     and ``offs`` replicated; the other matrix dims shard like ``mm``'s (a sharded
     contraction leaving a pending sum), and a pending sum on one operand passes through.
-    Without ``offs`` it is ``bmm``. A bias or a 3-D ``self`` with 2-D ``mat2`` has no rule."""
+    Without ``offs`` it is ``bmm``; a 3-D ``self`` (groups, m, k) with a 2-D ``mat2`` whose
+    columns ``offs`` groups (the backward of two grouped 2-D operands) keeps ``m`` and may split
+    ``k``. A bias has no rule."""
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
@@ -206,6 +208,9 @@ class GroupedMm:
         elif grouped and (a.dim(), m.dim()) == (2, 2):
             by_name = {"self": "m_", "mat2": "_n", "offs": "_"}
             out = "_mn"
+        elif grouped and (a.dim(), m.dim()) == (3, 2):  # the 2-D x 2-D case's input gradient
+            by_name = {"self": "_mk", "mat2": "k_", "offs": "_"}
+            out = "m_"
         else:
             return []
         names = [a_.name for a_ in call.func._schema.arguments]

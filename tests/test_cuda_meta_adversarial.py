@@ -1,0 +1,206 @@
+"""Adversarial checks of the kernels torch reaches on CUDA, beyond ``test_cuda_rules``,
+``test_attention_kernels`` and ``test_cuda_meta_suite``: low-precision matrix products,
+grouped products' backward, the functional fused optimizers, ``_foreach_max``, torch's
+attention math path called directly. Layouts and collectives on meta meshes (no
+``FallbackWarning``, every shard on the mesh's device); values and gradients on CPU meshes
+against the same call unsharded (CPU kernels where torch has them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn import P
+
+from _no_fallback import NoFallback
+
+aten = torch.ops.aten
+
+
+def _on_meta(*arrays: sf.ShardedArray) -> bool:
+    return all(a.device.type == "meta" and {s.device.type for s in a.local_shards()} == {"meta"} for a in arrays)
+
+
+# -- float8 / int8 / int4 matrix products ---------------------------------------------------------
+
+SCALED_LAYOUTS = [  # (self, mat2, output, moved)
+    (P("dp"), P(), P("dp")),
+    (P(), P(None, "tp"), P(None, "tp")),
+    (P("dp"), P(None, "tp"), P("dp", "tp")),
+    (P(("dp", "tp")), P(), P(("dp", "tp"))),
+    (P(None, "tp"), P("tp"), None),  # the contraction split: pending only with tensor-wise scales
+]
+
+
+@pytest.mark.parametrize("scales", ["tensorwise", "rowwise", "bias"])
+@pytest.mark.parametrize("a_spec, b_spec, out_spec", SCALED_LAYOUTS, ids=str)
+def test_scaled_mm_shards_rows_and_columns_and_equals_torch(scales: str, a_spec: P, b_spec: P, out_spec: P) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(32, 64, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(64, 64, generator=g).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+    if scales == "rowwise":
+        sa, sb = torch.rand(32, 1, generator=g) + 0.5, torch.rand(1, 64, generator=g) + 0.5
+    else:
+        sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+    kw = {"bias": torch.randn(64, generator=g).to(torch.bfloat16)} if scales == "bias" else {}
+    want = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, **kw)
+    if out_spec is None:
+        out_spec = P(partial="tp") if scales == "tensorwise" else P()
+    for device in ("cpu", "meta"):
+        mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+        args = [sf.distribute(t.to(device), s, mesh=mesh) for t, s in ((a, a_spec), (b, b_spec), (sa, P()), (sb, P()))]
+        skw = {k: sf.distribute(v.to(device), P(), mesh=mesh) for k, v in kw.items()}
+        with NoFallback(), sf.debug.CommCounter() as cc:
+            got = torch._scaled_mm(*args, out_dtype=torch.bfloat16, **skw)
+        assert got.spec == out_spec and got.dtype == torch.bfloat16 and got.shape == (32, 64)
+        assert bool(cc.records) == (out_spec == P())  # only the kept-whole contraction gathers
+        if device == "cpu":
+            torch.testing.assert_close(got.full_tensor().float(), want.float(), rtol=2e-2, atol=1e-1)
+        else:
+            assert _on_meta(got)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_scaled_mm_keeps_cuda_sizes_on_every_device(device: str) -> None:
+    """48 columns over two devices are 24 each, not a multiple of 16 as CUDA's kernel needs (the
+    meta kernel raised for the shards): the columns are gathered rather than split."""
+    mesh = sf.Mesh((2,), ("tp",), device_type=device)
+    a = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    b = torch.randn(48, 64).to(torch.float8_e4m3fn).t()
+    s = torch.tensor(1.0)
+    with NoFallback():
+        got = torch._scaled_mm(*(sf.distribute(t.to(device), sp, mesh=mesh) for t, sp in ((a, P()), (b, P(None, "tp")),
+                                                                                           (s, P()), (s, P()))),
+                               out_dtype=torch.bfloat16)
+    assert got.spec == P() and got.shape == (32, 48)
+    if device == "cpu":
+        torch.testing.assert_close(got.full_tensor().float(), torch._scaled_mm(a, b, s, s, out_dtype=torch.bfloat16).float())
+
+
+def test_scaled_mm_local_calls_get_a_column_major_mat2() -> None:
+    """cuBLASLt takes ``self`` row-major and ``mat2`` column-major only: shards of such operands
+    reach each device's call in those layouts, whatever the shards' storage."""
+    seen = []
+
+    def spy(self, mat2, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append((self.stride(-1), mat2.stride(0)))
+        return torch.zeros(self.shape[0], mat2.shape[1], dtype=kwargs.get("out_dtype") or torch.bfloat16)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_mm", spy, "CPU")
+    try:
+        mesh = sf.Mesh((2,), ("tp",))
+        a = sf.distribute(torch.randn(16, 32).to(torch.float8_e4m3fn), P(), mesh=mesh)
+        b = sf.distribute(torch.randn(32, 32).to(torch.float8_e4m3fn).t(), P(None, "tp"), mesh=mesh)
+        assert b.stride() == (1, 32)
+        s = sf.distribute(torch.tensor(1.0), P(), mesh=mesh)
+        torch._scaled_mm(a, b, s, s, out_dtype=torch.bfloat16)
+    finally:
+        lib._destroy()
+    assert seen and all(st == (1, 1) for st in seen)
+
+
+@pytest.mark.parametrize("a_spec, b_spec, out_spec", [
+    (P("dp"), P(), P("dp")), (P(), P(None, "tp"), P(None, "tp")), (P(None, "tp"), P("tp"), P(partial="tp")),
+    (P(("dp", "tp")), P(), P("dp")),  # 48 rows over 4 devices is 12 each: CUDA needs more than 16
+])
+def test_int_mm_equals_torch_and_keeps_cuda_sizes(a_spec: P, b_spec: P, out_spec: P) -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-5, 5, (48, 64), dtype=torch.int8, generator=g)
+    b = torch.randint(-5, 5, (64, 32), dtype=torch.int8, generator=g)
+    for device in ("cpu", "meta"):
+        mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+        with NoFallback():
+            got = torch._int_mm(sf.distribute(a.to(device), a_spec, mesh=mesh), sf.distribute(b.to(device), b_spec, mesh=mesh))
+        assert got.spec == out_spec and got.dtype == torch.int32
+        for s in got.local_shards():
+            assert s.shape[0] == 0 or s.shape[0] > 16 or out_spec == P(partial="tp")
+        if device == "cpu":
+            assert torch.equal(got.full_tensor(), torch._int_mm(a, b))
+
+
+@pytest.mark.parametrize("x_spec, w_spec, s_spec, out_spec", [
+    (P("dp"), P(), P(), P("dp")), (P(), P("tp"), P("tp"), P(None, "tp")), (P(), P("tp"), P(), P(None, "tp")),
+    (P(None, "tp"), P(None, "tp"), P(), P(partial="tp")), (P("dp"), P("tp"), P(), P("dp", "tp")),
+], ids=str)
+def test_weight_int8pack_mm_equals_torch(x_spec: P, w_spec: P, s_spec: P, out_spec: P) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, generator=g)
+    w = torch.randint(-5, 5, (32, 64), dtype=torch.int8, generator=g)
+    s = torch.rand(32, dtype=torch.bfloat16, generator=g)
+    for device in ("cpu", "meta"):
+        mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+        with NoFallback(), sf.debug.CommCounter() as cc:
+            got = aten._weight_int8pack_mm(*(sf.distribute(t.to(device), sp, mesh=mesh)
+                                             for t, sp in ((x, x_spec), (w, w_spec), (s, s_spec))))
+        assert cc.records == [] and got.spec == out_spec
+        if device == "cpu":
+            torch.testing.assert_close(got.full_tensor().float(), aten._weight_int8pack_mm(x, w, s).float(),
+                                       rtol=2e-2, atol=2e-1)
+
+
+def test_weight_int4pack_mm_on_a_meta_mesh_keeps_rows_split() -> None:
+    """torch's meta kernel reads ``fake_device`` (an AttributeError on a plain meta tensor): the
+    rule computes the output's metadata as CUDA's kernel gives it."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type="meta")
+    x = sf.distribute(torch.randn(16, 64, dtype=torch.bfloat16, device="meta"), P("dp"), mesh=mesh)
+    w = sf.distribute(torch.empty(4, 1, 32, 4, dtype=torch.int32, device="meta"), P(), mesh=mesh)
+    sz = sf.distribute(torch.randn(2, 32, 2, dtype=torch.bfloat16, device="meta"), P(), mesh=mesh)
+    with NoFallback(), sf.debug.CommCounter() as cc:
+        out = aten._weight_int4pack_mm(x, w, 32, sz)
+    assert cc.records == [] and out.spec == P("dp") and out.shape == (16, 32) and out.dtype == torch.bfloat16
+    assert _on_meta(out)
+
+
+# -- _grouped_mm: the backward of two grouped 2-D operands -----------------------------------------
+
+
+@pytest.mark.parametrize("a_spec, b_spec, out_spec", [
+    (P(), P(), P()), (P("dp"), P(), P(None, "dp")), (P(), P(None, "tp"), P(None, None, "tp")),
+    (P("dp"), P(None, "tp"), P(None, "dp", "tp")),
+], ids=str)
+def test_grouped_mm_2d_by_2d_backward_moves_nothing_and_equals_torch(a_spec: P, b_spec: P, out_spec: P) -> None:
+    """The input gradient of (m, k) x (k, n) grouped over k is a (groups, m, n) x (n, k) call
+    grouped over k's columns, which had no rule (replicated, a FallbackWarning)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 24, generator=g), torch.randn(24, 32, generator=g)
+    offs = torch.tensor([5, 12, 24], dtype=torch.int32)
+    pa, pb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    want = torch._grouped_mm(pa, pb, offs)
+    wgrads = torch.autograd.grad((want ** 2).sum(), (pa, pb))
+    mesh = sf.Mesh((2, 2), ("dp", "tp"))
+    sa, sb = sf.distribute(a, a_spec, mesh=mesh).requires_grad_(), sf.distribute(b, b_spec, mesh=mesh).requires_grad_()
+    with NoFallback(), sf.debug.CommCounter() as cc:
+        got = torch._grouped_mm(sa, sb, sf.distribute(offs, P(), mesh=mesh))
+        grads = torch.autograd.grad((got ** 2).sum(), (sa, sb))
+    assert got.spec == out_spec and [r for r in cc.records if "grouped" in str(r.op)] == []
+    torch.testing.assert_close(got.full_tensor(), want, rtol=1e-4, atol=1e-4)
+    meta = sf.Mesh((2, 2), ("dp", "tp"), device_type="meta")
+    ma, mb = (sf.distribute(t.to("meta", torch.bfloat16), s, mesh=meta).requires_grad_()
+              for t, s in ((a, a_spec), (b, b_spec)))
+    with NoFallback():
+        mo = torch._grouped_mm(ma, mb, sf.distribute(offs.to("meta"), P(), mesh=meta))
+        mgrads = torch.autograd.grad((mo * mo).sum(), (ma, mb))  # (an expanded gradient: torch's meta kernel refuses it)
+    assert [m.shape for m in mgrads] == [(16, 24), (24, 32)] and _on_meta(*mgrads)
+    for gr, w in zip(grads, wgrads):
+        torch.testing.assert_close(gr.full_tensor(), w, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("g_spec, w_spec, out_spec", [
+    (P(None, "dp"), P(), P("dp")), (P(None, None, "tp"), P("tp"), P(partial="tp")), (P("dp"), P(), P()),
+], ids=str)
+def test_grouped_mm_3d_by_2d_grouped_columns(g_spec: P, w_spec: P, out_spec: P) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 16, 24, generator=g), torch.randn(24, 32, generator=g)
+    offs = torch.tensor([8, 20, 32], dtype=torch.int32)
+    for device, dtype in (("cpu", torch.float32), ("meta", torch.bfloat16)):  # CUDA's kernel takes bfloat16
+        mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+        with NoFallback():
+            got = torch._grouped_mm(sf.distribute(x.to(device, dtype), g_spec, mesh=mesh),
+                                    sf.distribute(w.to(device, dtype), w_spec, mesh=mesh),
+                                    sf.distribute(offs.to(device), P(), mesh=mesh))
+        assert got.spec == out_spec and got.shape == (16, 32)
+        if device == "cpu":
+            torch.testing.assert_close(got.full_tensor(), torch._grouped_mm(x, w, offs), rtol=1e-4, atol=1e-4)
