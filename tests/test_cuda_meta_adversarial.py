@@ -204,3 +204,108 @@ def test_grouped_mm_3d_by_2d_grouped_columns(g_spec: P, w_spec: P, out_spec: P) 
         assert got.spec == out_spec and got.shape == (16, 32)
         if device == "cpu":
             torch.testing.assert_close(got.full_tensor(), torch._grouped_mm(x, w, offs), rtol=1e-4, atol=1e-4)
+
+
+# -- the functional fused optimizer kernels (functionalised torch.optim fused=True) ----------------
+
+PARAM_SHAPES = [(4, 6), (5,), (3, 2)]
+PARAM_SPECS = [P("dp", "tp"), P("tp"), P()]
+
+
+def _pending(t: torch.Tensor, mesh: sf.Mesh) -> sf.ShardedArray:
+    """``t`` as a pending sum over 'dp' (each device holds half)."""
+    return sf.ShardedArray.from_local([t / 2] * mesh.size, P(partial="dp"), mesh=mesh)
+
+
+def _optimizer_call(op: str, overload: str, device: str) -> tuple:
+    """(torch's op, plain args, kwargs, arrays-args builder) for one fused optimizer call."""
+    g = torch.Generator().manual_seed(0)
+    ps, gs = ([torch.randn(s, generator=g) for s in PARAM_SHAPES] for _ in range(2))
+    bufs = [[torch.rand(s, generator=g) + 0.1 for s in PARAM_SHAPES] for _ in range(3)]
+    steps = [torch.tensor(3.0) for _ in PARAM_SHAPES]
+    lr = torch.tensor(0.01) if overload == "tensor_lr" else 0.01
+    if op in ("_fused_adam", "_fused_adamw"):
+        args = (ps, gs, bufs[0], bufs[1], bufs[2], steps)
+        kw = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=True, maximize=False)
+    elif op == "_fused_sgd":
+        args = (ps, gs, bufs[0])
+        kw = dict(weight_decay=0.1, momentum=0.9, lr=lr, dampening=0.0, nesterov=True, maximize=False, is_first_step=False)
+    else:
+        args = (ps, gs, bufs[0], steps)
+        kw = dict(lr=lr, lr_decay=0.01, weight_decay=0.1, eps=1e-10, maximize=True)
+
+    def sharded(mesh: sf.Mesh) -> tuple:
+        out = []
+        for i, lst in enumerate(args):
+            if lst is steps:
+                out.append([sf.distribute(t.to(device), P(), mesh=mesh) for t in lst])
+            elif i == 1:  # gradients: batch-sharded, replicated, pending
+                out.append([sf.distribute(gs[0].to(device), P("dp"), mesh=mesh), sf.distribute(gs[1].to(device), P(), mesh=mesh),
+                            _pending(gs[2].to(device), mesh)])
+            else:  # parameters as laid out; the states of the first replicated
+                out.append([sf.distribute(t.to(device), s if (i == 0 or j) else P(), mesh=mesh)
+                            for j, (t, s) in enumerate(zip(lst, PARAM_SPECS))])
+        skw = {k: sf.distribute(v.to(device), P(), mesh=mesh) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        return tuple(out), skw
+
+    return getattr(getattr(aten, op), overload), args, kw, sharded
+
+
+@pytest.mark.parametrize("overload", ["default", "tensor_lr"])
+@pytest.mark.parametrize("op", ["_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad"])
+def test_functional_fused_optimizers_keep_parameter_layouts_and_equal_torch(op: str, overload: str) -> None:
+    """They ran replicated (a FallbackWarning) and handed back their lists of lists as plain tensors."""
+    for device in ("cpu", "meta"):
+        func, args, kw, sharded = _optimizer_call(op, overload, device)
+        mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+        sargs, skw = sharded(mesh)
+        with NoFallback(), sf.debug.CommCounter() as cc:
+            got = func(*sargs, **skw)
+        assert {r.kind for r in cc.records} <= {"all_reduce", "reduce_scatter"}  # the pending gradient only
+        want = func(*args, **kw)  # (torch has no meta kernel for most of them)
+        assert len(got) == len(want)
+        for gl, wl in zip(got, want):
+            assert len(gl) == len(wl)
+            for j, (x, w) in enumerate(zip(gl, wl)):
+                assert isinstance(x, sf.ShardedArray) and x.shape == w.shape and x.dtype == w.dtype
+                assert x.spec == (PARAM_SPECS[j] if w.dim() else P()) and x.device.type == device
+                if device == "cpu":
+                    torch.testing.assert_close(x.full_tensor(), w)
+                else:
+                    assert _on_meta(x)
+
+
+def test_the_fallback_wraps_every_tensor_of_list_outputs() -> None:
+    """An op without a rule returning a list among its outputs gave that list's tensors back
+    plain (off the mesh); each is a replicated array on the mesh's device now."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type="meta")
+    xs = [sf.distribute(torch.randn(4, 6, device="meta"), P("dp", "tp"), mesh=mesh)]
+    with pytest.warns(sf.FallbackWarning):
+        outs, found = aten._amp_foreach_non_finite_check_and_unscale(
+            xs, sf.distribute(torch.zeros(1, device="meta"), P(), mesh=mesh),
+            sf.distribute(torch.ones(1, device="meta"), P(), mesh=mesh))
+    assert all(isinstance(o, sf.ShardedArray) and o.spec == P() and _on_meta(o) for o in (*outs, found))
+
+
+# -- _foreach_max (clip_grad_norm_'s inf-norm and foreach paths call it) --------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_foreach_max_is_replicated_and_equals_torch(device: str) -> None:
+    """It ran replicated (a FallbackWarning). Layouts: split both ways, over both axes with an
+    empty shard (2 entries over 4 devices), bfloat16 over one axis, a pending sum."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(4, 6, generator=g) - 5, torch.randn(2, generator=g), torch.randn(3, generator=g).to(torch.bfloat16),
+          torch.randn(1, generator=g)]
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+    xs = [sf.distribute(ts[0].to(device), P("dp", "tp"), mesh=mesh), sf.distribute(ts[1].to(device), P(("dp", "tp")), mesh=mesh),
+          sf.distribute(ts[2].to(device), P("tp"), mesh=mesh),
+          sf.ShardedArray.from_local([ts[3].to(device) / 4] * 4, P(partial=("dp", "tp")), mesh=mesh)]
+    with NoFallback():
+        out = torch._foreach_max(xs)
+    assert [(o.spec, o.shape, o.dtype) for o in out] == [(P(), (), t.dtype) for t in ts]
+    if device == "cpu":
+        for o, w in zip(out, torch._foreach_max(ts)):
+            torch.testing.assert_close(o.full_tensor(), w)
+    else:
+        assert _on_meta(*out)

@@ -481,17 +481,19 @@ class _Fallback:
         out = (with_flag_keys(self.func) if complex_call else self.func)(*a, **k)
         backend = backend_for(self.mesh)
         outs, rebuild = _flat_outputs(out)
-        res = []
-        for o in outs:
-            if isinstance(o, torch.Tensor):
-                layout = Layout(self.mesh, ((),) * o.dim())
-                # reported as torch lays the output out (a view's strides and storage offset:
-                # forward AD checks that a view's tangent is laid out like its primal)
-                res.append(_wrap_output(backend.replicated(o, self.mesh), layout, tuple(o.shape), o.dtype, None,
-                                        (tuple(o.stride()), o.storage_offset())))
-            else:
-                res.append(o)
-        return rebuild(res)
+
+        def wrapped(o: Any) -> Any:
+            if isinstance(o, (list, tuple)):  # a list output among several (``_fused_adam``'s): each tensor too
+                return type(o)(wrapped(x) for x in o)
+            if not isinstance(o, torch.Tensor):
+                return o
+            layout = Layout(self.mesh, ((),) * o.dim())
+            # reported as torch lays the output out (a view's strides and storage offset:
+            # forward AD checks that a view's tangent is laid out like its primal)
+            return _wrap_output(backend.replicated(o, self.mesh), layout, tuple(o.shape), o.dtype, None,
+                                (tuple(o.stride()), o.storage_offset()))
+
+        return rebuild([wrapped(o) for o in outs])
 
     def warm(self, args: tuple, kwargs: dict) -> Any:
         return self.run(args, kwargs)

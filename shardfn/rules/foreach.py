@@ -55,16 +55,16 @@ def finish(part: torch.Tensor, p: float) -> torch.Tensor:
     return part if math.isinf(p) or p == 0 else part.pow(1.0 / p)
 
 
-def reduced_parts(arrays: list[ShardedArray], p: float) -> dict[Any, tuple[list[int], torch.Tensor]]:
+def reduced_parts(arrays: list[ShardedArray], p: float,
+                  part: tuple[Callable, float, str] | None = None) -> dict[Any, tuple[list[int], torch.Tensor]]:
     """Per mesh: the positions in ``arrays`` of its arrays, and a plain vector of their
     combined p-norm parts, the same on every process (one all_reduce). ``arrays`` have no
-    pending reductions."""
+    pending reductions. ``part``: (per-shard fn, neutral value, combining op) in place of the
+    p-norm's (``_foreach_max``)."""
     by_mesh: dict[Any, list[int]] = {}
     for i, x in enumerate(arrays):
         by_mesh.setdefault(x.mesh, []).append(i)
-    fn = reducer(p)
-    neutral = math.inf if p == -math.inf else 0.0
-    op = combine(p)
+    fn, neutral, op = part or (reducer(p), math.inf if p == -math.inf else 0.0, combine(p))
     out = {}
     for mesh, idx in by_mesh.items():
         backend = backend_for(mesh)
@@ -113,6 +113,36 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     return results
 
 
+def _max_part(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The largest entry of one shard over ``dims`` (-inf for an empty shard of an uneven layout)."""
+    if t.numel() == 0:
+        return torch.full([n for i, n in enumerate(t.shape) if i not in dims], -math.inf, dtype=t.dtype, device=t.device)
+    return t.amax(dims)
+
+
+def _foreach_max(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten._foreach_max(tensors)``: each tensor's largest entry, 0-d, replicated on its
+    input's mesh; the per-shard maxima of all arrays on one mesh travel as one vector (one
+    all_reduce per mesh, none on the local backend). Floating arrays with entries only;
+    others run as torch does (torch raises for an empty tensor)."""
+    tensors = list(args[0] if args else kwargs["self"])
+    arrays = [t for t in tensors if isinstance(t, ShardedArray)]
+    if not arrays or any(not t.dtype.is_floating_point or t.numel() == 0 for t in tensors):
+        return NotImplemented
+    pend = [i for i, t in enumerate(tensors) if isinstance(t, ShardedArray) and t._layout.partial]
+    if pend:
+        for i, t in zip(pend, reshard([tensors[i] for i in pend], [tensors[i]._layout.without_partial() for i in pend])):
+            tensors[i] = t
+    sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedArray)]
+    results: list[Any] = [t.amax() if not isinstance(t, ShardedArray) else None for t in tensors]
+    with torch.no_grad():
+        for mesh, (idx, vec) in reduced_parts([tensors[i] for i in sharded], 0.0, (_max_part, -math.inf, "max")).items():
+            for k, j in enumerate(idx):
+                i = sharded[j]
+                results[i] = distribute(vec[k].to(tensors[i].dtype), Layout(mesh, ()))
+    return results
+
+
 class ForeachPointwise:
     """An element-wise ``_foreach`` op: position ``j`` of every tensor list and output ``j``
     form one pointwise call, laid out like the first array at ``j`` of the output's shape
@@ -154,6 +184,70 @@ _ELEMENTWISE = (
 )
 
 
+# -- the functional fused optimizer kernels ------------------------------------------------------
+# ``aten._fused_adam`` / ``_fused_adamw`` / ``_fused_sgd`` / ``_fused_adagrad`` (what
+# functionalisation makes of torch.optim's ``fused=True`` kernels) update every tensor of a
+# parameter element-wise, returning lists of lists, which the rule table (one level of
+# outputs) cannot describe: they ran replicated, and the nested outputs came back plain tensors.
+
+
+def _fused_optimizer(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A functional fused optimizer step: position ``j`` of every tensor list is laid out like
+    parameter ``j`` (pending sums resolved first), each device runs the kernel on its shards
+    (0-d step counts, ``lr``, ``grad_scale`` and ``found_inf`` whole), and each output list
+    ``X_out`` comes out laid out like the parameters (0-d step counts whole)."""
+    from ..arrays.local_shards import _from_local
+    from ..values.schema import bind
+
+    b = bind(func, args, kwargs)
+    params = list(b["self"])
+    arrays = [t for v in b.values() for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, ShardedArray)]
+    if not arrays:
+        return NotImplemented
+    mesh = arrays[0].mesh
+    backend = backend_for(mesh)
+    whole = lambda t: Layout(mesh, ((),) * t.dim())  # noqa: E731
+    targets = [p._layout.without_partial() if isinstance(p, ShardedArray) else whole(p) for p in params]
+
+    def layout_at(t: torch.Tensor, j: int | None) -> Layout:
+        return targets[j] if j is not None and t.dim() else whole(t)
+
+    def shards(t: Any, j: int | None) -> Any:
+        """``t`` laid out for position ``j`` (None: whole), as each device's shards."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        want = layout_at(t, j)
+        t = distribute(t, want) if not isinstance(t, ShardedArray) else t if t._layout == want else reshard(t, want)
+        return backend.shard_list(t._local, mesh)
+
+    lists = {n for n, v in b.items() if isinstance(v, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in v)}
+    per = {n: [shards(t, j if len(b[n]) == len(params) else None) for j, t in enumerate(b[n])] if n in lists
+           else shards(v, None) for n, v in b.items()}
+    outs = []
+    for d in range(len(backend.shard_list(arrays[0]._local, mesh))):
+        call = {n: [x[d] for x in per[n]] if n in lists else per[n][d] if per[n] is not None else v
+                for n, v in b.items()}
+        outs.append(func(**call) if mesh.device_type != "meta" else _meta_step(func, call))
+    result = []
+    for i, ret in enumerate(func._schema.returns):
+        src = list(b[ret.name.removesuffix("_out")])
+        result.append([
+            _from_local(backend.pack_local([o[i][j] for o in outs], mesh),
+                        layout_at(src[j], j if len(src) == len(params) else None), None, tuple(src[j].shape), None)
+            for j in range(len(src))])
+    return tuple(result)
+
+
+def _meta_step(func: Any, call: dict) -> tuple:
+    """One meta device's outputs: each output list shaped like its input list (torch has meta
+    kernels for few of these ops: ``_fused_sgd``, ``_fused_adagrad`` and the ``tensor_lr`` forms
+    raised NotImplementedError on a meta mesh)."""
+    return tuple([torch.empty_like(t) for t in call[r.name.removesuffix("_out")]] for r in func._schema.returns)
+
+
 FOREACH = ForeachPointwise()
 TABLE = {getattr(aten, f"_foreach_{n}"): FOREACH for n in _ELEMENTWISE if hasattr(aten, f"_foreach_{n}")}
-SPECIAL = {aten._foreach_norm.Scalar: _foreach_norm}
+SPECIAL = {aten._foreach_norm.Scalar: _foreach_norm, aten._foreach_max.default: _foreach_max}
+SPECIAL.update({getattr(getattr(aten, op), ov): _fused_optimizer
+                for op in ("_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad") if hasattr(aten, op)
+                for ov in ("default", "tensor_lr") if hasattr(getattr(aten, op), ov)})
