@@ -309,3 +309,61 @@ def test_foreach_max_is_replicated_and_equals_torch(device: str) -> None:
             torch.testing.assert_close(o.full_tensor(), w)
     else:
         assert _on_meta(*out)
+
+
+# -- torch's attention math path called directly ---------------------------------------------------
+
+MATH_CASES = {
+    "plain": {}, "causal": {"is_causal": True}, "scale_neg": {"scale": -0.3}, "gqa": {"enable_gqa": True},
+    "bool_mask": {"attn_mask": "bool"},  # added (True as 1), as the math op does, unlike F.scaled_dot_product_attention
+    "float_mask": {"attn_mask": "float"},
+}
+
+
+@pytest.mark.parametrize("case", list(MATH_CASES))
+@pytest.mark.parametrize("spec", [P("dp", "tp"), P(None, "tp"), P(None, ("dp", "tp")), P("dp")], ids=str)
+def test_attention_math_op_keeps_heads_sharded_and_equals_torch(spec: P, case: str) -> None:
+    """``aten._scaled_dot_product_attention_math``'s composite folds (batch, heads) into one dim:
+    heads split over a second axis were gathered, the outputs replicated."""
+    g = torch.Generator().manual_seed(0)
+    b, h, s, d = 2, 6, 5, 8  # 6 heads: uneven over the 4 devices of P(None, ("dp", "tp"))
+    q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    hkv = 2 if case == "gqa" else h
+    k, v = (torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+    kw = dict(MATH_CASES[case])
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(s, s, generator=g) > 0.4
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(b, 1, s, s, generator=g, dtype=torch.float64)
+    kv_spec = P(*spec[:1]) if case == "gqa" else spec
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = aten._scaled_dot_product_attention_math(*plain, **kw)
+    wgrads = torch.autograd.grad((want[0] ** 2).sum() + want[1].sum(), plain)
+    for device in ("cpu", "meta"):
+        mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+        qs = sf.distribute(q.to(device), spec, mesh=mesh).requires_grad_()
+        ks, vs = (sf.distribute(t.to(device), kv_spec, mesh=mesh).requires_grad_() for t in (k, v))
+        skw = {n: sf.distribute(t.to(device), P(), mesh=mesh) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+        with NoFallback(), sf.debug.CommCounter() as cc:
+            out, attn = aten._scaled_dot_product_attention_math(qs, ks, vs, **skw)
+            grads = torch.autograd.grad((out ** 2).sum() + attn.sum(), (qs, ks, vs))
+        assert out.spec == spec and attn.spec == spec
+        if case != "gqa" or spec in (P("dp"), P(None, "tp")):
+            assert cc.records == []
+        if device == "cpu":
+            torch.testing.assert_close(out.full_tensor(), want[0])
+            torch.testing.assert_close(attn.full_tensor(), want[1])
+            for gr, w in zip(grads, wgrads):
+                torch.testing.assert_close(gr.full_tensor(), w)
+        else:
+            assert _on_meta(out, attn, *grads)
+
+
+def test_attention_math_op_with_dropout_keeps_heads_sharded_on_a_meta_mesh() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type="meta")
+    qs, ks, vs = (sf.distribute(torch.randn(2, 4, 8, 16, device="meta", dtype=torch.bfloat16), P("dp", "tp"), mesh=mesh)
+                  .requires_grad_() for _ in range(3))
+    with NoFallback(), sf.debug.CommCounter() as cc:
+        out, attn = aten._scaled_dot_product_attention_math(qs, ks, vs, None, 0.2, True)
+        torch.autograd.grad(out.float().sum(), (qs, ks, vs))
+    assert cc.records == [] and out.spec == attn.spec == P("dp", "tp") and attn.shape == (2, 4, 8, 8)

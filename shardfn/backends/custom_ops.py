@@ -152,6 +152,8 @@ def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     NotImplemented (the caller runs torch's composite)."""
     if func is _SDPA:
         return _attention_math(args, kwargs)
+    if func in _MATH_OPS:
+        return _attention_math_op(args, kwargs)
     if _forward_ad() or _functorch_refuses(args, kwargs):
         return NotImplemented
     if func in _RMS_NORMS:
@@ -170,8 +172,10 @@ def batched_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
 
 _RMS_NORMS = frozenset({torch.rms_norm, torch.nn.functional.rms_norm})
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-FUNCS = _RMS_NORMS | frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
-                                torch.einsum, _SDPA})
+_MATH_OPS = frozenset({torch.ops.aten._scaled_dot_product_attention_math,
+                       torch.ops.aten._scaled_dot_product_attention_math.default})
+FUNCS = _RMS_NORMS | _MATH_OPS | frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                                            torch.Tensor.__rmatmul__, torch.einsum, _SDPA})
 """The torch functions ``_BatchedArray.__torch_function__`` looks at."""
 
 
@@ -332,6 +336,47 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
         scores = scores.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else scores + mask
     attn = torch.ops.aten._safe_softmax(scores, -1)
     return torch.matmul(torch.nn.functional.dropout(attn, float(p)) if p > 0.0 else attn, v)
+
+
+_MATH_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "dropout_mask", "scale", "enable_gqa")
+
+
+def _attention_math_op(args: tuple, kwargs: dict | None) -> Any:
+    """``aten._scaled_dot_product_attention_math`` called directly (what CUDA's SDPA runs when no
+    fused kernel takes the call): its C++ composite folds batch and heads into one dim for
+    ``at::matmul``, gathering heads split over a second axis; here the same formula with
+    batched products, returning (output, attention weights) as it does. Its own semantics, not
+    ``F.scaled_dot_product_attention``'s: a boolean ``attn_mask`` is added (True as 1), the
+    causal mask is -inf above the diagonal. With a ``dropout_mask`` (a testing aid) or under
+    torch.func: NotImplemented (torch's composite)."""
+    bound = _by_name(_MATH_ARGS, args, kwargs)
+    if bound is None or bound.get("dropout_mask") is not None:
+        return NotImplemented
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    mask, scale, p = bound.get("attn_mask"), bound.get("scale"), bound.get("dropout_p", 0.0)
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.dim() < 3 or not isinstance(p, (int, float)):
+        return NotImplemented
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (q, k, v)):
+        return NotImplemented
+    if bound.get("is_causal") and mask is not None:
+        return NotImplemented  # torch raises its own error
+    if bound.get("enable_gqa") and k.size(-3) != q.size(-3):
+        if k.size(-3) == 0 or q.size(-3) % k.size(-3):
+            return NotImplemented  # torch raises its own error
+        groups = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    neg = scale is not None and scale < 0
+    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)) if q.size(-1) else math.inf)
+    attn = torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
+    if bound.get("is_causal"):
+        keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(keep.logical_not(), float("-inf"))
+    if mask is not None:
+        attn = (attn + mask).to(attn.dtype)  # torch adds in place: the scores keep their dtype
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if p > 0.0:
+        attn = torch.nn.functional.dropout(attn, float(p))
+    return torch.matmul(attn, v), attn
 
 
 def _stand_in(t: Any, concrete: bool = False) -> Any:
