@@ -119,9 +119,13 @@ def regenerate_views(base: Any) -> None:
         regenerate_views(v)
 
 
-def rebind(x: Any, new: Any) -> None:
-    """Make wrapper ``x`` hold ``new``'s shards (and its shape, for in-place view ops)."""
-    if tuple(new.shape) != tuple(x.shape) or new.stride() != x.stride():
+def rebind(x: Any, new: Any, *, write: bool = False) -> None:
+    """Make wrapper ``x`` hold ``new``'s shards (and its shape and strides, for in-place view
+    ops). A ``write`` (an in-place op's value) keeps ``x``'s strides where the shape stays,
+    as torch's in-place ops do (the out-of-place op computing it may lay it out otherwise:
+    ``masked_fill`` of a transposed array is contiguous, ``masked_fill_`` keeps it transposed)."""
+    same_shape = tuple(new.shape) == tuple(x.shape)
+    if not same_shape or (new.stride() != x.stride() and not write):
         with torch._C._ExcludeDispatchKeyGuard(_META_KEYS), torch._C._AutoDispatchBelowADInplaceOrView():
             aten.as_strided_.default(x, tuple(new.shape), tuple(new.stride()))
     x._local, x._layout = new._local, new._layout

@@ -23,6 +23,7 @@ from . import functorch as _ft
 from . import rule_table as _rules
 from .array import _BATCHED_NDIM, ShardedArray, _BatchedArray, _make_wrapper, _wrap_output, check_partial_dtype
 from .bounds import output_marks
+from .cpu_layouts import meta_on_cpu
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _replace, _to_meta, host_slots
 from .reduced import reduced_forms
@@ -40,26 +41,17 @@ _EMPTY_CHECKED = frozenset({aten.max.default, aten.min.default, aten.argmax.defa
 # ops whose eager kernel gives empty inputs another shape than their meta kernel: the kernel's
 # (torch's CPU pixel_unshuffle returns an empty input's clone, (6, 0, 0) -> (6, 0, 0); meta: (24, 0, 0))
 _EMPTY_BY_KERNEL = frozenset({aten.pixel_unshuffle.default})
-# ops whose CPU kernel lays its outputs out contiguously where the meta kernel keeps the
-# input's dim order: on a CPU mesh the outputs report the kernel's strides (torch's CPU
-# log_sigmoid_forward allocates both outputs MemoryFormat.Contiguous; a transposed input's
-# F.logsigmoid reported transposed strides, so view(-1) raised where torch's did not)
-# (aten.angle of a complex input: the CPU kernel computes it through a contiguous temporary,
-# seed 5807404802; a real input keeps its dim order in both): a predicate on the arguments
-_CONTIGUOUS_ON_CPU: dict = {aten.log_sigmoid_forward.default: lambda args: True,
-                            aten.angle.default: lambda args: args[0].is_complex()}
-
-
 _DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
 
-def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
+def _meta_run(func: Any, args: tuple, kwargs: dict, device: str | None = None) -> Any:
     """The op on meta tensors of the global shapes: the outputs' global metadata. A
     ``device=`` argument (``.to(device)``, a cast's backward, factories) is read as meta too:
     the shards' device is the mesh's business, the output's shape and dtype are not (on a
     real device it raised here and was read as a data-dependent shape: a silent fallback).
     A rule with an ``out_meta`` computes it instead of the op's meta kernel (one stricter
-    than the device kernels: ``_grouped_mm``'s accepts only bfloat16, CPU's any float)."""
+    than the device kernels: ``_grouped_mm``'s accepts only bfloat16, CPU's any float).
+    On a CPU ``device`` the outputs are laid out as torch's CPU kernels lay them out."""
     with torch.no_grad():
         margs, mkwargs = _replace(args, kwargs, _to_meta)
         host = host_slots(func)
@@ -69,7 +61,11 @@ def _meta_run(func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(mkwargs.get("device"), (torch.device, str)):
             mkwargs["device"] = "meta"
         own = getattr(_rules.lookup(func), "out_meta", None)
-        return own(func, margs, mkwargs) if own is not None else func(*margs, **mkwargs)
+        if own is not None:
+            return own(func, margs, mkwargs)
+        if device == "cpu":
+            return meta_on_cpu(func, margs, mkwargs)
+        return func(*margs, **mkwargs)
 
 
 def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
@@ -87,11 +83,9 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
         if func in _EMPTY_BY_KERNEL and arrays and all(v.numel() == 0 for _, v in arrays):
             out_meta = _empty_meta(func, args, kwargs)
         else:
-            out_meta = _meta_run(func, args, kwargs)
+            out_meta = _meta_run(func, args, kwargs, mesh.device_type)
         if out_meta is None and not func._schema.returns:
             out_meta = ()  # no outputs (``_linalg_check_errors``): not a shape the data decides
-        if func in _CONTIGUOUS_ON_CPU and mesh.device_type == "cpu" and _CONTIGUOUS_ON_CPU[func](args):
-            out_meta = _contiguous(out_meta)
     except ZeroDivisionError:  # a Python meta kernel dividing by numel() of empty inputs
         out_meta = _empty_meta(func, args, kwargs)
     except NotImplementedError:
@@ -121,13 +115,6 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
     return _Entry(func, call, best)
-
-
-def _contiguous(out_meta: Any) -> Any:
-    """``out_meta``'s tensors (one, or a tuple of them) with contiguous strides."""
-    if isinstance(out_meta, torch.Tensor):
-        return out_meta.contiguous()
-    return type(out_meta)(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out_meta)
 
 
 def _rejected(func: Any, leaves: list, e: Exception) -> Exception:

@@ -42,6 +42,6 @@ def out_of_place(func: Any, args: tuple, kwargs: dict, targets: list) -> Any:
     if not isinstance(new, ShardedArray) or new.dtype != x.dtype or tuple(new.shape) != tuple(x.shape):
         return None
     with writing():
-        rebind(x, new)
+        rebind(x, new, write=True)
         regenerate_views(x)
     return x

@@ -53,7 +53,7 @@ def run_functionalized(func: Any, args: tuple, kwargs: dict, targets: list) -> A
             torch._disable_functionalization()
     with writing():
         for i, r in roots.items():
-            rebind(r, new[i])
+            rebind(r, new[i], write=True)
             regenerate_views(r)
     return _result(func, args, kwargs, out) if result is None else result
 

@@ -1,0 +1,140 @@
+"""Output layouts as torch's CPU kernels make them, where the meta kernels differ.
+
+An array's strides are observable (``is_contiguous()``, ``view(-1)`` raising or not), and
+shardfn reads an op's output strides from its meta kernel. Meta tensors have no device,
+so torch's meta kernels that ask for one (``device_hint``) lay outputs out as on CUDA: the
+FFTs, convolutions, SVD/eig, 2-d padding and pixel shuffle of a transposed or
+channels-last input report other strides than the CPU kernels give. On a CPU mesh those
+ops run on fake CPU tensors instead; a few CPU kernels that no meta kernel models are
+listed with the layout they give. ``tools/stride_census.py`` finds the ops this misses.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch._prims_common import suggest_memory_format
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+
+# ops whose meta kernels read the input's device (torch/_meta_registrations.py device_hint,
+# torch._C._select_conv_backend): on a meta tensor they assume CUDA
+_DEVICE_HINTED = frozenset({
+    aten._fft_c2c.default, aten._fft_r2c.default, aten._fft_c2r.default,
+    aten.convolution.default, aten.convolution_backward.default,
+    aten._linalg_svd.default, aten.linalg_eig.default,
+    aten.reflection_pad2d.default, aten.replication_pad2d.default,
+    aten.pixel_shuffle.default, aten.pixel_unshuffle.default,
+})
+
+
+def _contiguous(args: tuple, out: Any) -> Any:
+    return _map(lambda o: o.contiguous(), out)
+
+
+def _like_first(args: tuple, out: Any) -> Any:
+    """An elementwise CPU kernel (TensorIterator) keeps its first input's dim order."""
+    first = args[0]
+    return _map(lambda o: torch.empty_like(first, dtype=o.dtype) if o.shape == first.shape else o, out)
+
+
+def _like_format_of(i: int) -> Callable[[tuple, Any], Any]:
+    """A 4-d output allocated in argument ``i``'s suggested memory format (channels-last stays
+    channels-last: 2-d padding backward, channel shuffle, max_unpool2d), where the meta
+    kernel's is contiguous."""
+    def layout(args: tuple, out: Any) -> Any:
+        fmt = suggest_memory_format(args[i])
+        return _map(lambda o: o.contiguous(memory_format=fmt) if o.dim() == 4 else o, out)
+    return layout
+
+
+def _like_binary(args: tuple, out: Any) -> Any:
+    """A binary CPU kernel (TensorIterator) lays out as ``add`` of its two inputs does; the
+    Python meta kernels of ``copysign`` and rounding division ignore a transposed operand's
+    order next to a 0-d one."""
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return out
+    a, b = (torch.empty_strided(t.shape, t.stride(), device="meta") for t in (a, b))
+    like = torch.ops.aten.add.Tensor(a, b)
+    return _map(lambda o: torch.empty_strided(o.shape, like.stride(), dtype=o.dtype, device=o.device)
+                if o.shape == like.shape else o, out)
+
+
+# op -> (predicate on the meta arguments, the CPU kernel's layout of the meta outputs):
+# log_sigmoid_forward allocates both outputs contiguous (F.logsigmoid of a transposed input
+# reported transposed strides, so view(-1) raised where torch's did not); angle of a complex
+# input goes through a contiguous temporary (fuzzer seed 5807404802; a real input keeps its
+# order in both); native_dropout_backward's meta kernel is contiguous, its CPU kernel an
+# elementwise product
+_ON_CPU: dict[Any, tuple[Callable[[tuple], bool], Callable[[tuple, Any], Any]]] = {
+    aten.log_sigmoid_forward.default: (lambda args: True, _contiguous),
+    aten.angle.default: (lambda args: args[0].is_complex(), _contiguous),
+    aten.native_dropout_backward.default: (lambda args: True, _like_first),
+    aten.reflection_pad2d_backward.default: (lambda args: True, _like_format_of(1)),
+    aten.replication_pad2d_backward.default: (lambda args: True, _like_format_of(1)),
+    aten.channel_shuffle.default: (lambda args: True, _like_format_of(0)),
+    aten.native_channel_shuffle.default: (lambda args: True, _like_format_of(0)),
+    aten.max_unpool2d.default: (lambda args: True, _like_format_of(0)),
+    aten.copysign.Tensor: (lambda args: True, _like_binary),
+    aten.div.Tensor_mode: (lambda args: True, _like_binary),
+    aten.floor_divide.default: (lambda args: True, _like_binary),
+}
+
+
+def _map(fn: Callable[[torch.Tensor], torch.Tensor], out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    return type(out)(fn(o) if isinstance(o, torch.Tensor) else o for o in out)
+
+
+_modes = threading.local()
+
+
+def _fake_mode() -> FakeTensorMode:
+    """One fake mode per thread (entering a mode is not thread-safe)."""
+    mode = getattr(_modes, "mode", None)
+    if mode is None:
+        mode = _modes.mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def _static(leaves: list) -> bool:
+    return not any(isinstance(s, torch.SymInt) for t in leaves if isinstance(t, torch.Tensor) for s in t.shape)
+
+
+def _as_meta(o: Any) -> Any:
+    if not isinstance(o, torch.Tensor):
+        return o
+    meta = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device="meta")
+    off = o.storage_offset()
+    return meta.as_strided(o.shape, o.stride(), off) if off else meta
+
+
+def _fake_cpu_run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on fake CPU tensors standing for the meta ones: the CPU kernels' layouts."""
+    mode = _fake_mode()
+    cpu = torch.device("cpu")
+    to_fake = lambda t: FakeTensor(mode, t, cpu) if isinstance(t, torch.Tensor) and t.is_meta else t  # noqa: E731
+    fargs, fkwargs = pytree.tree_map(to_fake, (args, kwargs))
+    with mode:
+        out = func(*fargs, **fkwargs)
+    return pytree.tree_map(_as_meta, out)
+
+
+def meta_on_cpu(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the meta ``args``: its outputs' metadata as torch's CPU kernels make it."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    no_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+    if func in _DEVICE_HINTED and no_mode and _static(leaves):
+        out = _fake_cpu_run(func, args, kwargs)
+    else:
+        out = func(*args, **kwargs)
+    fix = _ON_CPU.get(func)
+    if fix is not None and out is not None and fix[0](args):
+        out = fix[1](args, out)
+    return out
