@@ -367,3 +367,52 @@ def test_attention_math_op_with_dropout_keeps_heads_sharded_on_a_meta_mesh() -> 
         out, attn = aten._scaled_dot_product_attention_math(qs, ks, vs, None, 0.2, True)
         torch.autograd.grad(out.float().sum(), (qs, ks, vs))
     assert cc.records == [] and out.spec == attn.spec == P("dp", "tp") and attn.shape == (2, 4, 8, 8)
+
+
+# -- GradScaler's functional kernels ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_amp_unscale_and_update_scale_keep_layouts_and_equal_torch(device: str, nonfinite: bool) -> None:
+    """Both ran replicated (FallbackWarnings); the unscaled gradients keep their layouts, the
+    inf check spans every shard (an inf on one device sets found_inf everywhere)."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(4, 6, generator=g), torch.randn(3, generator=g).half(), torch.randn(())]
+    if nonfinite:
+        ts[0][3, 5] = float("inf")  # on the last device only
+    found, inv = torch.zeros(1), torch.tensor([0.25])
+    scale, tracker = torch.tensor([2.0 ** 16]), torch.tensor([3], dtype=torch.int32)
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+    specs = [P("dp", "tp"), P(("dp", "tp")), P()]
+    xs = [sf.distribute(t.to(device), s, mesh=mesh) for t, s in zip(ts, specs)]
+    with NoFallback():
+        outs, f = aten._amp_foreach_non_finite_check_and_unscale(
+            xs, sf.distribute(found.to(device), P(), mesh=mesh), sf.distribute(inv.to(device), P(), mesh=mesh))
+        s, gt = aten._amp_update_scale(sf.distribute(scale.to(device), P(), mesh=mesh),
+                                       sf.distribute(tracker.to(device), P(), mesh=mesh), f, 2.0, 0.5, 2000)
+    assert [o.spec for o in outs] == specs and [o.dtype for o in outs] == [t.dtype for t in ts]
+    assert (f.spec, s.spec, gt.spec) == (P(), P(), P()) and (f.shape, s.shape, gt.dtype) == ((1,), (1,), torch.int32)
+    if device == "cpu":
+        wouts, wf = aten._amp_foreach_non_finite_check_and_unscale(ts, found, inv)
+        ws, wg = aten._amp_update_scale(scale, tracker, wf, 2.0, 0.5, 2000)
+        assert wf.item() == float(nonfinite)
+        for o, w in zip(outs, wouts):
+            torch.testing.assert_close(o.full_tensor(), w)
+        assert torch.equal(f.full_tensor(), wf) and torch.equal(s.full_tensor(), ws) and torch.equal(gt.full_tensor(), wg)
+    else:
+        assert _on_meta(*outs, f, s, gt)
+
+
+def test_reshape_below_autograd_localises_its_shape() -> None:
+    """A handler running on arrays inside dispatch sees ``aten.reshape`` itself (its composite
+    runs above): the view rule named its shape argument ``size`` and raised ValueError."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"))
+    t = torch.randn(4, 6)
+    x = sf.distribute(t, P("dp", "tp"), mesh=mesh)
+    one = sf.distribute(torch.tensor([0.25]), P(), mesh=mesh)
+    with torch._C._AutoDispatchBelowAutograd():
+        assert one.reshape(()).shape == ()
+        for shape in ((24,), (2, 12), (2, 2, 6)):
+            assert torch.equal(x.reshape(shape).full_tensor(), t.reshape(shape))
+        assert torch.equal(x.t().reshape(24).full_tensor(), t.t().reshape(24))

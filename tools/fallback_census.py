@@ -14,7 +14,8 @@ rule), with whether DTensor has a strategy for it:
   bool / float / causal masks, dropout and a custom scale, heads over ``tp``, batch over ``dp``;
 - ``kernels``: the CUDA kernels called directly (every SDPA backend's forward and backward,
   ``_flash_attention_*``, ``_efficient_attention_*``, the fused-overrideable SDPA, the fused
-  RMS norm, ``native_layer_norm``, ``_addmm_activation``, the ``_foreach`` ops);
+  RMS norm, ``native_layer_norm``, ``_addmm_activation``, the ``_foreach`` ops, ``_scaled_mm``,
+  ``_int_mm``, ``_weight_int8pack_mm``, ``_grouped_mm`` of 2-D operands and its backward);
 - ``optim``: ``sf.optim`` AdamW / Adam / SGD with ``foreach=True`` and ``fused=True``.
 
 On ``--device meta`` (any CPU machine) torch's meta kernels stand in for the CUDA ones; as
@@ -452,8 +453,28 @@ def _kernels_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
         torch._foreach_addcdiv(torch._foreach_lerp(torch._foreach_add(ts, ts, alpha=0.1), ts, 0.5), ts,
                                torch._foreach_add(torch._foreach_sqrt(torch._foreach_abs(ts)), 1e-8), 0.01)
         torch._foreach_norm(torch._foreach_mul(ts, 0.5))
+        torch._foreach_max(ts)
 
     run(foreach, arr((8, 16), P(spec[0], tp), False), arr((16,), P(tp), False))
+
+    def typed(shape: tuple, sp: P, dt: torch.dtype, t: Any = None) -> Any:
+        t = torch.randn(shape) if t is None else t
+        return sf.distribute(t.to(dt).to(device), sp, mesh=mesh)
+
+    def low_precision(a: Any, bt: Any, s: Any, xi: Any, wi: Any, x: Any, w8: Any, sc: Any) -> None:
+        aten._scaled_mm(a, bt.t(), s, s, out_dtype=torch.bfloat16)  # mat2 column-major, as cuBLASLt takes it
+        aten._int_mm(xi, wi)
+        aten._weight_int8pack_mm(x, w8, sc)
+
+    f8 = torch.float8_e4m3fn
+    ints = torch.randint(-4, 4, (64, 64))
+    run(low_precision, typed((64, 64), P(spec[0]), f8), typed((64, 64), P(tp), f8),
+        typed((), P(), torch.float32), typed((64, 64), P(spec[0]), torch.int8, ints),
+        typed((64, 64), P(None, tp), torch.int8, ints), typed((B * S, 64), P(spec[0]), torch.bfloat16),
+        typed((32, 64), P(tp), torch.int8, ints[:32]), typed((32,), P(tp), torch.bfloat16))
+    offs = sf.distribute(torch.tensor([16, 40, 64], dtype=torch.int32).to(device), P(), mesh=mesh)
+    run(lambda a, b: back(torch._grouped_mm(a, b, offs), a, b), typed((32, 64), P(spec[0]), torch.bfloat16).requires_grad_(),
+        typed((64, 32), P(None, tp), torch.bfloat16).requires_grad_())
 
 
 def _optim_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:

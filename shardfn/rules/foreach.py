@@ -21,6 +21,7 @@ from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
 from ..arrays.strategies import Candidate, OpCall
 from ..values.layout import Layout
+from .indexing import Replicated
 from .pointwise import _map_dims
 
 aten = torch.ops.aten
@@ -143,6 +144,37 @@ def _foreach_max(func: Any, args: tuple, kwargs: dict) -> Any:
     return results
 
 
+def _nonfinite_part(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """1.0 where one shard holds an inf or nan over ``dims``, else 0.0."""
+    flags = torch.isfinite(t).logical_not().to(torch.float32)
+    if t.numel() == 0:
+        return torch.zeros([n for i, n in enumerate(t.shape) if i not in dims], device=t.device)
+    return flags.amax(dims)
+
+
+def _amp_unscale(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten._amp_foreach_non_finite_check_and_unscale(grads, found_inf, inv_scale)`` (the
+    functional form of GradScaler's unscale): each gradient times ``inv_scale`` in its own
+    layout, and ``found_inf`` set to 1 where any shard of any gradient holds an inf or nan
+    (one vector of per-shard flags per mesh, max-reduced), replicated."""
+    from ..values.schema import bind
+
+    b = bind(func, args, kwargs)
+    grads, found, inv = list(b["self"]), b["found_inf"], b["inv_scale"]
+    arrays = [t for t in grads if isinstance(t, ShardedArray)]
+    if not arrays or any(not isinstance(t, ShardedArray) for t in (*grads, found, inv)) or found.numel() != 1:
+        return NotImplemented
+    pend = [i for i, t in enumerate(grads) if t._layout.partial]
+    if pend:
+        for i, t in zip(pend, reshard([grads[i] for i in pend], [grads[i]._layout.without_partial() for i in pend])):
+            grads[i] = t
+    scale = aten.view.default(inv, [])  # (0-d: a 0-d gradient stays 0-d)
+    out = [g * scale for g in grads]
+    flags = [vec.amax() for _, (_, vec) in reduced_parts(grads, 0.0, (_nonfinite_part, 0.0, "max")).items()]
+    hit = torch.stack(flags).amax().reshape(found.shape).to(found.dtype)
+    return out, torch.maximum(found, distribute(hit.to(found.device), Layout(found.mesh, ((),) * found.dim())))
+
+
 class ForeachPointwise:
     """An element-wise ``_foreach`` op: position ``j`` of every tensor list and output ``j``
     form one pointwise call, laid out like the first array at ``j`` of the output's shape
@@ -247,7 +279,9 @@ def _meta_step(func: Any, call: dict) -> tuple:
 
 FOREACH = ForeachPointwise()
 TABLE = {getattr(aten, f"_foreach_{n}"): FOREACH for n in _ELEMENTWISE if hasattr(aten, f"_foreach_{n}")}
-SPECIAL = {aten._foreach_norm.Scalar: _foreach_norm, aten._foreach_max.default: _foreach_max}
+TABLE[aten._amp_update_scale] = Replicated()  # GradScaler's scale update: one-element tensors, whole
+SPECIAL = {aten._foreach_norm.Scalar: _foreach_norm, aten._foreach_max.default: _foreach_max,
+           aten._amp_foreach_non_finite_check_and_unscale.default: _amp_unscale}
 SPECIAL.update({getattr(getattr(aten, op), ov): _fused_optimizer
                 for op in ("_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad") if hasattr(aten, op)
                 for ov in ("default", "tensor_lr") if hasattr(getattr(aten, op), ov)})

@@ -18,7 +18,7 @@ import torch
 
 from ..values.layout import Layout, split_range
 from ..values.mesh import Mesh
-from .base import Candidate, OpCall, bind, letters, norm_dims
+from .base import Candidate, OpCall, _schema_info, bind, letters, norm_dims
 from .dims import LINEAR_OPS, Dims, compile_dims
 from .reductions import AlongDim
 
@@ -104,7 +104,9 @@ class View:
         if call.func is aten.view.dtype:
             return [_view_dtype(call, x)]
         src, dst = view_layouts(x._layout, tuple(x.shape), out_shape)
-        return [_local_shape_candidate(call, (src,), dst, out_shape, "size")]
+        # the shape argument's name: ``size`` (view), ``shape`` (reshape, which reaches here
+        # undecomposed below autograd: a rule's own handler reshaping an array raised ValueError)
+        return [_local_shape_candidate(call, (src,), dst, out_shape, _schema_info(call.func)[0][1])]
 
 
 def _view_dtype(call: OpCall, x: Any) -> Candidate:
