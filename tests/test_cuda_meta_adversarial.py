@@ -416,3 +416,22 @@ def test_reshape_below_autograd_localises_its_shape() -> None:
         for shape in ((24,), (2, 12), (2, 2, 6)):
             assert torch.equal(x.reshape(shape).full_tensor(), t.reshape(shape))
         assert torch.equal(x.t().reshape(24).full_tensor(), t.t().reshape(24))
+
+
+@pytest.mark.parametrize("ord_", [2, 3, 1.5])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_foreach_powsum_is_replicated_and_equals_torch(device: str, ord_: float) -> None:
+    """It ran replicated (a FallbackWarning); the sums of |x|^ord are the p-norms' parts."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(4, 6, generator=g), torch.randn(3, generator=g).to(torch.bfloat16), torch.randn(2, generator=g)]
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+    xs = [sf.distribute(ts[0].to(device), P("dp", "tp"), mesh=mesh), sf.distribute(ts[1].to(device), P(("dp", "tp")), mesh=mesh),
+          ts[2].to(device)]  # a plain tensor among them stays plain
+    with NoFallback():
+        out = aten._foreach_powsum(xs, ord_)
+    assert [getattr(o, "spec", None) for o in out] == [P(), P(), None] and [o.dtype for o in out] == [t.dtype for t in ts]
+    if device == "cpu":
+        for o, w in zip(out, aten._foreach_powsum(ts, ord_)):
+            torch.testing.assert_close(o.full_tensor() if isinstance(o, sf.ShardedArray) else o, w, rtol=1e-2, atol=1e-2)
+    else:
+        assert all(o.device.type == "meta" for o in out)

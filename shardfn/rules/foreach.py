@@ -85,15 +85,16 @@ def reduced_parts(arrays: list[ShardedArray], p: float,
     return out
 
 
-def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> Any:
+def _foreach_norm(func: Any, args: tuple, kwargs: dict, root: bool = True) -> Any:
     """``aten._foreach_norm.Scalar(tensors, ord=2, dtype=None)``: 0-d norms, replicated
-    arrays on their input's mesh for ShardedArray inputs, plain tensors for plain ones."""
-    tensors = list(args[0])
+    arrays on their input's mesh for ShardedArray inputs, plain tensors for plain ones.
+    ``root=False``: ``_foreach_powsum`` (the sums of ``|x|^ord``, for finite ``ord > 0``)."""
+    tensors = list(args[0] if args else kwargs["self"])
     ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
     p = float(ord_)
     arrays = [t for t in tensors if isinstance(t, ShardedArray)]
-    if not arrays:
+    if not arrays or (not root and not (0 < p < math.inf)):
         return NotImplemented
     pend = [i for i, t in enumerate(tensors) if isinstance(t, ShardedArray) and t._layout.partial]
     if pend:
@@ -105,9 +106,9 @@ def _foreach_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if not isinstance(t, ShardedArray):
-                results[i] = torch.linalg.vector_norm(t, p, dtype=dtype)
+                results[i] = torch.linalg.vector_norm(t, p, dtype=dtype) if root else func([t], ord_, dtype)[0]
         for mesh, (idx, vec) in reduced_parts([tensors[i] for i in sharded], p).items():
-            norms = finish(vec, p)
+            norms = finish(vec, p) if root else vec
             for k, j in enumerate(idx):
                 i = sharded[j]
                 results[i] = distribute(norms[k].to(dtype or tensors[i].dtype), Layout(mesh, ()))
@@ -282,6 +283,8 @@ TABLE = {getattr(aten, f"_foreach_{n}"): FOREACH for n in _ELEMENTWISE if hasatt
 TABLE[aten._amp_update_scale] = Replicated()  # GradScaler's scale update: one-element tensors, whole
 SPECIAL = {aten._foreach_norm.Scalar: _foreach_norm, aten._foreach_max.default: _foreach_max,
            aten._amp_foreach_non_finite_check_and_unscale.default: _amp_unscale}
+if hasattr(aten, "_foreach_powsum"):
+    SPECIAL[aten._foreach_powsum.Scalar] = lambda func, args, kwargs: _foreach_norm(func, args, kwargs, root=False)
 SPECIAL.update({getattr(getattr(aten, op), ov): _fused_optimizer
                 for op in ("_fused_adam", "_fused_adamw", "_fused_sgd", "_fused_adagrad") if hasattr(aten, op)
                 for ov in ("default", "tensor_lr") if hasattr(getattr(aten, op), ov)})
