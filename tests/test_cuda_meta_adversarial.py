@@ -8,6 +8,9 @@ against the same call unsharded (CPU kernels where torch has them).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -275,16 +278,39 @@ def test_functional_fused_optimizers_keep_parameter_layouts_and_equal_torch(op: 
                     assert _on_meta(x)
 
 
-def test_the_fallback_wraps_every_tensor_of_list_outputs() -> None:
-    """An op without a rule returning a list among its outputs gave that list's tensors back
-    plain (off the mesh); each is a replicated array on the mesh's device now."""
-    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type="meta")
-    xs = [sf.distribute(torch.randn(4, 6, device="meta"), P("dp", "tp"), mesh=mesh)]
-    with pytest.warns(sf.FallbackWarning):
-        outs, found = aten._amp_foreach_non_finite_check_and_unscale(
-            xs, sf.distribute(torch.zeros(1, device="meta"), P(), mesh=mesh),
-            sf.distribute(torch.ones(1, device="meta"), P(), mesh=mesh))
-    assert all(isinstance(o, sf.ShardedArray) and o.spec == P() and _on_meta(o) for o in (*outs, found))
+@pytest.fixture(scope="module")
+def list_and_tensor_op() -> Iterator[object]:
+    """A test-only op with no rule returning (Tensor[], Tensor): each input doubled, and their sum."""
+    lib = torch.library.Library("meta30_test", "DEF")
+    lib.define("pair(Tensor[] xs) -> (Tensor[], Tensor)")
+
+    def pair(xs):  # noqa: ANN001, ANN202
+        return [x * 2 for x in xs], sum(x.sum() for x in xs)
+
+    lib.impl("pair", pair, "CPU")
+    lib.impl("pair", lambda xs: ([torch.empty_like(x) for x in xs], xs[0].new_empty(())), "Meta")
+    yield torch.ops.meta30_test.pair.default
+    lib._destroy()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_fallback_wraps_every_tensor_of_list_outputs(device: str, list_and_tensor_op: object) -> None:
+    """An op without a rule returning a list among its outputs (``_amp_foreach_non_finite_check_and_unscale``
+    had none) gave that list's tensors back plain (off the mesh); each is a replicated array on
+    the mesh's device now."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+    ts = [torch.randn(4, 6), torch.randn(3)]
+    xs = [sf.distribute(t.to(device), P("dp", "tp")[:t.dim()], mesh=mesh) for t in ts]
+    with warnings.catch_warnings():  # (given once per op: the first device type's call warns)
+        warnings.simplefilter("ignore", sf.FallbackWarning)
+        outs, total = list_and_tensor_op(xs)
+    assert all(isinstance(o, sf.ShardedArray) and o.spec == P() for o in (*outs, total))
+    if device == "cpu":
+        for o, t in zip(outs, ts):
+            torch.testing.assert_close(o.full_tensor(), t * 2)
+        torch.testing.assert_close(total.full_tensor(), ts[0].sum() + ts[1].sum())
+    else:
+        assert _on_meta(*outs, total)
 
 
 # -- _foreach_max (clip_grad_norm_'s inf-norm and foreach paths call it) --------------------------

@@ -17,10 +17,12 @@ from typing import Any, Callable
 import torch
 
 from ..arrays.array import ShardedArray, wrap
+from ..arrays.local_shards import _from_local
 from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
 from ..arrays.strategies import Candidate, OpCall
 from ..values.layout import Layout
+from ..values.schema import bind
 from .indexing import Replicated
 from .pointwise import _map_dims
 
@@ -158,8 +160,6 @@ def _amp_unscale(func: Any, args: tuple, kwargs: dict) -> Any:
     functional form of GradScaler's unscale): each gradient times ``inv_scale`` in its own
     layout, and ``found_inf`` set to 1 where any shard of any gradient holds an inf or nan
     (one vector of per-shard flags per mesh, max-reduced), replicated."""
-    from ..values.schema import bind
-
     b = bind(func, args, kwargs)
     grads, found, inv = list(b["self"]), b["found_inf"], b["inv_scale"]
     arrays = [t for t in grads if isinstance(t, ShardedArray)]
@@ -229,9 +229,6 @@ def _fused_optimizer(func: Any, args: tuple, kwargs: dict) -> Any:
     parameter ``j`` (pending sums resolved first), each device runs the kernel on its shards
     (0-d step counts, ``lr``, ``grad_scale`` and ``found_inf`` whole), and each output list
     ``X_out`` comes out laid out like the parameters (0-d step counts whole)."""
-    from ..arrays.local_shards import _from_local
-    from ..values.schema import bind
-
     b = bind(func, args, kwargs)
     params = list(b["self"])
     arrays = [t for v in b.values() for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, ShardedArray)]
