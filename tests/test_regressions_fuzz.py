@@ -2271,3 +2271,38 @@ def test_angle_reports_the_cpu_kernels_strides(dtype, spec):
         with pytest.raises(RuntimeError):
             got.view(-1)
     _close(got, want)
+
+
+def _pending_columns(x: torch.Tensor, noise: torch.Tensor, mesh: sf.Mesh) -> sf.ShardedArray:
+    """``x`` as P(None, "y", partial="x") on a (2, 3) mesh: row x=0 holds ``x - noise``, x=1
+    ``noise``, each device its column (on-grid values: the parts add up exactly)."""
+    halves = (x - noise, noise)
+    parts = [halves[i][:, j:j + 1] for i in range(2) for j in range(3)]
+    return sf.ShardedArray.from_local(parts, P(None, "y", partial="x"), mesh=mesh, shape=tuple(x.shape))
+
+
+def test_group_norm_of_a_value_whose_shards_are_transposed_views():
+    """torch's CPU ``native_group_norm`` checks its input is contiguous (``F.group_norm`` hands it
+    ``input.contiguous()``); a device's operand may be a view with other strides: a pending
+    sum of split columns, summed and gathered on the local backend, is the whole value with
+    strides (1, 3), so group_norm raised "Expected X.is_contiguous(memory_format)" where torch
+    did not (fuzzer seeds 5813151730, 5813146788 and 5813146093 --gen 5: eager and under vmap
+    of a middle dim). The kernel now gets its input dense. Values and gradients vs torch."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    g = torch.Generator().manual_seed(0)
+    x, noise = (torch.randint(-8, 8, (3, 3), generator=g).double() / 4 for _ in range(2))
+    w = torch.randn(3, 3, dtype=torch.float64, generator=g)
+    X = _pending_columns(x, noise, mesh)
+    _close(F.group_norm(X, 1), F.group_norm(x, 1))
+
+    def loss(v):
+        return (F.group_norm(v, 1) * w).sum()
+
+    _close(torch.func.grad(loss)(X), torch.func.grad(loss)(x))
+    xb = torch.stack([torch.randn(4, 2), torch.randn(4, 2)], 1)
+    XB = sf.distribute(xb, P("x", None, "y"), mesh=sf.Mesh((4, 1, 2), ("x", "z", "y")))
+
+    def f(v):
+        return F.group_norm(v, 1).double()
+
+    _close(torch.func.vmap(f, in_dims=1)(XB), torch.func.vmap(f, in_dims=1)(xb))

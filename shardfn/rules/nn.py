@@ -390,9 +390,13 @@ class _AnyOf:
 _NLL = _AnyOf((Leading(("self", "target"), _nll_lead, batched_outs=(0,)), ClassSharded(backward=False)))
 @attrs.frozen
 class _Dense:
-    """A rule whose local calls need contiguous inputs (layer norm's backward: below); torch's CPU ``nll_loss*_backward``
-    allocates ``grad_input`` like ``self`` and rejects it unless contiguous (a shard, or a
-    value torch.func has permuted, may be a view with other strides)."""
+    """A rule whose local calls need contiguous inputs. A device's operand may be a view with
+    any strides (a shard, a gathered or reduced value on the stacked local backend, a value
+    torch.func has permuted), where torch's composite front-ends hand these kernels contiguous
+    tensors and their CPU kernels rely on it: ``nll_loss*_backward`` allocates ``grad_input``
+    like ``self`` and rejects it unless contiguous, layer norm's and group norm's backwards
+    read their statistics by flat index (wrong values), and ``native_group_norm`` checks its
+    input is contiguous ("Expected X.is_contiguous(memory_format)")."""
 
     rule: Any
 
@@ -429,7 +433,7 @@ ATTENTION_RULES = {
     aten._scaled_dot_product_fused_attention_overrideable: Attention(forward=True, loose_outs=_FLASH_LOOSE),
     aten._scaled_dot_product_fused_attention_overrideable_backward: Attention(forward=False, reduce=True),
 }
-_GN = GroupNorm(Leading(("input",), _rows_lead(False)))
+_GN = GroupNorm(_Dense(Leading(("input",), _rows_lead(False))))
 _GN_BWD = GroupNorm(_Dense(Leading(("grad_out", "input", "mean", "rstd"), _rows_lead(True), batched_outs=(0,))))
 _RMS = Leading(("input",), _layer_norm_lead(False))
 _RMS_BWD = _Dense(Leading(("grad_out", "input", "rstd"), _layer_norm_lead(True), batched_outs=(0,)))
