@@ -124,6 +124,7 @@ _VIEWS: dict[int, Any] = {}
 
 
 _DEVICE_NOT_MESHS = (aten.to, aten._assert_tensor_metadata)  # a ``device=`` that names no device for the output
+_BATCH_NORMS = (aten.native_batch_norm.default, aten.cudnn_batch_norm.default)  # their stats' update: checked per call
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -> Any:
@@ -147,7 +148,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
             return out
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
-    if func is aten.native_batch_norm.default:
+    if func in _BATCH_NORMS:
         out = _inplace.unannotated_batch_norm(func, args, kwargs)
         if out is not None:
             return out
@@ -164,7 +165,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
         raise
     if entry is None:
         entry = _remember(key, _compile(func, args, kwargs, leaves))
-    if fkey is not None and func not in _SPECIAL and func is not aten.native_batch_norm.default:
+    if fkey is not None and func not in _SPECIAL and func not in _BATCH_NORMS:
         if _cache.get(fkey) is not entry:
             _remember_fast(fkey, func, entry)
     if _explicit._stack:

@@ -100,7 +100,7 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``native_batch_norm`` updates its running stats without saying so in its schema:
+    """``native_batch_norm`` (and ``cudnn_batch_norm``) updates its running stats without saying so in its schema:
     with ShardedArray running stats in training it is judged as the annotated
     ``_native_batch_norm_legit`` (which writes ``running_mean(a!)``/``running_var(b!)``)."""
     from ...values.schema import bind
@@ -109,5 +109,6 @@ def unannotated_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     stats = (b["running_mean"], b["running_var"])
     if not b["training"] or not any(isinstance(s, ShardedArray) for s in stats):
         return None
-    legit = (b["input"], b["weight"], b["bias"], *stats, True, b["momentum"], b["eps"])
+    momentum, eps = (b["momentum"], b["eps"]) if "momentum" in b else (b["exponential_average_factor"], b["epsilon"])
+    legit = (b["input"], b["weight"], b["bias"], *stats, True, momentum, eps)
     return run_mutating(aten._native_batch_norm_legit.default, legit, {})
