@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..arrays import rule_table
 from . import (attention_kernels, batch_norm, foreach, fused, indexing, loss, matrix, nn, pointwise, quantized,
-               reductions, strided, views)
+               reductions, strided, sync_batch_norm, views)
 
 for _family in (pointwise, matrix, quantized, reductions, views, strided, indexing, nn, attention_kernels, foreach, fused,
                 batch_norm):
@@ -12,3 +12,4 @@ for _family in (pointwise, matrix, quantized, reductions, views, strided, indexi
 rule_table.set_pointwise_rule(pointwise.POINTWISE)
 rule_table.SPECIAL.update(loss.SPECIAL)
 rule_table.SPECIAL.update(foreach.SPECIAL)
+rule_table.SPECIAL.update(sync_batch_norm.SPECIAL)
