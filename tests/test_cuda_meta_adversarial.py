@@ -468,8 +468,8 @@ def test_foreach_powsum_is_replicated_and_equals_torch(device: str, ord_: float)
 
 BN_LAYOUTS = [  # (input, training: output layout and collectives, evaluation: output layout)
     (P(None, "tp"), (P(None, "tp"), False), P(None, "tp")),  # channels split: local both ways
-    (P("dp"), (P(), True), P("dp")),  # batch split: training's statistics span it (gathered)
-    (P("dp", "tp"), (P(None, "tp"), True), P("dp", "tp")),
+    (P("dp"), (P("dp"), True), P("dp")),  # batch split: training's statistics all-reduced (rules/sync_batch_norm)
+    (P("dp", "tp"), (P("dp", "tp"), True), P("dp", "tp")),
 ]
 
 
@@ -497,6 +497,7 @@ def test_batch_norm_splits_channels_and_equals_torch(shape: tuple, training: boo
             grads = torch.autograd.grad((out ** 2).sum(), (xs, ws, bs))
         assert out.spec == (train_out[0] if training else eval_out)
         assert bool(cc.records) == (train_out[1] if training else False)
+        assert set(cc.counts) <= {"all_reduce"}  # per-channel sums, never the activation gathered
         if device == "cpu":
             torch.testing.assert_close(out.full_tensor(), want)
             for gr, wg in zip(grads, wgrads):
