@@ -39,6 +39,13 @@ _BOUNDED_GRAD = {getattr(aten, n).default for n in (
 # ... and those whose factor is computed from the op's result (``sigmoid_backward(g, y)`` is
 # ``g * y * (1 - y)``, ``tanh_backward`` ``g * (1 - y**2)``): finite exactly where ``y`` is
 _RESULT_GRAD = {aten.sigmoid_backward.default, aten.tanh_backward.default}
+# Selections, linear in their value operands jointly (``where(c, sum(a), sum(b))`` is the sum
+# of the parts' ``where``, exactly, inf and nan included: nothing is computed): op -> the
+# argument positions of those operands. A pending operand passes where the others are arrays
+# (made pending locally: autograd's ``where(c, grad, 0)``, its zero lifted to a replicated
+# array) or zero numbers (``masked_fill(grad, mask, 0)``); the condition or mask is never
+# pending (bool).
+_SELECT = {aten.where.self: (1, 2), aten.masked_fill.Scalar: (0, 2), aten.masked_fill.Tensor: (0, 2)}
 # Casts: linear between floating (or complex) dtypes up to rounding, as a reduction in
 # another order is; a cast to an integer or bool dtype is not.
 _CASTS = {aten._to_copy.default}
@@ -67,6 +74,31 @@ def _broadcast_base(layout: Layout, shape: tuple[int, ...], out_shape: tuple[int
     return Layout(layout.mesh, ((),) * off + dims)
 
 
+def _merged_base(call: OpCall, out_shape: tuple[int, ...]) -> Layout | None:
+    """The output layout keeping every operand's sharded dims at once, where no operand has
+    the output's shape (one that has leads: its layout is what the next op most likely reads)
+    and two or more shard different dims of the output on different axes: ``where(mask, bias,
+    x)`` with a ``(batch, 1, q, k)`` mask split over dp and a ``(1, heads, q, k)`` bias split
+    over tp is ``(dp, tp)``-split with no move, where taking one operand's dims gathers the
+    other (None where they conflict or add nothing)."""
+    dims: list[tuple[str, ...]] = [()] * len(out_shape)
+    sources = 0
+    for _, v in call.arrays:
+        b = _broadcast_base(v._layout, tuple(v.shape), out_shape)
+        if b is None:
+            continue
+        sources += 1
+        for k, axes in enumerate(b.dims):
+            if axes and dims[k] and dims[k] != axes:
+                return None
+            if axes:
+                dims[k] = axes
+    used = [a for axes in dims for a in axes]
+    if sources < 2 or len(used) != len(set(used)):
+        return None
+    return Layout(call.mesh, tuple(dims))
+
+
 def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
     """Indices (into call.arrays) of operands that may carry ``partial`` (operand ``base``'s
     pending reductions) into the output: every operand of an op linear in its operands
@@ -83,6 +115,8 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
         return set()  # parts * inf have mixed signs (or are 0 * inf) where the total's is one signed inf
     if func in _BOUNDED_GRAD or func in _RESULT_GRAD:
         return {base} if call.arrays[base][0] in (0, "grad_output") and _grad_factor_finite(call) else set()
+    if func in _SELECT:
+        return _select_keeps(call, base, _SELECT[func])
     n = len(call.arrays)
     if func in _CASTS:
         return set(range(n)) if _float_cast(call) else set()
@@ -94,6 +128,21 @@ def _keeps_partial(call: OpCall, base: int, partial: tuple) -> set[int]:
         only = _MULTILINEAR[func]
         return {base} if only is None or call.arrays[base][0] == only else set()
     return set()
+
+
+def _select_keeps(call: OpCall, base: int, positions: tuple[int, ...]) -> set[int]:
+    """``_SELECT``'s operands that carry operand ``base``'s pending sums: every array value
+    operand (at ``positions``; a plain tensor there is lifted to a replicated array, made
+    pending locally), where ``base`` is one and every number operand is zero (the zero part
+    on every device sums to zero); none otherwise."""
+    if call.arrays[base][0] not in positions:
+        return set()
+    arrays = {p for p, _ in call.arrays}
+    for pos in positions:
+        v = call.args[pos] if pos < len(call.args) else None
+        if pos not in arrays and not (isinstance(v, (int, float, complex)) and v == 0):
+            return set()
+    return {j for j, (p, _) in enumerate(call.arrays) if p in positions}
 
 
 def _finite_factors(call: OpCall, base_path: Any) -> bool:
@@ -158,6 +207,9 @@ class Pointwise:
         bases = [v._layout for i, (_, v) in enumerate(call.arrays) if shapes[i] == out_shape]
         bases += [b for i, (_, v) in enumerate(call.arrays) if shapes[i] != out_shape
                   for b in (_broadcast_base(v._layout, shapes[i], out_shape),) if b is not None]
+        merged = None if out_shape in shapes else _merged_base(call, out_shape)
+        if merged is not None and merged not in bases:
+            bases.append(merged)
         for base in bases:
             # the output takes this operand's dims, and the pending reductions of any operand
             # they may pass through (or none: those operands are reduced first)
