@@ -47,6 +47,30 @@ def test_embedding_backward_keeps_pending_gradient(mesh: sf.Mesh) -> None:
         torch.testing.assert_close(out.full_tensor(), aten.embedding_dense_backward(x @ w, idx, 16, pad, False))
 
 
+@pytest.mark.parametrize("freq", [False, True])
+@pytest.mark.parametrize("w_spec", [P(None, "tp"), P()])
+def test_embedding_backward_keeps_the_embedding_dim_split(mesh: sf.Mesh, w_spec: P, freq: bool) -> None:
+    """T5's relative position bias: a (buckets, heads) table looked up by a replicated (q, k)
+    bucket map, its output permuted to (heads, q, k) and added to head-split scores of a
+    dp-split batch. The gradient arrives split over the heads (tp) and pending over dp; the
+    table's gradient keeps both (no collective; before, it was gathered over tp), with or without
+    ``scale_grad_by_freq`` (the counts need the whole index map: it is replicated here), the
+    table split by heads or replicated (MPNet's). Values and gradients equal torch's."""
+    table, buckets = torch.randn(32, 4), torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(4))
+    scores = torch.randn(4, 4, 8, 8)
+    t = sf.distribute(table, w_spec, mesh=mesh).requires_grad_()
+    s = sf.distribute(scores, P("dp", "tp"), mesh=mesh)
+    out = (torch.nn.functional.embedding(sf.distribute(buckets, P(), mesh=mesh), t, scale_grad_by_freq=freq)
+           .permute(2, 0, 1) + s)
+    with sf.debug.CommCounter() as cc:
+        out.backward(sf.distribute(torch.ones_like(scores), P("dp", "tp"), mesh=mesh))
+    assert cc.total == 0, cc
+    assert t.grad.spec == P(None, "tp", partial="dp"), t.grad.spec
+    ref = table.clone().requires_grad_()
+    (torch.nn.functional.embedding(buckets, ref, scale_grad_by_freq=freq).permute(2, 0, 1) + scores).sum().backward()
+    torch.testing.assert_close(t.grad.full_tensor(), ref.grad)
+
+
 def _write_heads(kv: torch.Tensor, kr: torch.Tensor) -> torch.Tensor:
     """DeepSeek's key states: a fresh ``new_empty`` written through two slices."""
     kn, _ = torch.split(kv, [16, 16], -1)

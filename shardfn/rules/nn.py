@@ -213,8 +213,28 @@ class _EmptyHeads:
                      for m in meta)
 
 
-def _embedding_bwd_lead(b: dict) -> tuple[int, bool]:
-    return (0, False) if b.get("scale_grad_by_freq") else (b["indices"].dim(), True)
+@attrs.frozen
+class EmbeddingBackward:
+    """``embedding_dense_backward(grad_output, indices, num_weights, ...)``: the weight's gradient,
+    a sum of ``grad_output`` rows by index. The index dims shard as a batch (the gradient pending
+    a sum over their axes, as data parallelism needs; whole where ``scale_grad_by_freq`` counts
+    every index), and the embedding dim (``grad_output``'s last) keeps its sharding in the
+    gradient's columns: T5's and MPNet's relative position biases, looked up with the heads as
+    the embedding dim and added to head-split scores, get head-split gradients (before, they were
+    gathered over the heads' axis). A pending ``grad_output`` passes (BERT's position embeddings,
+    broadcast over a batch split over dp: their gradient stays pending, as DDP's)."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        if [p for p, _ in call.arrays] != [0, 1]:
+            return []
+        (_, grad), (_, idx) = call.arrays
+        if grad.ndim != idx.ndim + 1:
+            return []
+        lead = 0 if call.arg(4, "scale_grad_by_freq", False) else idx.ndim
+        ls = letters(lead) + (None,) * (idx.ndim - lead)
+        spec = Dims((ls + ("D",), ls), ((None, "D"),), tuple((L, "sum") for L in ls if L), LINEAR_OPS,
+                    partial_ins=(0,))
+        return compile_dims(call, spec)
 
 
 @attrs.frozen
@@ -467,8 +487,5 @@ TABLE = {
     aten.pixel_shuffle: Leading(("self",), _pixel_lead),
     aten.pixel_unshuffle: Leading(("self",), _pixel_lead),
     **{getattr(aten, n): _POOL for n in _POOL_OPS if hasattr(aten, n)},
-    # a sum of grad_output rows (by index): a pending grad_output passes through (BERT's position
-    # embeddings, broadcast over a batch split over dp: their gradient stays pending, as DDP's)
-    aten.embedding_dense_backward: Leading(("grad_output", "indices"), _embedding_bwd_lead, linear=("grad_output",),
-                                           batched_outs=()),
+    aten.embedding_dense_backward: EmbeddingBackward(),
 }
