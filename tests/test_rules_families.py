@@ -71,6 +71,35 @@ def test_embedding_backward_keeps_the_embedding_dim_split(mesh: sf.Mesh, w_spec:
     torch.testing.assert_close(t.grad.full_tensor(), ref.grad)
 
 
+@pytest.mark.parametrize("groups,dims", [(8, 1), (4, 1), (8, 2), (1, 1), (2, 1)])
+def test_grouped_convolution_keeps_channels_split(mesh: sf.Mesh, groups: int, dims: int) -> None:
+    """A depthwise (or grouped) convolution over channels split over tp and a batch over dp
+    (LFM2's short convolution): each device convolves its whole groups with ``groups / n`` (no
+    collective, forward or backward; the weight and bias gradients pending over dp, split over
+    tp, as the weight). Where the split would cut a group (one group over 2 devices) the input is
+    gathered instead; values and gradients equal torch's either way."""
+    conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d)[dims - 1]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 8, *(6,) * dims, generator=g)
+    w, b = torch.randn(8, 8 // groups, *(3,) * dims, generator=g), torch.randn(8, generator=g)
+    sx = sf.distribute(x, P("dp", "tp"), mesh=mesh)
+    sw = sf.distribute(w, P("tp"), mesh=mesh).requires_grad_()
+    sb = sf.distribute(b, P("tp"), mesh=mesh).requires_grad_()
+    ones = sf.distribute(torch.ones(4, 8, *(6,) * dims), P("dp", "tp"), mesh=mesh)
+    with sf.debug.CommCounter() as cc:
+        out = conv(sx, sw, sb, padding=1, groups=groups)
+        out.backward(ones)
+    if groups % 2 == 0:
+        assert cc.total == 0, cc
+        assert out.spec == P("dp", "tp") and sw.grad.spec == P("tp", partial="dp"), (out.spec, sw.grad.spec)
+    rw, rb = w.clone().requires_grad_(), b.clone().requires_grad_()
+    want = conv(x, rw, rb, padding=1, groups=groups)
+    want.sum().backward()
+    torch.testing.assert_close(out.full_tensor(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sw.grad.full_tensor(), rw.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sb.grad.full_tensor(), rb.grad, rtol=1e-5, atol=1e-5)
+
+
 def _write_heads(kv: torch.Tensor, kr: torch.Tensor) -> torch.Tensor:
     """DeepSeek's key states: a fresh ``new_empty`` written through two slices."""
     kn, _ = torch.split(kv, [16, 16], -1)

@@ -288,9 +288,43 @@ def _vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: Any, rows:
     return torch.where(inside.unsqueeze(-1), looked_up, torch.zeros((), dtype=weight.dtype, device=weight.device))
 
 
-def _conv_lead(b: dict) -> tuple[int, bool]:
-    x, w = b.get("input"), b.get("weight")
-    return (1 if x is not None and w is not None and x.dim() == w.dim() else 0), True
+@attrs.frozen
+class GroupedConv:
+    """``convolution`` / ``convolution_backward`` (not transposed): the batch dim as ``Leading``
+    (weight and bias gradients pending a sum over its axes), and the channels split in whole
+    groups: input and output channels, the weight's and bias's output channels share a letter
+    where each device holds ``groups / n`` of the ``groups`` (``groups`` divisible by the
+    ``n`` devices splitting them), the local call taking ``groups / n``. A depthwise
+    convolution (LFM2's and the gated-delta / Mamba short convolutions over head-split
+    channels) stays split as Megatron runs it; before, its input and weight were gathered."""
+
+    backward: bool = False
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        names = _schema_info(call.func)[0]
+        got = {names[p] if isinstance(p, int) else p: v for p, v in call.arrays}
+        x, w = got.get("input"), got.get("weight")
+        if x is None or w is None or call.arg(6 if not self.backward else 7, "transposed", False):
+            return []
+        groups = call.arg(8 if not self.backward else 9, "groups", 1)
+        batch = ("n",) if x.dim() == w.dim() else ()
+        act = batch + ("C",) + (None,) * (w.dim() - 2)
+        letters_of = {"input": act, "grad_output": act, "weight": ("C",) + (None,) * (w.dim() - 1), "bias": ("C",)}
+        ins = tuple(letters_of[names[p] if isinstance(p, int) else p] for p, _ in call.arrays)
+        kinds = (act, letters_of["weight"], ("C",)) if self.backward else (act,)
+        outs = tuple(k if isinstance(m, torch.Tensor) else None for k, m in zip(kinds, call.out_metas))
+        spec = Dims(ins, outs, (("n", "sum"),) if batch else ())
+        sizes = dict(zip(call.mesh.axis_names, call.mesh.shape))
+        out = []
+        for c in compile_dims(call, spec):
+            n = math.prod(sizes[a] for a in c.in_layouts[0].dims[len(batch)])
+            if n == 1:
+                out.append(c)
+            elif groups % n == 0:
+                c = attrs.evolve(c, local_args=(("groups", groups // n),),
+                                 local_sizes=(("bias_sizes", 2),) if self.backward and outs[2] is not None else ())
+                out.append(c)
+        return out
 
 
 def _first_dim(b: dict) -> tuple[int, bool]:
@@ -482,8 +516,8 @@ TABLE = {
         "grid_sampler_2d", "grid_sampler_2d_backward", "grid_sampler_3d", "grid_sampler_3d_backward")},
     aten._fused_rms_norm_backward: _RMS_BWD,
     aten.embedding: Embedding(),
-    aten.convolution: Leading(("input",), _conv_lead, batched_outs=(0,)),
-    aten.convolution_backward: Leading(("grad_output", "input"), _conv_lead, batched_outs=(0,)),
+    aten.convolution: GroupedConv(),
+    aten.convolution_backward: GroupedConv(backward=True),
     aten.pixel_shuffle: Leading(("self",), _pixel_lead),
     aten.pixel_unshuffle: Leading(("self",), _pixel_lead),
     **{getattr(aten, n): _POOL for n in _POOL_OPS if hasattr(aten, n)},
