@@ -11,7 +11,12 @@ import shardfn as sf
 
 
 def logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
-    kwargs = {"use_cache": False} if "ForCausalLM" in type(model).__name__ else {}  # (encoders take no cache)
+    """The LM logits of ``ids``; an encoder-decoder reads ``ids`` as its source and its decoder
+    input (teacher forcing: the loss is the decoder's)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        kwargs = {"decoder_input_ids": ids, "use_cache": False}
+    else:  # (encoders take no cache)
+        kwargs = {"use_cache": False} if "ForCausalLM" in type(model).__name__ else {}
     return functional_call(model, params, (ids,), kwargs).logits
 
 
