@@ -2306,3 +2306,28 @@ def test_group_norm_of_a_value_whose_shards_are_transposed_views():
         return F.group_norm(v, 1).double()
 
     _close(torch.func.vmap(f, in_dims=1)(XB), torch.func.vmap(f, in_dims=1)(xb))
+
+
+_WRITES = {
+    "copy_": lambda a, s: a.clone().copy_(s),
+    "select_scatter": lambda a, s: a.clone().select_scatter(s[..., 0], 2, 1),
+    "slice_scatter": lambda a, s: a.clone().slice_scatter(s[..., :1], 2, 0, 1),
+    "diagonal_scatter": lambda a, s: a.clone().diagonal_scatter(s[:, :2, 0], 0, 1, 2),
+}
+
+
+@pytest.mark.parametrize("write", sorted(_WRITES))
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_writes_into_a_clone_of_an_unfold(write, spec):
+    """``clone`` of an array keeps its shards (arrays are immutable), so a clone of an ``unfold``
+    holds the overlapping view; ``copy`` and the ``*_scatter`` kernels clone ``self`` keeping its
+    strides (``clone_preserve_strides``), so the write landed on every element sharing the
+    address and the last one won: ``x.unfold(-1, 2, 1).clone().copy_(y)`` gave 22 of 144
+    elements wrong (fuzzer seed 5815264072 --gen 5, on a 1-device mesh). Such shards are made
+    distinct first. Values vs torch."""
+    mesh = sf.Mesh((2,), ("x",))
+    x = torch.randn(2, 5, dtype=torch.float64)
+    y = torch.randn(2, 4, 2, dtype=torch.float64)
+    want = _WRITES[write](x.unfold(1, 2, 1), y)
+    got = _WRITES[write](sf.distribute(x, spec, mesh=mesh).unfold(1, 2, 1), sf.distribute(y, P(), mesh=mesh))
+    _close(got, want)

@@ -72,7 +72,8 @@ class Candidate:
       the op's arguments plus the ``facts`` (:class:`ShardFact`) as keywords.
     - ``dense``: the local call needs contiguous tensors with conj/neg flags resolved
       (``"last"``: only a last dim of stride 1, as fused attention kernels assume;
-      ``"size_one"``: only size-1 dims strided as a contiguous layout's, a view).
+      ``"size_one"``: only size-1 dims strided as a contiguous layout's, a view; ``"distinct"``:
+      only a tensor whose elements may share memory, for kernels that keep its strides).
     - ``broadcast``: the local call is elementwise, its tensor operands broadcasting
       against each other right-aligned (pointwise ops).
     """

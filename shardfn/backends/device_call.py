@@ -139,7 +139,10 @@ def dense(v: Any, mode: bool | str = True) -> Any:
     only a last dim of stride != 1 is made contiguous (what fused kernels such as CPU flash
     attention assume: torch's front-end only picks them for such inputs, but a gathered
     shard may carry other strides); with ``mode="size_one"`` only size-1 dims are restrided
-    (:func:`size_one_strided`, a view)."""
+    (:func:`size_one_strided`, a view); with ``mode="distinct"`` only a tensor whose elements
+    may share memory (an ``unfold`` view, which ``clone`` of an array keeps as its shard) is
+    made contiguous (what kernels that keep ``self``'s strides, ``copy`` and the ``*_scatter``
+    ops by ``clone_preserve_strides``, assume: else they write overlapping memory)."""
     if isinstance(v, torch.Tensor):
         if v.is_conj():  # (the resolve calls return v itself when the flag is off: skip the dispatch)
             v = v.resolve_conj()
@@ -147,6 +150,8 @@ def dense(v: Any, mode: bool | str = True) -> Any:
             v = v.resolve_neg()
         if mode == "size_one":
             return size_one_strided(v)
+        if mode == "distinct":
+            return v.contiguous() if _may_overlap(v) else v
         if mode == "last":  # (a clone, not contiguous(): torch calls an empty or size-1 dim contiguous
             # whatever its stride, yet view(dtype) checks stride(-1) == 1 for any size)
             return v.clone(memory_format=torch.contiguous_format) if v.dim() and v.stride(-1) != 1 else v
@@ -154,6 +159,18 @@ def dense(v: Any, mode: bool | str = True) -> Any:
     if isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
         return type(v)(dense(t, mode) for t in v)
     return v
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements may sit at one address: its dims of size > 1 ordered by
+    stride, each stride must step past everything the smaller ones reach (a sufficient test
+    for distinct elements; an exotic interleaving it misses is only copied needlessly)."""
+    reach = 0
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st <= reach:
+            return True
+        reach += st * (n - 1)
+    return False
 
 
 def substitute(args: tuple, kwargs: dict, values: dict, positional: tuple | None,

@@ -353,8 +353,21 @@ _UNTAGGED = (
     *ELEMENTWISE_LOSSES,
 )
 
+@attrs.frozen
+class _KeepsStrides:
+    """A pointwise op whose kernel clones ``self`` keeping its strides (``copy``, by
+    ``clone_preserve_strides``): a shard whose elements share memory (the ``unfold`` view a
+    ``clone`` of an array keeps) is made distinct first, else the copy lands on several
+    elements (``x.unfold(0, 2, 1).clone().copy_(y)`` kept the last write of each; fuzzer seed
+    5815264072 --gen 5)."""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        return [attrs.evolve(c, dense="distinct") for c in POINTWISE.candidates(call)]
+
+
 TABLE = {
     **{getattr(aten, n): POINTWISE for n in _UNTAGGED if hasattr(aten, n)},
+    aten.copy: _KeepsStrides(),
     aten._to_copy: ToCopy(),
     aten._conj: Materialised(POINTWISE, aten.conj_physical.default),
     aten._neg_view: Materialised(POINTWISE, aten.neg.default),

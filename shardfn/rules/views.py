@@ -371,7 +371,10 @@ class ViewScatter:
     into the view of ``input`` that ``mapping`` describes (torch's view inverses, which an
     in-place write through a view becomes): the dims the view cuts into whole, every other
     dim sharded alike in ``input``, ``src`` (where the view puts it) and the output. Linear
-    in both together: a reduction pending on both alike stays pending."""
+    in both together: a reduction pending on both alike stays pending. torch's kernels clone
+    ``input`` keeping its strides (``clone_preserve_strides``): a shard whose elements share
+    memory (the ``unfold`` view a ``clone`` of an array keeps) is made distinct first
+    (``dense="distinct"``), else the write lands on several elements."""
 
     mapping: Any
 
@@ -384,7 +387,7 @@ class ViewScatter:
         dims = tuple(() if i in whole else d for i, d in enumerate(x._layout.dims))
         inp = Layout(call.mesh, dims, partial)
         src = Layout(call.mesh, tuple(() if i is None else dims[i] for i in out_map), partial)
-        cands = [Candidate((inp, src), (inp,))]
+        cands = [Candidate((inp, src), (inp,), dense="distinct")]
         # or sharded as ``src`` is (a replicated ``input`` is cut locally: DeepSeek's key
         # states, written head-split into a fresh replicated ``new_empty``)
         vdims = [()] * x.ndim
@@ -394,7 +397,7 @@ class ViewScatter:
         if tuple(vdims) != dims:
             by_src = Layout(call.mesh, tuple(vdims), partial)
             src2 = Layout(call.mesh, tuple(() if i is None else vdims[i] for i in out_map), partial)
-            cands.append(Candidate((by_src, src2), (by_src,)))
+            cands.append(Candidate((by_src, src2), (by_src,), dense="distinct"))
         return cands
 
 
