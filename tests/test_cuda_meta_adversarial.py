@@ -529,3 +529,23 @@ def test_cudnn_batch_norm_refuses_array_running_stats_in_training() -> None:
     w, rm, rv = (sf.distribute(torch.ones(6, device="meta"), P(), mesh=mesh) for _ in range(3))
     with pytest.raises(sf.ImmutableError, match="batch_norm"):
         aten.cudnn_batch_norm(x, w, w, rm, rv, True, 0.1, 1e-5)
+
+
+# -- device placement: a plain 0-d CPU tensor after a 0-d array on the mesh's device ----------------
+
+
+def test_a_plain_cpu_scalar_after_an_array_scalar_on_a_meta_mesh() -> None:
+    """The cache key held no device: ``x * torch.tensor(2.0)`` (the 0-d CPU tensor lifted as an
+    array on the CPU) reused the entry compiled for ``x * s`` (``s`` a 0-d array on the meta
+    mesh), which stacked both on the mesh's device: 'Tensor on device cpu is not on the expected
+    device meta'."""
+    for device in ("meta", "cpu"):
+        mesh = sf.Mesh((2, 2), ("dp", "tp"), device_type=device)
+        t = torch.randn(4, 6)
+        x = sf.distribute(t.to(device), P("dp", "tp"), mesh=mesh)
+        s = sf.distribute(torch.tensor(0.5).to(device), P(), mesh=mesh)
+        assert (x * s).spec == P("dp", "tp")
+        y = x * torch.tensor(2.0)
+        assert y.spec == P("dp", "tp") and _on_meta(y) == (device == "meta")
+        if device == "cpu":
+            assert torch.equal(y.full_tensor(), t * 2) and torch.equal((x * s).full_tensor(), t * 0.5)

@@ -400,8 +400,10 @@ def _key(func: Any, leaves: list) -> tuple:
     parts: list[Any] = [func]
     for path, v in leaves:
         if isinstance(v, ShardedArray):
+            # (the device: a lifted plain 0-d CPU tensor is an array on the CPU whatever the mesh's
+            # device, and an entry compiled for a 0-d array on the mesh's device stacked it there)
             parts.append((path, v._layout, v.shape, v.dtype, v.stride(), v.storage_offset(),
-                          reduced_forms(v) if v._layout.partial else None, known_finite(v)))
+                          reduced_forms(v) if v._layout.partial else None, known_finite(v), v.device.type))
         elif isinstance(v, torch.Tensor):
             parts.append((path, "T", v.shape, v.dtype, v.device))
         elif isinstance(v, (float, complex)):
