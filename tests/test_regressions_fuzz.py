@@ -2331,3 +2331,26 @@ def test_writes_into_a_clone_of_an_unfold(write, spec):
     want = _WRITES[write](x.unfold(1, 2, 1), y)
     got = _WRITES[write](sf.distribute(x, spec, mesh=mesh).unfold(1, 2, 1), sf.distribute(y, P(), mesh=mesh))
     _close(got, want)
+
+
+def test_in_place_write_into_an_empty_example_under_vmap_of_grad():
+    """An in-place write refuses a target with a stride-0 dim of size > 1 (its elements share
+    memory, as torch's overlap check), but an empty target has no elements and arbitrary
+    strides: under vmap of grad, an empty example's clone reported its batch dim's stride as 0
+    and ``w.select(-1, 1).add_(1)`` raised "more than one element of the written-to tensor
+    refers to a single memory location" where torch did not (fuzzer seed 5815265707 --gen 5,
+    vmap_grad of a (0, 3, 12) input on 8 devices). Values and shapes vs torch. (The select's
+    backward runs as_strided of the empty array by the fallback: an empty value, left so.)"""
+    mesh = sf.Mesh((2,), ("x",))
+    xb = torch.randn(2, 0, 4, dtype=torch.float64)
+
+    def f(v):
+        w = v.clone()
+        w.select(-1, 1).add_(1.0)
+        return (w ** 2).sum()
+
+    want = torch.func.vmap(torch.func.grad(f))(xb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sf.FallbackWarning)
+        got = torch.func.vmap(torch.func.grad(f))(sf.distribute(xb, P(None, "x"), mesh=mesh))
+    _close(got, want)

@@ -85,7 +85,9 @@ def run_mutating(func: Any, args: tuple, kwargs: dict) -> Any:
             fresh[id(r)] = r
         elif not accumulating and (t.__dict__.get("_aliases_observable") or is_observed(t, n, args, kwargs, "target")):
             raise immutable_error(func, COMPILED if root(t).__dict__.get("_compiled_out") else None)
-        if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported strides are torch's)
+        if t.numel() and any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())):  # expanded (reported
+            # strides are torch's); an empty target has no elements to share (its strides are arbitrary:
+            # vmap of an empty example reports its batch dim's as 0), torch's overlap check passes it
             raise ShardingRuntimeError(OVERLAP)  # as torch's kernels: the functional update would sum the copies
     if not accumulating:
         check_cast(func, args, kwargs, targets)
