@@ -145,3 +145,18 @@ def test_shard_map_refuses_tensors_passed_by_keyword_and_non_bool_check_vma():
             f(x, **kw)
     with pytest.raises(sf.ShardingTypeError, match="check_vma='no'"):
         sf.shard_map(lambda a: a, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma="no")
+
+
+def test_a_sharded_array_as_a_host_side_argument_names_it():
+    """``scalars`` of the foreach ops is read on the host: torch wants a plain CPU tensor. A
+    ShardedArray there raised a complaint about the global shapes; it names the argument
+    and what to pass, and the plain tensor works."""
+    mesh = sf.Mesh((2,), ("x",))
+    a = [sf.distribute(torch.randn(4), P("x"), mesh=mesh) for _ in range(2)]
+    s = sf.distribute(torch.tensor([0.5, 2.0]), P(), mesh=mesh)
+    with pytest.raises(sf.ShardingError, match=r"'scalars' is read on the host.*scalars\.full_tensor\(\)"):
+        torch._foreach_addcmul(a, a, a, s)
+    got = torch._foreach_addcmul(a, a, a, s.full_tensor())
+    plain = [t.full_tensor() for t in a]
+    for g, w in zip(got, torch._foreach_addcmul(plain, plain, plain, torch.tensor([0.5, 2.0])), strict=True):
+        torch.testing.assert_close(g.full_tensor(), w)

@@ -70,6 +70,7 @@ def _meta_run(func: Any, args: tuple, kwargs: dict, device: str | None = None) -
 
 def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     arrays = [(p, v) for p, v in leaves if isinstance(v, ShardedArray)]
+    _check_host_slots(func, arrays)
     meshes = {v.mesh for _, v in arrays}
     if len(meshes) > 1:
         raise ShardingError(
@@ -115,6 +116,19 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
     best = min(cands, key=lambda c: _cost(c, call))
     _check_ranks(func, call, best)
     return _Entry(func, call, best)
+
+
+def _check_host_slots(func: Any, arrays: list) -> None:
+    """A host-side argument (``scalars`` of the foreach ops: values the kernel reads on the
+    CPU) must be a plain CPU tensor, as torch requires; a ShardedArray there raised torch's
+    shape complaint about the meta run."""
+    host = host_slots(func)
+    for path, v in arrays:
+        slot = path[0] if isinstance(path, tuple) else path
+        if slot in host:
+            name = slot if isinstance(slot, str) else func._schema.arguments[slot].name
+            raise ShardingError(f"{_op_name(func)}: argument {name!r} is read on the host and must be a plain CPU "
+                                f"tensor, got a ShardedArray {tuple(v.shape)} {v.spec}; pass {name}.full_tensor()")
 
 
 def _rejected(func: Any, leaves: list, e: Exception) -> Exception:
