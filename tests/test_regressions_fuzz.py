@@ -1078,6 +1078,39 @@ def test_compiled_dynamic_slice_by_a_traced_int_of_a_specialised_size(k):
     _close(f(sf.distribute(x, P(None), mesh=mesh)), make(k)(x))
 
 
+_SLICED_BY_A_TRACED_INT = {
+    "slice": lambda v, sq: v[:sq, :sq] * 2,
+    "slice_mm": lambda v, sq: v[:sq, :sq] @ v[:sq, :sq].mT,
+    "pinv_of_square": lambda v, sq: torch.linalg.pinv(  # the fuzzer's program
+        (v[:sq, :sq] / (1 + v[:sq, :sq].abs().amax())) @ v[:sq, :sq].mT / 8 + torch.eye(sq, dtype=v.dtype) * sq,
+        hermitian=sq % 2 == 0),
+}
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
+@pytest.mark.parametrize("body", sorted(_SLICED_BY_A_TRACED_INT))
+def test_compiled_dynamic_slice_by_a_traced_int_to_a_static_size(body):
+    # v[:sq, :sq] of a (4*s, 4) array, sq a closed-over int (a symbol under dynamic=True): the
+    # output metadata's meta run was recorded by AOTAutograd's second (make_fx) pass, whose
+    # contiguity check of the recorded meta slice pinned sq == 4 there only; the first pass
+    # had recorded the symbolic output size sq: "IndexError: tuple index out of range" at run
+    # time (fuzzer seed 5813716025)
+    mesh = sf.Mesh((2, 4), ("x", "y"))
+    x = torch.randn(12, 4, dtype=torch.float64)
+
+    def make(sq):
+        return lambda v: _SLICED_BY_A_TRACED_INT[body](v, sq)
+
+    torch._dynamo.reset()
+    f = torch.compile(make(4), backend="aot_eager", dynamic=True)
+    for spec in (P("y", "x"), P(None, None)):
+        xs, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = f(sf.distribute(xs, spec, mesh=mesh)), make(4)(xp)
+        _close(got, want)
+        (g,), (gw,) = torch.autograd.grad(got.square().sum(), xs), torch.autograd.grad(want.square().sum(), xp)
+        _close(g, gw)
+
+
 @pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")
 @pytest.mark.parametrize("shape", [(3, 3), (2, 3, 3), (2, 4, 3)])
 @pytest.mark.parametrize("spec", [P(), P("x")])

@@ -4,6 +4,7 @@ moves, the backend's local call, output wrapping); the replicate fallback where 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any, Callable
@@ -18,14 +19,14 @@ from ..plans.planner import cost_model, plan_layouts
 from ..values.errors import FallbackWarning, ShardingError, like_torch
 from ..values.layout import Layout, local_shapes
 from ..values.schema import op_name as _op_name
-from ..values.torch_compat import settle_guards
+from ..values.torch_compat import settle_guards, settling_guards
 from . import functorch as _ft
 from . import rule_table as _rules
 from .array import _BATCHED_NDIM, ShardedArray, _BatchedArray, _make_wrapper, _wrap_output, check_partial_dtype
 from .bounds import output_marks
 from .cpu_layouts import meta_on_cpu
 from .fragments import _odd_stride, fragment_of
-from .op_calls import _describe_call, _replace, _to_meta, host_slots
+from .op_calls import _describe_call, _leaves, _replace, _to_meta, host_slots
 from .reduced import reduced_forms
 from .redistribute import raw_full, raw_reshard
 from .strategies import Candidate, OpCall
@@ -51,8 +52,13 @@ def _meta_run(func: Any, args: tuple, kwargs: dict, device: str | None = None) -
     real device it raised here and was read as a data-dependent shape: a silent fallback).
     A rule with an ``out_meta`` computes it instead of the op's meta kernel (one stricter
     than the device kernels: ``_grouped_mm``'s accepts only bfloat16, CPU's any float).
-    On a CPU ``device`` the outputs are laid out as torch's CPU kernels lay them out."""
-    with torch.no_grad():
+    On a CPU ``device`` the outputs are laid out as torch's CPU kernels lay them out.
+    On symbolic sizes every tensor of the run settles its guards (``settling_guards``): a
+    make_fx trace records the run and guards on its tensors' metadata."""
+    symbolic = any(isinstance(v, torch.SymInt)
+                   or isinstance(v, torch.Tensor) and _ft.is_symbolic((*v.shape, *v.stride()))
+                   for _, v in _leaves(args, kwargs))
+    with torch.no_grad(), (settling_guards() if symbolic else contextlib.nullcontext()):
         margs, mkwargs = _replace(args, kwargs, _to_meta)
         host = host_slots(func)
         if host:  # host-side arguments stay on the CPU (torch checks they are there)

@@ -117,6 +117,28 @@ def settle_guards(t: Any) -> None:
     _extract_tensor_metadata(t)
 
 
+def settling_guards() -> Any:
+    """A dispatch mode that runs ``settle_guards`` on every tensor each op gives: around a
+    computation that AOTAutograd's second (make_fx) pass records but its first does not
+    record (a meta run of an op for its output metadata), both passes then add the guards
+    the recorder adds on those tensors' metadata. Without it the second pass alone pinned a
+    traced int (``s3 == 4``: a meta slice's contiguity) after the first had recorded an
+    output size ``s3`` (``IndexError: tuple index out of range``, fuzzer seed 5813716025).
+    Not skipping the record instead: its symbolic strides (``s0**2``) need their proxies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class _Settling(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    settle_guards(t)
+            return out
+
+    return _Settling()
+
+
 # -- torch.utils.checkpoint under vmap ---------------------------------------------------
 # The local backend runs a shard_map body for every device at once under torch.func.vmap.
 # 2.11's non-reentrant checkpoint saves its inputs through an autograd.Function with no vmap
