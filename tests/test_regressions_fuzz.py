@@ -2387,3 +2387,31 @@ def test_in_place_write_into_an_empty_example_under_vmap_of_grad():
         warnings.simplefilter("ignore", sf.FallbackWarning)
         got = torch.func.vmap(torch.func.grad(f))(sf.distribute(xb, P(None, "x"), mesh=mesh))
     _close(got, want)
+
+
+@pytest.mark.parametrize("op, dtype", [(torch.dot, torch.complex32), (torch.vdot, torch.complex32),
+                                       (torch.dot, torch.bool)])
+@pytest.mark.parametrize("spec", [P("x"), P()])
+def test_empty_product_of_a_dtype_the_cpu_kernel_rejects_raises_as_torch(op, dtype, spec):
+    """dot / vdot (and addr) of bool or complex32 raise NotImplementedError in torch's CPU
+    kernels even for empty inputs, but their meta kernels accept them and empty shards never
+    reach a kernel: shardfn returned 0 (fuzzer seed 5816772725 --gen 5, vdot of complex32[0]).
+    Empty inputs on a CPU mesh run the kernel once for torch's error. Errors vs torch; the
+    pending-sum complex32 result's repr (no CPU sum kernel for complex32) printed too."""
+    mesh = sf.Mesh((2,), ("x",))
+    a = torch.zeros(0, dtype=dtype)
+    with pytest.raises(NotImplementedError) as want:
+        op(a, a)
+    with pytest.raises(NotImplementedError) as got:
+        op(sf.distribute(a, spec, mesh=mesh), sf.distribute(a, spec, mesh=mesh))
+    assert str(got.value) == str(want.value)
+
+
+def test_repr_of_a_pending_sum_complex32_array():
+    """complex32 has no CPU sum kernel: repr of an array with a pending sum raised
+    NotImplementedError "sum_cpu" (fuzzer seed 5816772725 --gen 5). Its printed value vs torch's."""
+    mesh = sf.Mesh((2,), ("x",))
+    parts = [torch.tensor([1 + 2j, 3j], dtype=torch.complex32) for _ in range(2)]
+    p = sf.ShardedArray.from_local(parts, P(partial="x"), mesh=mesh)
+    assert repr(parts[0] * 2)[len("tensor("):].split(",")[0] in repr(p)
+    _close(p, (parts[0].to(torch.complex64) * 2).to(torch.complex32))

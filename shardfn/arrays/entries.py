@@ -39,6 +39,10 @@ aten = torch.ops.aten
 # reductions whose meta kernels accept an empty input that torch's kernels reject (only these:
 # shardfn's own compositions call amax on empty shards torch's ops never see)
 _EMPTY_CHECKED = frozenset({aten.max.default, aten.min.default, aten.argmax.default, aten.argmin.default})
+# products whose CPU kernels reject dtypes their meta kernels accept, even for empty inputs
+# (dot / vdot of bool or complex32, addr of complex32): on a CPU mesh, empty inputs run the
+# kernel too (non-empty shards run it anyway); other devices' kernels take other dtypes
+_EMPTY_CHECKED_CPU = frozenset({aten.dot.default, aten.vdot.default, aten.addr.default})
 # ops whose eager kernel gives empty inputs another shape than their meta kernel: the kernel's
 # (torch's CPU pixel_unshuffle returns an empty input's clone, (6, 0, 0) -> (6, 0, 0); meta: (24, 0, 0))
 _EMPTY_BY_KERNEL = frozenset({aten.pixel_unshuffle.default})
@@ -84,7 +88,8 @@ def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":
             f"{sorted(f'{m!r} on {m.device_type!r}' for m in meshes)}; reshard them onto one mesh first"
         )
     mesh = next(iter(meshes))
-    if func in _EMPTY_CHECKED and all(v.numel() == 0 for _, v in arrays):
+    checked = func in _EMPTY_CHECKED or (func in _EMPTY_CHECKED_CPU and mesh.device_type == "cpu")
+    if checked and all(v.numel() == 0 for _, v in arrays):
         _check_empty(func, args, kwargs)
     try:
         if func in _EMPTY_BY_KERNEL and arrays and all(v.numel() == 0 for _, v in arrays):

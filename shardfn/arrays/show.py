@@ -77,6 +77,8 @@ def _whole(layout: Layout, shape: tuple[int, ...], dtype: torch.dtype, shards: l
     out = None
     for devs in groups.values():
         parts = torch.stack([shards[d] for d in devs])  # row-major over the pending axes
+        if parts.dtype == torch.complex32 and pending:  # no CPU sum kernel: add in complex64, cast back below
+            parts = parts.to(torch.complex64)
         parts = parts.reshape((*(mesh.shape[i] for i in pos), *parts.shape[1:]))  # () for a 0-d shard
         for k in reversed(range(len(pos))):
             op = pending[mesh.axis_names[pos[k]]]
