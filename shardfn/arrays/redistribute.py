@@ -303,10 +303,22 @@ def _vmap_into_layout(fn: type, in_dims: tuple, x: Any, layout: Layout) -> tuple
     return fn.apply(x, layout if b is None else _ft.insert_dim(layout, b)), b
 
 
+def moved(x: ShardedArray, dst: Layout) -> ShardedArray:
+    """``x``'s value laid out as ``dst``, keeping what a move does not change: its strides and
+    its lazy conj/neg flags (shards hold true values; the flags decide what torch rejects:
+    ``view_as_real`` of a resharded ``x.conj()`` raises as torch's does)."""
+    out = wrap(raw_reshard(x, dst), dst, x.shape, x.dtype, stride=kept_strides(x))
+    if x.is_conj():
+        torch._C._set_conj(out, True)
+    if x.is_neg():
+        torch._C._set_neg(out, True)
+    return out
+
+
 class _Reshard(_Function):
     @staticmethod
     def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
-        return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype, stride=kept_strides(x))
+        return moved(x, dst)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch._C._functorch as _ft
 
-from ..arrays.array import ShardedArray, kept_strides, wrap
+from ..arrays.array import ShardedArray, wrap
 from ..arrays.local_shards import part_weights
-from ..arrays.redistribute import raw_reshard
+from ..arrays.redistribute import moved, raw_reshard
 from ..backends.registry import backend_for
 from ..backends.local_values import full, settle
 from ..values.layout import Layout, local_shapes
@@ -477,7 +477,7 @@ class Constrain(torch.autograd.Function):
 
     @staticmethod
     def forward(x: ShardedArray, dst: Layout) -> ShardedArray:
-        return wrap(raw_reshard(x, dst), dst, x.shape, x.dtype, stride=kept_strides(x))
+        return moved(x, dst)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
