@@ -3,11 +3,14 @@ with a given parameter dict, and a value comparison that gathers sharded results
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
 import shardfn as sf
+from shardfn import P
 
 
 def logits(model: torch.nn.Module, params: dict, ids: torch.Tensor) -> torch.Tensor:
@@ -58,3 +61,32 @@ def full(x: torch.Tensor) -> torch.Tensor:
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
     torch.testing.assert_close(full(got).float(), full(want).float(), rtol=tol, atol=tol)
+
+
+def check_family(model: torch.nn.Module, rules: list, vocab: int,
+                 mode: str) -> tuple[sf.debug.CommCounter, sf.debug.CommCounter]:
+    """Shard ``model`` by ``rules`` on a (dp=2, tp=2) mesh and run its forward and forward +
+    backward (``mode``: autograd or func) on a dp-split batch: values and gradients against
+    the unsharded model, no fallback warning; returns the two collective counters."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    params = sf.nn.shard_params(model, rules, mesh=mesh, unmatched="ignore")
+    plain = {n: t.detach().clone() for n, t in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)  # ids from 5: no family's pad token
+    ids, labels = torch.randint(5, vocab, (4, 8), generator=g), torch.randint(0, vocab, (4, 8), generator=g)
+    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
+    loss_fn = make_loss(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.debug.CommCounter() as fwd:
+            out = logits(model, params, sids)
+        with sf.debug.CommCounter() as both:
+            loss, grads = sharded_loss_and_grads(loss_fn, params, sids, slabels, mode)
+    close(out, logits(model, plain, ids))
+    want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
+    close(loss, want)
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    grads = {n: g for n, g in grads.items() if g is not None}
+    assert set(grads) == trainable, set(grads) ^ trainable
+    for n in trainable:
+        close(grads[n], want_grads[n])
+    return fwd, both

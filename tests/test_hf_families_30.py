@@ -44,7 +44,6 @@ model (the loss adds one scalar all_reduce):
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -52,7 +51,7 @@ import torch
 import shardfn as sf
 from shardfn import P
 
-from _hf_common import close, logits, make_loss, sharded_loss_and_grads
+from _hf_common import check_family
 
 transformers = pytest.importorskip("transformers")
 
@@ -150,40 +149,13 @@ PAD_CHECK = {"megatronbert", "roformer"}  # Hugging Face's padding check: 1 all_
 VALUES_ONLY = ("openaigpt", "debertav2")
 
 
-def _setup(name: str) -> tuple:
+def _check(name: str, mode: str) -> tuple[sf.debug.CommCounter, sf.debug.CommCounter]:
+    """``check_family`` (values, gradients, no fallback; the two counters) of ``name``."""
     make, rules, auto = _cfg(name)
     torch.manual_seed(0)
     extra = {"experts_implementation": "batched_mm"} if name in MOE else {}
     model = auto.from_config(make(), **extra).eval()
-    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
-    params = sf.nn.shard_params(model, rules, mesh=mesh, unmatched="ignore")
-    plain = {n: t.detach().clone() for n, t in model.named_parameters()}
-    g = torch.Generator().manual_seed(1)  # ids from 5: no family's pad token
-    ids, labels = torch.randint(5, VOCAB, (4, 8), generator=g), torch.randint(0, VOCAB, (4, 8), generator=g)
-    return model, params, plain, ids, labels, mesh
-
-
-def _check(name: str, mode: str) -> tuple[sf.debug.CommCounter, sf.debug.CommCounter]:
-    """Forward and forward + backward (``mode``: autograd or func) of ``name``: values and
-    gradients against the unsharded model, no fallback; the two counters."""
-    model, params, plain, ids, labels, mesh = _setup(name)
-    sids, slabels = sf.distribute(ids, P("dp"), mesh=mesh), sf.distribute(labels, P("dp"), mesh=mesh)
-    loss_fn = make_loss(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with sf.debug.CommCounter() as fwd:
-            out = logits(model, params, sids)
-        with sf.debug.CommCounter() as both:
-            loss, grads = sharded_loss_and_grads(loss_fn, params, sids, slabels, mode)
-    close(out, logits(model, plain, ids))
-    want_grads, want = torch.func.grad_and_value(loss_fn)(plain, ids, labels)
-    close(loss, want)
-    trainable = {n for n, p in params.items() if p.requires_grad}
-    grads = {n: g for n, g in grads.items() if g is not None}
-    assert set(grads) == trainable, set(grads) ^ trainable
-    for n in trainable:
-        close(grads[n], want_grads[n])
-    return fwd, both
+    return check_family(model, rules, VOCAB, mode)
 
 
 def _counts(reduces: int, gathers: int = 0) -> dict:

@@ -65,6 +65,15 @@ def _leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:
     return x.requires_grad_() if grad and (x.is_floating_point() or x.is_complex()) else x
 
 
+def _run(op: Any, args: tuple, kwargs: dict, grad: bool) -> Any:
+    """The op's output, paired with its inputs' gradients when ``grad``."""
+    out = oc.call(op, args, kwargs)
+    if not grad:
+        return out
+    return out, _grads(out, [x for x in pytree.tree_leaves((args, kwargs))
+                             if isinstance(x, torch.Tensor) and x.requires_grad])
+
+
 def census(ops: list, dtypes: list[torch.dtype], mesh: sf.Mesh, grad: bool = False) -> list[tuple[str, str, str, str]]:
     found = []
     for op in ops:
@@ -87,17 +96,8 @@ def census(ops: list, dtypes: list[torch.dtype], mesh: sf.Mesh, grad: bool = Fal
                         lambda x: _leaf(sf.distribute(x.detach(), P(*[None] * x.dim()), mesh=mesh), g_on)
                         if isinstance(x, torch.Tensor) else x, (pargs, pkwargs))
                     try:
-                        want = oc.call(op, pargs, pkwargs)
-                        if g_on:
-                            want = (want, _grads(want, [x for x in pytree.tree_leaves((pargs, pkwargs))
-                                                        if isinstance(x, torch.Tensor) and x.requires_grad]))
-                    except Exception:
-                        continue
-                    try:
-                        got = oc.call(op, sargs, skwargs)
-                        if g_on:
-                            got = (got, _grads(got, [x for x in pytree.tree_leaves((sargs, skwargs))
-                                                     if isinstance(x, torch.Tensor) and x.requires_grad]))
+                        want = _run(op, pargs, pkwargs, g_on)
+                        got = _run(op, sargs, skwargs, g_on)
                     except Exception:
                         continue
                     n_out = len(pytree.tree_leaves(want[0] if g_on else want))
