@@ -320,13 +320,12 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
         return NotImplemented
     if mask is not None and bound.get("is_causal"):
         return NotImplemented  # torch raises its own error
-    if bound.get("enable_gqa") and q.dim() >= 3 and k.size(-3) != q.size(-3):
-        groups = q.size(-3) // k.size(-3)
-        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
-    neg = scale is not None and scale < 0
-    # a head dim of 0: torch's 1/sqrt(0) is inf in C++ (the products over it are empty, never inf)
-    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)) if q.size(-1) else math.inf)
-    scores = torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
+    if bound.get("enable_gqa") and q.dim() >= 3:
+        kv = _repeat_kv_heads(q, k, v)
+        if kv is None:
+            return NotImplemented  # torch raises its own error
+        k, v = kv
+    scores = _scaled_scores(q, k, scale)
     if bound.get("is_causal"):
         mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if mask is not None and scores.numel() and v.size(-1):  # (an empty output: torch returns it, the mask unchecked)
@@ -336,6 +335,26 @@ def _attention_math(args: tuple, kwargs: dict | None) -> Any:
         scores = scores.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else scores + mask
     attn = torch.ops.aten._safe_softmax(scores, -1)
     return torch.matmul(torch.nn.functional.dropout(attn, float(p)) if p > 0.0 else attn, v)
+
+
+def _repeat_kv_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
+    """Grouped-query attention: ``k`` and ``v`` with their heads (dim -3) repeated up to
+    ``q``'s; None where ``q``'s head count is not a multiple of theirs (torch raises)."""
+    if k.size(-3) == q.size(-3):
+        return k, v
+    if k.size(-3) == 0 or q.size(-3) % k.size(-3):
+        return None
+    groups = q.size(-3) // k.size(-3)
+    return k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+
+
+def _scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """``q @ k^T`` times the softmax scale, as torch's math path computes it: the square root of
+    the scale applied to each side (a negative scale's sign on ``q``). A head dim of 0: torch's
+    1/sqrt(0) is inf in C++ (the products over it are empty, never inf)."""
+    neg = scale is not None and scale < 0
+    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)) if q.size(-1) else math.inf)
+    return torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
 
 
 _MATH_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "dropout_mask", "scale", "enable_gqa")
@@ -360,14 +379,12 @@ def _attention_math_op(args: tuple, kwargs: dict | None) -> Any:
         return NotImplemented
     if bound.get("is_causal") and mask is not None:
         return NotImplemented  # torch raises its own error
-    if bound.get("enable_gqa") and k.size(-3) != q.size(-3):
-        if k.size(-3) == 0 or q.size(-3) % k.size(-3):
+    if bound.get("enable_gqa"):
+        kv = _repeat_kv_heads(q, k, v)
+        if kv is None:
             return NotImplemented  # torch raises its own error
-        groups = q.size(-3) // k.size(-3)
-        k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
-    neg = scale is not None and scale < 0
-    root = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(q.size(-1)) if q.size(-1) else math.inf)
-    attn = torch.matmul(q * (-root if neg else root), k.transpose(-2, -1) * root)
+        k, v = kv
+    attn = _scaled_scores(q, k, scale)
     if bound.get("is_causal"):
         keep = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
         mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(keep.logical_not(), float("-inf"))
