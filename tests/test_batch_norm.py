@@ -120,6 +120,52 @@ def test_functional_running_statistics_update():
     assert set(comm.counts) <= {"all_reduce"}
 
 
+_FORMS = {  # op -> extra arguments after (input, weight, bias); the mode is a parameter where the op has one
+    "native_batch_norm": lambda rm, rv, training: (torch.ops.aten.native_batch_norm.default, (rm, rv, training)),
+    "legit_no_stats": lambda rm, rv, training: (torch.ops.aten._native_batch_norm_legit.no_stats, (training,)),
+    "legit_functional": lambda rm, rv, training: (
+        torch.ops.aten._native_batch_norm_legit_functional.default, (rm, rv, training)),
+    "legit_no_training": lambda rm, rv, training: (torch.ops.aten._native_batch_norm_legit_no_training.default,
+                                                   (rm, rv)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_FORMS))
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float16, torch.float16),
+                                    (torch.float16, torch.float32), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("name", ["batch", "channels", "spatial", "replicated"])
+def test_every_aten_form_values_and_dtypes_as_the_cpu_kernel(form, training, dtypes, name):
+    """The forms torch.export and functionalization make of a batch norm, on every layout, no
+    fallback: values, shapes and dtypes as torch's CPU kernel gives them (a float16 input with
+    float16 parameters saves float16 statistics, where the meta kernel says float32; in
+    evaluation the saved statistics are empty and the functional form returns its running
+    statistics unchanged, not summed over a split batch)."""
+    if form == "legit_no_stats" and not training:
+        pytest.skip("torch requires running statistics in evaluation")
+    if form == "native_batch_norm" and training:
+        rm_rv = (None, None)  # (with them: written in place, refused for arrays)
+    else:
+        rm_rv = None
+    torch.manual_seed(7)
+    xdt, pdt = dtypes
+    x = torch.randn(4, 4, 6, dtype=xdt)
+    w, b = torch.rand(4, dtype=pdt) + 0.5, torch.randn(4, dtype=pdt)
+    rm, rv = rm_rv or (torch.randn(4, dtype=pdt), torch.rand(4, dtype=pdt) + 0.5)
+    op, extra = _FORMS[form](rm, rv, training)
+    want = op(x, w, b, *extra, 0.1, 1e-5)
+    args = [sf.distribute(t, SPECS[name], mesh=MESH) if t is x else sf.distribute(t, P(), mesh=MESH)
+            if isinstance(t, torch.Tensor) else t for t in (x, w, b, *extra)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)
+        got = op(*args, 0.1, 1e-5)
+    tol = 1e-9 if xdt == torch.float64 else 1e-2
+    for g, r in zip(got, want, strict=True):
+        assert (g.dtype, g.shape) == (r.dtype, r.shape)
+        assert g.full_tensor().dtype == r.dtype
+        torch.testing.assert_close(g.full_tensor(), r, rtol=tol, atol=tol)
+
+
 def test_module_under_functional_call_and_grad():
     """nn.BatchNorm2d in evaluation through torch.func: the gradient of a data-parallel loss."""
     torch.manual_seed(4)

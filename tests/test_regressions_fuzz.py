@@ -416,6 +416,23 @@ def test_compiled_backward_through_an_uneven_contraction_with_dynamic_sizes():
         _close(g, gw)
 
 
+@pytest.mark.parametrize("spec", [P(None, "x"), P(None, "x", partial="y"), P(None, ("x", "y"))])
+@pytest.mark.parametrize("op", ["einsum", "matmul"])
+def test_compiled_product_of_an_uneven_3d_array_with_dynamic_sizes(spec, op):
+    """A 3-d array split unevenly (7 over 2) times a plain weight under ``dynamic=True``:
+    Dynamo gives each shard dim its own symbol under the array's concrete global shape; a
+    shard's copy into its static place pinned one in AOTAutograd's second pass only
+    (IndexError in the subclass wrapper), and a graph break let Dynamo compile the shard
+    getter's frame, whose guards called the getter: RecursionError (fuzzer seed 5822865897).
+    The shards of a specialised array are specialised with it."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    x, w = torch.randn(3, 7, 2, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    X = sf.reshard(sf.distribute(x, P(), mesh=mesh), sf.NamedSharding(mesh, spec))
+    fn = (lambda v: sf.einsum("...j,jk->...k", v, w)) if op == "einsum" else (lambda v: v @ w)
+    torch._dynamo.reset()
+    _close(torch.compile(fn, backend="aot_eager", dynamic=True)(X), x @ w)
+
+
 # -- errors that name the problem ----------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from ..values.layout import Layout
 from ..values.mesh import DEVICE_FUNCS, Mesh, check_call_device
 from ..values.sharded import Sharded
 from ..values.strides import dense_strides
+from ..values.torch_compat import dynamo_skips_frames
 from . import checkpointable as _checkpointable
 from . import functorch as _ft
 from .fresh import end_fresh
@@ -228,9 +229,16 @@ class ShardedArray(torch.Tensor):
         outer_size = tuple(outer_size)
         outer_stride = None if outer_stride is None else tuple(outer_stride)
         if not backend_for(layout.mesh).keeps_symbolic(local):
-            # e.g. uneven shards, the dist backend: plans on concrete shapes, so specialise
+            # e.g. uneven shards, the dist backend: plans on concrete shapes, so specialise,
+            # the shards too: their own symbols (Dynamo's, one per inner dim) would otherwise
+            # stay free under a concrete global shape, and a later guard pinning one (copying
+            # a shard into its static place) is recorded by AOTAutograd's second pass only
+            # (IndexError in its subclass wrapper, fuzzer seed 5822865897)
             outer_size = tuple(_ft.static_int(n) for n in outer_size)
             outer_stride = None if outer_stride is None else tuple(_ft.static_int(n) for n in outer_stride)
+            for t in local if is_parts else (local,):
+                for n in (*t.shape, *t.stride(), t.storage_offset()):
+                    _ft.static_int(n)
         elif _ft.is_symbolic(outer_size):
             _check_symbolic_even(layout, outer_size, like)
             outer_size, outer_stride = _traced_sizes(layout, outer_size, outer_stride, like)
@@ -447,6 +455,7 @@ def _part_names(n: int) -> list[str]:
 _PART_NAMES: list[str] = []
 
 
+@dynamo_skips_frames
 def _get_part(self: ShardedArray, i: int) -> torch.Tensor | None:
     """``x._part_i``: device ``i``'s shard, or None where ``x`` holds no such part (held stacked,
     or fewer parts). Dynamo, explaining a recompile, evaluates the previous input's part names on
@@ -455,6 +464,7 @@ def _get_part(self: ShardedArray, i: int) -> torch.Tensor | None:
     return local[i] if isinstance(local, tuple) and i < len(local) else None
 
 
+@dynamo_skips_frames
 def _set_part(self: ShardedArray, value: torch.Tensor, i: int) -> None:
     """``setattr(x, "_part_i", t)``, as AOTAutograd updates a tangent's inner tensors by their names."""
     self._local = self._local[:i] + (value,) + self._local[i + 1:]

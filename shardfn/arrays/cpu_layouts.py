@@ -86,6 +86,40 @@ _ON_CPU: dict[Any, tuple[Callable[[tuple], bool], Callable[[tuple, Any], Any]]] 
 }
 
 
+# ops whose CPU kernels type their outputs otherwise than their meta kernels (CUDA's rules):
+# batch norm saves the statistics of a float16 input with float16 parameters in float16
+# (meta: float32), and its functional form returns the running statistics in their own dtype
+_TYPED_BY_KERNEL = frozenset({
+    aten.native_batch_norm.default, aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
+})
+
+
+def kernel_dtypes(func: Any, args: tuple, kwargs: dict) -> list[torch.dtype] | None:
+    """The dtypes torch's CPU kernel gives ``func``'s outputs for these arguments' dtypes: the
+    kernel on one-channel stand-ins ((2, 1) for an input of 2 dims or more, (1,) otherwise);
+    None where the stand-ins are refused (the real arguments' own error comes from the kernel)."""
+    def stand_in(v: Any) -> Any:
+        return torch.ones((2, 1) if v.dim() >= 2 else (1,), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+
+    try:
+        with torch.no_grad():
+            out = func(*(stand_in(a) for a in args), **{k: stand_in(v) for k, v in kwargs.items()})
+    except RuntimeError:
+        return None
+    return [o.dtype for o in out]
+
+
+def typed_as_on_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """The meta ``out`` of ``func`` with the dtypes torch's CPU kernel gives its outputs."""
+    if func not in _TYPED_BY_KERNEL:
+        return out
+    dtypes = kernel_dtypes(func, args, kwargs)
+    if dtypes is None or len(dtypes) != len(out):
+        return out
+    return type(out)(o if o.dtype == d else o.to(d) for o, d in zip(out, dtypes))
+
+
 def _map(fn: Callable[[torch.Tensor], torch.Tensor], out: Any) -> Any:
     if isinstance(out, torch.Tensor):
         return fn(out)

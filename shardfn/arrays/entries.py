@@ -24,7 +24,7 @@ from . import functorch as _ft
 from . import rule_table as _rules
 from .array import _BATCHED_NDIM, ShardedArray, _BatchedArray, _make_wrapper, _wrap_output, check_partial_dtype
 from .bounds import output_marks
-from .cpu_layouts import meta_on_cpu
+from .cpu_layouts import meta_on_cpu, typed_as_on_cpu
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _leaves, _replace, _to_meta, host_slots
 from .reduced import reduced_forms
@@ -56,7 +56,7 @@ def _meta_run(func: Any, args: tuple, kwargs: dict, device: str | None = None) -
     real device it raised here and was read as a data-dependent shape: a silent fallback).
     A rule with an ``out_meta`` computes it instead of the op's meta kernel (one stricter
     than the device kernels: ``_grouped_mm``'s accepts only bfloat16, CPU's any float).
-    On a CPU ``device`` the outputs are laid out as torch's CPU kernels lay them out.
+    On a CPU ``device`` the outputs are laid out and typed as torch's CPU kernels make them.
     On symbolic sizes every tensor of the run settles its guards (``settling_guards``): a
     make_fx trace records the run and guards on its tensors' metadata."""
     symbolic = any(isinstance(v, torch.SymInt)
@@ -72,10 +72,12 @@ def _meta_run(func: Any, args: tuple, kwargs: dict, device: str | None = None) -
             mkwargs["device"] = "meta"
         own = getattr(_rules.lookup(func), "out_meta", None)
         if own is not None:
-            return own(func, margs, mkwargs)
-        if device == "cpu":
-            return meta_on_cpu(func, margs, mkwargs)
-        return func(*margs, **mkwargs)
+            out = own(func, margs, mkwargs)
+        elif device == "cpu":
+            out = meta_on_cpu(func, margs, mkwargs)
+        else:
+            return func(*margs, **mkwargs)
+        return typed_as_on_cpu(func, margs, mkwargs, out) if device == "cpu" else out
 
 
 def _compile(func: Any, args: tuple, kwargs: dict, leaves: list) -> "_Entry":

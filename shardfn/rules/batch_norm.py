@@ -32,11 +32,11 @@ def _input_letters(ndim: int, training: bool) -> tuple:
 
 @attrs.frozen
 class BatchNorm:
-    """Forward or backward. ``training``: the ``train`` flag's argument name (None: always
-    training, as ``cudnn_batch_norm_backward``); ``like_input``: the arguments and outputs
+    """Forward or backward. ``training``: the ``train`` flag's argument name, or the mode itself
+    (always training: ``cudnn_batch_norm_backward``; never: ``_native_batch_norm_legit_no_training``); ``like_input``: the arguments and outputs
     shaped like the input; ``grads``: outputs that sum over the batch and spatial dims."""
 
-    training: str | None = "training"
+    training: str | bool = "training"
     like_input: tuple[str, ...] = ("input",)
     out_like_input: tuple[int, ...] = (0,)
     grads: tuple[int, ...] = ()
@@ -46,7 +46,7 @@ class BatchNorm:
         x = b["input"]
         if x.dim() < 2:
             return []
-        training = True if self.training is None else bool(b[self.training])
+        training = self.training if isinstance(self.training, bool) else bool(b[self.training])
         channels = x.shape[1]
         lx = _input_letters(x.dim(), training)
         names = _schema_info(call.func)[0]
@@ -68,33 +68,56 @@ class BatchNorm:
         reduce = () if training else tuple((L, "sum") for L in lx if L not in (None, "c"))
         cands = [attrs.evolve(c, out_layouts=tuple(loose.get(i, o) for i, o in enumerate(c.out_layouts)))
                  for c in compile_dims(call, Dims(tuple(ins), outs, reduce))]
-        if not training and self.training == "training" and call.func is aten.native_batch_norm.default:
-            cands = [attrs.evolve(c, local_fn=_eval_forward) for c in cands]
+        if not training and call.func in _FORWARDS:
+            cands = [attrs.evolve(c, local_fn=_EvalForward(call.func)) for c in cands]
         return cands
 
     @staticmethod
     def out_meta(func: Any, args: tuple, kwargs: dict) -> Any:
-        """The op's meta, with ``native_batch_norm``'s saved statistics empty in evaluation, as
-        its CPU and CUDA kernels return them (its meta kernel gives them the channels' size)."""
+        """The op's meta, with a forward's saved statistics empty in evaluation, as its CPU and
+        CUDA kernels return them (its meta kernel gives them the channels' size)."""
         out = func(*args, **kwargs)
-        if func is aten.native_batch_norm.default and not bind(func, args, kwargs)["training"]:
-            empty = out[0].new_empty((0,))
-            return out[0], empty, empty.clone()
-        return out
+        return _saved_emptied(out) if func in _FORWARDS and not _training(func, args, kwargs) else out
 
 
-def _eval_forward(*args: Any, **kwargs: Any) -> tuple:
-    """``native_batch_norm`` in evaluation on one device's shards, its saved statistics empty
-    on every device type (the meta kernel sizes them)."""
-    out = aten.native_batch_norm.default(*args, **kwargs)
-    return out[0], out[0].new_empty((0,)), out[0].new_empty((0,))
+def _training(func: Any, args: tuple, kwargs: dict) -> bool:
+    return func is not aten._native_batch_norm_legit_no_training.default and bool(bind(func, args, kwargs)["training"])
+
+
+def _saved_emptied(out: tuple) -> tuple:
+    """A forward's outputs with its saved statistics (outputs 1 and 2) empty."""
+    return (out[0], out[1].new_empty((0,)), out[2].new_empty((0,)), *out[3:])
+
+
+@attrs.frozen
+class _EvalForward:
+    """A forward in evaluation on one device's shards, its saved statistics empty on every
+    device type (the meta kernel sizes them)."""
+
+    func: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple:
+        return _saved_emptied(self.func(*args, **kwargs))
+
+
+# the forwards: (out, save_mean, save_invstd[, running_mean, running_var]), stats empty in evaluation
+_FORWARDS = frozenset({
+    aten.native_batch_norm.default, aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
+})
 
 
 TABLE = {
     aten.native_batch_norm: BatchNorm(),
     aten.cudnn_batch_norm: BatchNorm(),
+    # torch.export's / functionalisation's forms: with running statistics (written in place:
+    # refused for arrays before any rule) or without, functional (returns the updated running
+    # statistics, per channel), evaluation only
+    aten._native_batch_norm_legit: BatchNorm(),
+    aten._native_batch_norm_legit_functional: BatchNorm(),
+    aten._native_batch_norm_legit_no_training: BatchNorm(training=False),
     # (grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, mask)
     aten.native_batch_norm_backward: BatchNorm(training="train", like_input=("input", "grad_out"), grads=(1, 2)),
     # (input, grad_output, weight, running_mean, running_var, save_mean, save_var, epsilon, reserveSpace)
-    aten.cudnn_batch_norm_backward: BatchNorm(training=None, like_input=("input", "grad_output"), grads=(1, 2)),
+    aten.cudnn_batch_norm_backward: BatchNorm(training=True, like_input=("input", "grad_output"), grads=(1, 2)),
 }

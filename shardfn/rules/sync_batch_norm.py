@@ -62,9 +62,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _meta_dtypes(func: Any, args: tuple, kwargs: dict) -> list[torch.dtype]:
-    """The dtypes torch's kernel gives the outputs (half saves its statistics in half on the
-    CPU, in float32 on CUDA): the op's meta kernel on empty stand-ins."""
+def _out_dtypes(func: Any, args: tuple, kwargs: dict, device: torch.device) -> list[torch.dtype]:
+    """The dtypes torch's kernel on ``device`` gives the outputs: a float16 input with float16
+    parameters saves its statistics in float16 on the CPU, in float32 on CUDA (the op's meta
+    kernel, which follows CUDA)."""
+    from ..arrays.cpu_layouts import kernel_dtypes
+
+    if device.type == "cpu" and func is not aten.cudnn_batch_norm.default:
+        dtypes = kernel_dtypes(func, args, kwargs)
+        if dtypes is not None:
+            return dtypes
+
     def meta(v: Any) -> Any:
         return torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
 
@@ -91,18 +99,26 @@ def _normalise(x: Any, mean: Any, invstd: Any, weight: Any, bias: Any) -> Any:
 
 
 def _native_batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``native_batch_norm``, ``cudnn_batch_norm`` (no running statistics) and
+    """``native_batch_norm``, ``cudnn_batch_norm``, ``_native_batch_norm_legit.no_stats`` (no
+    running statistics) and
     ``_native_batch_norm_legit_functional`` (which also returns the updated running statistics:
     momentum blend, unbiased variance), in training."""
     b = bind(func, args, kwargs)
     x = b["input"]
-    rm, rv = b["running_mean"], b["running_var"]
+    rm, rv = b.get("running_mean"), b.get("running_var")  # (none in _native_batch_norm_legit.no_stats)
     if func is aten.cudnn_batch_norm.default and (rm is not None or rv is not None):
         return NotImplemented
     functional = func is aten._native_batch_norm_legit_functional.default
+    if functional and not b["training"] and isinstance(rm, torch.Tensor) and isinstance(rv, torch.Tensor):
+        # evaluation: the running statistics come back unchanged (as copies); the rest is
+        # the evaluation kernel's, whose rule splits every dim (the table's rule would read
+        # the returned statistics as sums over a split batch)
+        out = aten._native_batch_norm_legit_no_training.default(
+            x, b["weight"], b["bias"], rm, rv, b["momentum"], b["eps"])
+        return (*out, aten.clone.default(rm), aten.clone.default(rv))
     if not b["training"] or not _laid_out(x) or (not functional and (rm is not None or rv is not None)):
         return NotImplemented  # (a kernel writing its running stats: the in-place policy's)
-    dtypes = _meta_dtypes(func, args, kwargs)
+    dtypes = _out_dtypes(func, args, kwargs, x.device)
     eps = b["epsilon"] if "epsilon" in b else b["eps"]
     with torch.no_grad():
         xf = _cast(x, _compute_dtype(x.dtype))
@@ -157,6 +173,7 @@ SPECIAL = {
     aten.native_batch_norm.default: _native_batch_norm,
     aten.cudnn_batch_norm.default: _native_batch_norm,
     aten._native_batch_norm_legit_functional.default: _native_batch_norm,
+    aten._native_batch_norm_legit.no_stats: _native_batch_norm,
     aten.native_batch_norm_backward.default: _native_batch_norm_backward,
     aten.cudnn_batch_norm_backward.default: _native_batch_norm_backward,
 }

@@ -139,6 +139,21 @@ def settling_guards() -> Any:
     return _Settling()
 
 
+def dynamo_skips_frames(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn``'s frames for Dynamo to run as they are, never compiling them (what it calls
+    may still compile). For the getters Dynamo's guards call on a tensor subclass (its
+    ``__tensor_flatten__`` names): a getter frame compiled on its own guards on its ``self``
+    array's inner tensors through the same getter, so checking its cache called it again,
+    until ``RecursionError`` (fuzzer seed 5822865897: an uneven 3-d array under
+    ``torch.compile(dynamic=True)``). ``torch._dynamo.eval_frame.skip_code`` in 2.11 and 2.13."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:  # (no such Dynamo: nothing compiles the frame)
+        return fn
+    skip_code(fn.__code__)
+    return fn
+
+
 # -- torch.utils.checkpoint under vmap ---------------------------------------------------
 # The local backend runs a shard_map body for every device at once under torch.func.vmap.
 # 2.11's non-reentrant checkpoint saves its inputs through an autograd.Function with no vmap
