@@ -1,0 +1,152 @@
+"""Rules for kernels torch's own functions reach that had none (issue 21): ``F.embedding_bag``'s,
+``torch.cdist``'s, the masked softmax of the transformer fast paths, ``segment_reduce``, and
+CUDA's fused dropout. Each against torch on plain tensors (values and gradients), with the
+collectives a rule promises none of counted; CUDA-only kernels on meta meshes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfn as sf
+from shardfn import P
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def mesh2() -> sf.Mesh:
+    return sf.Mesh((2,), ("x",), backend="local")
+
+
+@pytest.fixture
+def mesh22() -> sf.Mesh:
+    return sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# -- embedding_bag ----------------------------------------------------------------------------
+
+V, D = 11, 6  # uneven over 2 and 4 devices
+IDX = torch.tensor([1, 2, 7, 5, 4, 3, 2, 10, 0, 7])
+OFF = torch.tensor([0, 3, 5, 5, 8])  # an empty bag
+
+
+def _bag(w, mode, psw=None, pad=None, last=False, idx=IDX, off=OFF):  # noqa: ANN001, ANN202
+    if last:  # the last offset ends the last bag (torch's backward reads garbage for indices after it)
+        off = torch.cat([off, torch.tensor([idx.shape[0]])])
+    return F.embedding_bag(idx, w, off, mode=mode, per_sample_weights=psw, padding_idx=pad, include_last_offset=last)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("pad", [None, 2])
+@pytest.mark.parametrize("spec", [P(None, "x"), P("x"), P()], ids=str)
+def test_embedding_bag_1d_mesh(mesh2: sf.Mesh, mode: str, pad: int | None, spec: P) -> None:
+    _check_bag(mesh2, spec, mode, pad)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("spec", [P("dp", "tp"), P(None, ("dp", "tp")), P(("tp", "dp")), P("tp", "dp")], ids=str)
+def test_embedding_bag_2d_mesh(mesh22: sf.Mesh, mode: str, spec: P) -> None:
+    _check_bag(mesh22, spec, mode, 2)
+
+
+def _check_bag(mesh: sf.Mesh, spec: P, mode: str, pad: int | None, psw: bool = False, last: bool = False) -> None:
+    """Columns split: no collective at all, forward and backward. Rows split (sum / mean): the
+    output is pending over the row axes and nothing else moves; max gathers the rows."""
+    w = torch.randn(V, D, generator=_gen())
+    weights = torch.randn(IDX.shape[0], generator=_gen(1)) if psw else None
+    sw = sf.distribute(w, spec, mesh=mesh).requires_grad_()
+    spsw = sf.distribute(weights, P(), mesh=mesh).requires_grad_() if psw else None
+    with sf.debug.CommCounter() as cc:
+        out = _bag(sw, mode, spsw, pad, last)
+    row_axes = spec[0] if len(spec) else None
+    row_axes = (row_axes,) if isinstance(row_axes, str) else tuple(row_axes or ())
+    if mode == "max" and row_axes:
+        pass  # max over split rows has no rule: the rows are gathered (no warning)
+    else:
+        assert cc.total == 0, cc
+        assert set(a for a, _ in out._layout.partial) == set(row_axes), out.spec
+    ref_w = w.clone().requires_grad_()
+    ref_psw = weights.clone().requires_grad_() if psw else None
+    ref = _bag(ref_w, mode, ref_psw, pad, last)
+    torch.testing.assert_close(out.full_tensor(), ref)
+    g = torch.randn(ref.shape, generator=_gen(2))
+    col = spec[1] if len(spec) > 1 else None
+    sg = sf.distribute(g, P(None, col), mesh=mesh)
+    with sf.debug.CommCounter() as cc:
+        grads = torch.autograd.grad(out, (sw, spsw) if psw else (sw,), sg)
+    if not row_axes and not psw:
+        assert cc.total == 0, cc
+    ref_grads = torch.autograd.grad(ref, (ref_w, ref_psw) if psw else (ref_w,), g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.full_tensor(), b)
+
+
+@pytest.mark.parametrize("spec", [P(None, ("dp", "tp")), P("dp", "tp"), P(("dp", "tp"))], ids=str)
+@pytest.mark.parametrize("last", [False, True])
+def test_embedding_bag_per_sample_weights(mesh22: sf.Mesh, spec: P, last: bool) -> None:
+    _check_bag(mesh22, spec, "sum", None, psw=True, last=last)
+
+
+def test_embedding_bag_rows_inf_and_out_of_range(mesh2: sf.Mesh) -> None:
+    """A row of inf held by one device adds 0, not nan, on the others; an index outside the
+    vocabulary raises IndexError as torch does."""
+    w = torch.randn(V, D, generator=_gen())
+    w[3] = float("inf")
+    sw = sf.distribute(w, P("x"), mesh=mesh2)
+    torch.testing.assert_close(_bag(sw, "sum").full_tensor(), _bag(w, "sum"))
+    with pytest.raises(IndexError):
+        _bag(sw, "sum", idx=torch.tensor([1, V]), off=torch.tensor([0]))
+
+
+def test_embedding_bag_module_2d_input(mesh22: sf.Mesh) -> None:
+    """nn.EmbeddingBag on a (batch, bag) input split over the batch: the integer indices are
+    gathered, the table's columns stay split and its gradient too."""
+    bag = torch.nn.EmbeddingBag(V, 8, mode="mean")
+    x = torch.randint(0, V, (4, 3), generator=_gen(3))
+    ref = bag(x)
+    w = sf.distribute(bag.weight.detach(), P(None, "tp"), mesh=mesh22).requires_grad_()
+    out = F.embedding_bag(sf.distribute(x, P("dp"), mesh=mesh22), w, mode="mean")
+    torch.testing.assert_close(out.full_tensor(), ref)
+    gy = torch.randn(ref.shape, generator=_gen(4))
+    with sf.debug.CommCounter() as cc:
+        (g,) = torch.autograd.grad(out, w, sf.distribute(gy, P(None, "tp"), mesh=mesh22))
+    # only the saved integer indices (flattened from the dp-split batch) are gathered again
+    assert cc.bytes <= x.numel() * 8 and {r.axes for r in cc.records} <= {("dp",)}, cc
+    (rg,) = torch.autograd.grad(ref, bag.weight, gy)
+    torch.testing.assert_close(g.full_tensor(), rg)
+    assert g.spec == P(None, "tp")
+
+
+@pytest.mark.parametrize("spec", [P(None, "tp"), P("dp"), P("dp", "tp")], ids=str)
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_on_meta_mesh(spec: P, mode: str) -> None:
+    """CUDA's kernels (the meta kernels stand in): the columns stay split, the rows pending."""
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    w = sf.distribute(torch.randn(V, D, device="meta"), spec, mesh=mesh).requires_grad_()
+    with sf.debug.CommCounter() as cc:
+        out = _bag(w, mode, idx=IDX.to("meta"), off=OFF.to("meta"))
+    if mode == "max" and spec[0]:
+        return
+    assert cc.total == 0, cc
+    assert out.shape == (OFF.shape[0], D)
+    assert out._layout.dims == ((), ("tp",) if len(spec) > 1 else ()), out.spec
+    assert out._layout.partial == ((("dp", "sum"),) if spec[0] else ()), out.spec
+    if not spec[0]:
+        with sf.debug.CommCounter() as cc:
+            (g,) = torch.autograd.grad(out, w, sf.distribute(torch.ones(out.shape, device="meta"), P(None, "tp"), mesh=mesh))
+        assert cc.total == 0 and g.spec == P(None, "tp"), (cc, g.spec)
+
+
+def test_embedding_bag_float16_rows_are_not_pending(mesh2: sf.Mesh) -> None:
+    """A device's part of a float16 bag may overflow where the bag does not: no pending sum."""
+    w = torch.zeros(V, D, dtype=torch.float16)
+    w[1], w[2], w[7] = 40000, 30000, -40000
+    out = _bag(sf.distribute(w, P("x"), mesh=mesh2), "sum")
+    assert not out._layout.partial
+    torch.testing.assert_close(out.full_tensor(), _bag(w, "sum"))
