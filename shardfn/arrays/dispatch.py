@@ -47,6 +47,12 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     special and in-place ops) takes ``_dispatch``. The first read of a fresh buffer (``fresh.py``:
     ``ones_like`` seeding a backward, a ``.contiguous()`` copy) ends its freshness, as ``_dispatch``
     would first, and then takes the fast path too."""
+    if _inference_mode_enabled() and _aliases.is_view(func) and _normal_base(args) and not _decomposes(func):
+        # a view of a normal tensor is a normal tensor, in inference mode too: torch gives it
+        # its base's version counter, which a wrapper made in inference mode (an inference
+        # tensor) cannot hold ("Cannot set version_counter for inference tensor", pytorch#112024)
+        with torch.inference_mode(False), torch.no_grad():
+            return dispatch(func, args, kwargs)
     fkey = _fast_key(func, args, kwargs)
     if fkey is None and _fresh_ops.reads_values(func) and note_reads(args, kwargs):
         fkey = _fast_key(func, args, kwargs)
@@ -82,6 +88,31 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             note_recomputed(func, args, kwargs, out, aten.view.default)
         mark_fresh(out)
     return out
+
+
+_inference_mode_enabled = torch.is_inference_mode_enabled
+
+
+def _normal_base(args: tuple) -> bool:
+    """Whether a view op's base (its first argument) is a tensor made outside inference mode."""
+    return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_inference()
+
+
+def _decomposes(func: Any) -> bool:
+    """Whether ``func`` runs as torch's own decomposition: an op with a CompositeImplicitAutograd
+    kernel and no rule of its own reaches dispatch only where autograd's keys are skipped
+    (``torch.inference_mode``: ``flatten``, ``matmul``, ``layer_norm`` ...), and its parts have
+    rules; replicating it whole would gather every input."""
+    d = _DECOMPOSES.get(func)
+    if d is None:
+        d = _DECOMPOSES[func] = (
+            func not in _SPECIAL and _rules.lookup(func) is None
+            and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE))
+    return d
+
+
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_DECOMPOSES: dict[Any, bool] = {}
 
 
 def _new_arrays(out: Any, args: tuple) -> bool:
@@ -146,6 +177,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict, fkey: tuple | None = None) -
                 if entry is not None:
                     _remember_fast(fkey, func, entry)
             return out
+    if _decomposes(func):
+        return func.decompose(*args, **kwargs)
     if func._schema.is_mutable:
         return _inplace.run_mutating(func, args, kwargs)
     if func in _BATCH_NORMS:
@@ -418,4 +451,5 @@ def _key(func: Any, leaves: list) -> tuple:
 _SPECIAL: dict[Any, Callable] = _rules.SPECIAL  # the rule families add theirs (losses, random ops)
 _SPECIAL.update(special_ops.HANDLERS)
 _rules.on_change(_cache.clear)  # a registered rule replaces what cached entries chose
+_rules.on_change(_DECOMPOSES.clear)  # (and a composite op given a rule runs by it)
 _array._dispatch_fn = dispatch  # ShardedArray.__torch_dispatch__ calls it (array.py cannot import this module)
