@@ -104,3 +104,32 @@ def test_tensor_parallel_model_forward():
         got = got.full_tensor()
     torch.testing.assert_close(got, block(x, w1, w2))
     assert comm.counts.get("all_gather", 0) == 0, comm
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hugging_face_tensor_parallel_logits(family):
+    """A Hugging Face decoder, tensor-parallel (Megatron's column / row split), under inference
+    mode: the logits of the unsharded model and the all_reduces of no_grad, no fallback."""
+    transformers = pytest.importorskip("transformers")
+    from _hf_common import close, logits
+
+    col, row = P("tp", None), P(None, "tp")
+    rules = [(r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", col), (r"(q_proj|k_proj|v_proj)\.bias$", P("tp")),
+             (r"(o_proj|down_proj)\.weight$", row)]
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    mesh = sf.Mesh((2, 2), ("dp", "tp"))
+    params = sf.nn.shard_params(model, rules, mesh=mesh, unmatched="ignore")
+    plain = {n: t.detach().clone() for n, t in model.named_parameters()}
+    ids = torch.randint(5, 128, (4, 8), generator=torch.Generator().manual_seed(1))
+    sids = sf.distribute(ids, P("dp"), mesh=mesh)
+    with torch.no_grad(), sf.debug.CommCounter() as no_grad:
+        logits(model, params, sids)
+    with torch.inference_mode(), sf.debug.CommCounter() as inference:
+        got = logits(model, params, sids)
+        want = logits(model, plain, ids)
+    close(got, want)
+    assert dict(inference.counts) == dict(no_grad.counts) == {"all_reduce": 4}
