@@ -33,8 +33,9 @@ def _input_letters(ndim: int, training: bool) -> tuple:
 @attrs.frozen
 class BatchNorm:
     """Forward or backward. ``training``: the ``train`` flag's argument name, or the mode itself
-    (always training: ``cudnn_batch_norm_backward``; never: ``_native_batch_norm_legit_no_training``); ``like_input``: the arguments and outputs
-    shaped like the input; ``grads``: outputs that sum over the batch and spatial dims."""
+    (always training: ``cudnn_batch_norm_backward``; never: ``_native_batch_norm_legit_no_training``);
+    ``like_input``: the arguments and outputs shaped like the input; ``grads``: outputs that sum
+    over the batch and spatial dims."""
 
     training: str | bool = "training"
     like_input: tuple[str, ...] = ("input",)
