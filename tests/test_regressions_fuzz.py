@@ -2472,3 +2472,46 @@ def test_a_move_keeps_the_lazy_conj_flag(move, dst):
     f = lambda v: torch.view_as_real(getattr(sf, move)(v.conj(), P(None)))  # noqa: E731
     with pytest.raises(RuntimeError, match="unresolved conjugated"):
         torch.func.vmap(f, in_dims=-1)(sf.distribute(x, P(), mesh=mesh))
+
+
+# -- a replicated product runs the GEMM a device runs (fuzzer seed 5824102146 --gen 5) -----------
+
+
+@pytest.mark.filterwarnings("ignore::shardfn.FallbackWarning")  # cholesky of a replicated matrix
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("mesh_shape", [(2,), (4, 2)])
+def test_replicated_complex_product_of_infinities_is_torchs(n, mesh_shape):
+    """A replicated matmul ran as torch.matmul of its one stored copy with a leading dim of 1:
+    a bmm, whose CPU kernel for small matrices multiplies complex values as (ac - bd, ad + bc)
+    and gave inf+nanj where torch's mm (and a device's) gives nan+nanj; cholesky of the
+    product then returned where torch raised."""
+    mesh = sf.Mesh(mesh_shape, ("x", "y")[: len(mesh_shape)])
+    inf = float("inf")
+    v = torch.randn(n, n + 1, dtype=torch.complex128)
+    v[0, 0] = complex(-inf, -inf)
+    b = v[:, :n]
+    B = sf.distribute(v, P(), mesh=mesh)[:, :n]
+    ref = b @ b.mT.conj()
+    got = B @ B.mT.conj()
+    assert torch.equal(torch.isnan(torch.view_as_real(got.full_tensor())), torch.isnan(torch.view_as_real(ref)))
+    _close(got, ref, equal_nan=True)
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(ref + torch.eye(n, dtype=ref.dtype))
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(got + torch.eye(n, dtype=ref.dtype))
+
+
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_replicated_product_values_and_grads(spec):
+    """Finite values and gradients of the same products (the 2-d GEMM path, scaled or not)."""
+    mesh = sf.Mesh((2,), ("x",))
+    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    A = sf.distribute(a, spec, mesh=mesh).requires_grad_()
+    Bs = sf.distribute(b, P(), mesh=mesh).requires_grad_()
+    al, bl = a.clone().requires_grad_(), b.clone().requires_grad_()
+    out, ref = (A @ Bs) * 2, (al @ bl) * 2
+    _close(out, ref)
+    out.sum().backward()
+    ref.sum().backward()
+    _close(A.grad, al.grad)
+    _close(Bs.grad, bl.grad)

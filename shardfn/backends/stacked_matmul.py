@@ -39,7 +39,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor
     if plan is _UNSET:
         plan = _cached_plan(a, b, key)
     if plan is None:
-        if alpha != 1 and all(n == 1 for n in (*a.shape[:-2], *b.shape[:-2])):  # one GEMM, scaled by it
+        if all(type(n) is int and n == 1 for n in (*a.shape[:-2], *b.shape[:-2])):  # (no guard on a symbolic size)
+            # one GEMM (a replicated product's single stored copy): the 2-d mm a device runs, not
+            # torch.matmul's bmm of one matrix, whose CPU kernel for small ones (< 400 products)
+            # multiplies complex values another way: inf+nanj where mm gives nan+nanj (then
+            # cholesky of the product returned where torch's raised; fuzzer seed 5824102146)
             out = _mm(a.view(a.shape[-2:]), b.view(b.shape[-2:]), alpha)
             return out.view(*a.shape[:-2], *out.shape)
         return _scaled(torch.matmul(a, b), alpha)
