@@ -80,6 +80,8 @@ FOUND = [
     (5794755900, 3),  # vmap(in_dims=1) of is_contiguous: torch's vmap and its per-example run differ; either answer
     (5794753736, 3),  # compile_dynamic hinge_embedding_loss: empty_like of a dynamic size hashed a SymInt
     (5794766001, 3),  # compile_dynamic recompile, uneven parts -> stacked input: Dynamo read _part_1 explaining it
+    (5824102146, 5),  # cholesky of a replicated b @ b^H of -inf-infj: bmm's small kernel gave inf+nanj (mm: nan+nanj)
+    (5824103705, 5),  # vmap(in_dims=-1) float32 sum of 2e4 - 2e4 + small: another order, as accurate (oracle: float64)
 ]
 
 
@@ -131,6 +133,36 @@ def test_step_by_step_oracle_still_catches_a_wrong_step():
     case = _split_product_case()
     case.steps[-1] = off_last
     assert fuzz.run_case(case) is not None
+
+
+def _cancelling_sum_case(wrong: float = 1.0):
+    """float32 rows of 0.3 + 2e4 + 0.3 - 2e4 summed: torch's order gives 0.6016 (20000.3 rounds
+    to the 2e4 ulp, 0.002); the "sharded" side sums the same terms in another order (0.6)."""
+    x = torch.tensor([[0.3, 2e4, 0.3, -2e4], [0.1, -1e4, 0.7, 1e4]], dtype=torch.float32)
+
+    def reordered_sum(v, A):
+        if isinstance(v, fuzz.sf.ShardedArray):
+            return v[:, [1, 3, 0, 2]].sum(-1) * wrong
+        return v.sum(-1)
+
+    steps = [fuzz.Step("mul", lambda v, A: v * 1.0, "mul"), fuzz.Step("sum", reordered_sum, "sum")]
+    return fuzz.Case(None, (2,), x, fuzz.P(None, "x"), steps, "value", loosest=torch.float32)
+
+
+def test_float32_cancelling_sum_is_judged_by_its_float64_error():
+    """A float32 step that misses the tolerance passes where its error against the float64 step
+    is at most 4x torch's own (a cancelling sum in another order); a 5% wrong one still fails,
+    as does one with another non-finite entry."""
+    v = _cancelling_sum_case().x
+    wide = lambda u: u.sum(-1)  # noqa: E731
+    ref, other = v.sum(-1), v[:, [1, 3, 0, 2]].sum(-1)
+    assert not torch.allclose(other, ref, rtol=1e-4, atol=1e-4)  # past the float32 tolerance
+    assert fuzz._as_accurate(other, ref, wide, v)
+    assert not fuzz._as_accurate(other * 1.05, ref, wide, v)  # 0.03 off: past 4x torch's 0.0016
+    assert not fuzz._as_accurate(torch.tensor([float("nan"), other[1]]), ref, wide, v)
+    assert not fuzz._as_accurate(other, ref, lambda u: u.float().sum(-1), v)  # no wider form: no verdict
+    assert fuzz.run_case(_cancelling_sum_case()) is None
+    assert fuzz.run_case(_cancelling_sum_case(1.05)) is not None
 
 
 def test_chains_stop_growing_past_the_size_cap():

@@ -2156,7 +2156,12 @@ def _steps_agree(case: Case, X: Any, x: torch.Tensor, in_dims: int | None) -> bo
                 ref = call(lambda u, st=st: st.fn(u, plain), v, dims)
                 got = outs[k]
                 pair = _undone_pair(case, got, ref, st.name) if last else (got, ref)
-                _compare(*pair, f"step {k} ({st.name})", v.dtype, st.inverse if st.undo is None else None)
+                try:
+                    _compare(*pair, f"step {k} ({st.name})", v.dtype, st.inverse if st.undo is None else None)
+                except Mismatch:
+                    if (last and st.undo is not None) or not _as_accurate(
+                            got, ref, lambda u, st=st: call(lambda w: st.fn(w, plain), u, dims), v):
+                        raise
             except Exception:  # noqa: BLE001 - a step torch cannot run on it, or one that misses
                 return False
             if last:
@@ -2166,6 +2171,36 @@ def _steps_agree(case: Case, X: Any, x: torch.Tensor, in_dims: int | None) -> bo
             v = (got.full_tensor() if isinstance(got, sf.ShardedArray) else got).detach()
             dims = None if in_dims is None else 0
     return True
+
+
+def _as_accurate(got: Any, ref: Any, op: Callable[[torch.Tensor], Any], v: torch.Tensor) -> bool:
+    """Whether a float32 / complex64 step's result is as accurate as torch's own: both measured
+    against the step run in float64 on the same input, shardfn's error (normwise) at most 4
+    times torch's, with the same non-finite entries. A sum whose terms cancel (1e4 - 1e4 +
+    small) is known to float32 only to eps times its terms, far past the tolerance on a small
+    result; another summation order (a replicated value's rows reduced in the stacked
+    simulation's layout, torch's kernel in its own) lands elsewhere within that error (seed
+    5824103705 --gen 5: vmap(in_dims=-1) of a sum over 6 rows holding 2e4 and -2e4, -4.38477
+    against torch's -4.38672, float64 -4.38581). False where the step has no float64 form."""
+    if v.dtype not in (torch.float32, torch.complex64) or not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return False
+    if isinstance(got, sf.ShardedArray):
+        got = got.full_tensor()
+    if ref.dtype not in (torch.float32, torch.complex64) or got.dtype != ref.dtype or got.shape != ref.shape:
+        return False
+    try:
+        wide = op(v.to(torch.complex128 if v.is_complex() else torch.float64))
+    except Exception:  # noqa: BLE001 - no float64 form of this step
+        return False
+    if not isinstance(wide, torch.Tensor) or wide.shape != ref.shape or wide.dtype not in (torch.float64, torch.complex128):
+        return False  # (a step that casts back, type_as or .to: its float64 run is not wider)
+    g, r, w = (t.detach().to(wide.dtype) for t in (got, ref, wide))
+    fin = torch.isfinite(w) & torch.isfinite(r)
+    if (not torch.equal(torch.isfinite(g), torch.isfinite(r)) or not torch.equal(fin, torch.isfinite(r))
+            or not torch.equal(g[~fin].nan_to_num(), r[~fin].nan_to_num())):
+        return False  # the same non-finite entries, as _normwise_close asks
+    err_torch = torch.linalg.vector_norm(r[fin] - w[fin])
+    return bool(err_torch > 0 and torch.linalg.vector_norm(g[fin] - w[fin]) <= 4 * err_torch)
 
 
 def _inverse(case: Case) -> Callable[[torch.Tensor], torch.Tensor] | None:
