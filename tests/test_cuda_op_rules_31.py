@@ -229,3 +229,78 @@ def test_cdist_broadcast_batch_and_meta(mesh22: sf.Mesh) -> None:
     assert cc.total == 0, cc
     assert out.spec == P("dp", "tp") and ga.spec == P("dp", "tp"), (out.spec, ga.spec)
     assert gb._layout.dims[0] == ("dp",) and gb._layout.partial == (("tp", "sum"),), gb.spec  # x1's points summed
+
+
+# -- masked softmax -----------------------------------------------------------------------------
+
+B_, H_, L_ = 3, 4, 5  # uneven batch over 2
+
+
+def _masks(kind: str) -> tuple[torch.Tensor, int | None]:
+    g = _gen(7)
+    if kind == "full":
+        m = torch.rand(B_, H_, L_, L_, generator=g) > 0.6
+        m[..., 0] = False  # no row wholly masked (torch's mask_type None gives nan there, 2 zeros)
+        return m, 2
+    if kind == "attn":  # (L, L), mask_type 0
+        return torch.ones(L_, L_, dtype=torch.bool).triu(1), 0
+    m = torch.zeros(B_, L_, dtype=torch.bool)  # (B, L) key padding, mask_type 1
+    m[0, 3:], m[2, 4:] = True, True
+    return m, 1
+
+
+def _mask_spec(kind: str, x_spec: P) -> P:
+    s = tuple(x_spec) + (None,) * (4 - len(x_spec))
+    return P(*s) if kind == "full" else P() if kind == "attn" else P(s[0])
+
+
+@pytest.mark.parametrize("kind", ["full", "attn", "pad"])
+@pytest.mark.parametrize("spec", [P("dp", "tp"), P(None, ("dp", "tp")), P("tp", None, "dp"), P(None, None, "tp")],
+                         ids=str)
+def test_masked_softmax_splits_other_dims(mesh22: sf.Mesh, kind: str, spec: P) -> None:
+    """Batch, heads and query rows split: no collective, values equal torch's; with a full
+    mask the backward too."""
+    x = torch.randn(B_, H_, L_, L_, generator=_gen(8))
+    mask, mtype = _masks(kind)
+    sx = sf.distribute(x, spec, mesh=mesh22).requires_grad_()
+    sm = sf.distribute(mask, _mask_spec(kind, spec), mesh=mesh22)
+    with sf.debug.CommCounter() as cc:
+        out = aten._masked_softmax(sx, sm, -1, mtype)
+    if kind == "full" or not spec[2:]:  # a (L, L) or (B, L) mask keeps x's last two dims whole
+        assert cc.total == 0, cc
+        assert out.spec == spec
+    torch.testing.assert_close(out.full_tensor(), aten._masked_softmax(x, mask, -1, mtype))
+    if kind == "full":
+        g = torch.randn(x.shape, generator=_gen(9))
+        ref = aten._masked_softmax(x, mask, -1, mtype)
+        with sf.debug.CommCounter() as cc:
+            got = aten._masked_softmax_backward(sf.distribute(g, spec, mesh=mesh22), out, sm, -1)
+        assert cc.total == 0, cc
+        torch.testing.assert_close(got.full_tensor(), aten._masked_softmax_backward(g, ref, mask, -1))
+        # autograd reaches the same backward
+        (ga,) = torch.autograd.grad(out, sx, sf.distribute(g, spec, mesh=mesh22))
+        xr = x.clone().requires_grad_()
+        (gr,) = torch.autograd.grad(aten._masked_softmax(xr, mask, -1, mtype), xr, g)
+        torch.testing.assert_close(ga.full_tensor(), gr)
+
+
+def test_masked_softmax_split_softmax_dim_is_gathered(mesh2: sf.Mesh) -> None:
+    """The softmax dim split (dim 1 here, and the last dim): gathered, values right."""
+    x = torch.randn(B_, H_, L_, L_, generator=_gen(8))
+    mask, _ = _masks("full")
+    for dim in (1, -1):
+        spec = P(None, "x") if dim == 1 else P(None, None, None, "x")
+        out = aten._masked_softmax(sf.distribute(x, spec, mesh=mesh2), sf.distribute(mask, spec, mesh=mesh2), dim, 2)
+        torch.testing.assert_close(out.full_tensor(), aten._masked_softmax(x, mask, dim, 2))
+
+
+def test_masked_softmax_on_meta_mesh() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    x = sf.distribute(torch.randn(B_, H_, L_, L_, device="meta"), P("dp", "tp"), mesh=mesh)
+    for kind in ("full", "attn", "pad"):
+        mask, mtype = _masks(kind)
+        with sf.debug.CommCounter() as cc:
+            out = aten._masked_softmax(x, sf.distribute(mask.to("meta"), _mask_spec(kind, P("dp", "tp")), mesh=mesh),
+                                       -1, mtype)
+        assert cc.total == 0 and out.spec == P("dp", "tp"), (kind, cc, out.spec)
+
