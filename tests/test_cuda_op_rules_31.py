@@ -5,6 +5,8 @@ collectives a rule promises none of counted; CUDA-only kernels on meta meshes.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -368,3 +370,69 @@ def test_segment_reduce_on_meta_mesh() -> None:
                                                             mesh=mesh))
     assert cc.total == 0, cc
     assert out.spec == P("dp", None, "tp") and g.spec == P("dp", None, "tp"), (out.spec, g.spec)
+
+
+# -- CUDA's fused dropout -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def masked_scale_cpu() -> Iterator[None]:
+    """A test-only CPU kernel for CUDA's ``_masked_scale`` (x * mask * scale)."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_masked_scale", lambda x, mask, scale: x * mask * scale, "CPU")
+    yield
+    lib._destroy()
+
+
+def _fused(x: torch.Tensor, keep: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    out, mask = aten._fused_dropout(x, keep)
+    return out.full_tensor(), mask.full_tensor()
+
+
+@pytest.mark.parametrize("keep", [0.7, 1.0])
+def test_fused_dropout_does_not_depend_on_the_sharding(mesh22: sf.Mesh, masked_scale_cpu: None, keep: float) -> None:
+    """``_fused_dropout`` (p: the probability of keeping) draws from global indices like
+    native_dropout: the same values for every layout (uneven 5 x 3), uint8 mask, x * mask / p,
+    gradient g * mask / p (autograd's ``_masked_scale``: a test-only CPU kernel); the
+    generator advances alike."""
+    x = torch.randn(5, 3, generator=_gen(16))
+    one = sf.Mesh((1,), ("r",), backend="local")
+    want = _fused(sf.distribute(x, P(), mesh=one), keep, 3)
+    after = torch.rand(2)
+    assert want[1].dtype == torch.uint8 and want[1].shape == x.shape
+    torch.testing.assert_close(want[0], x * want[1] * (1 / keep))
+    if keep < 1:
+        assert 0 < int(want[1].sum()) < x.numel()
+    for mesh, spec in ((mesh22, P("dp", "tp")), (mesh22, P(("tp", "dp"))), (mesh22, P(None, "dp")), (one, P())):
+        sx = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+        got = _fused(sx, keep, 3)
+        assert torch.equal(torch.rand(2), after)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), spec
+        torch.manual_seed(3)
+        out, mask = aten._fused_dropout(sx, keep)
+        assert out.spec == spec
+        g = torch.randn(x.shape, generator=_gen(17))
+        (gx,) = torch.autograd.grad(out, sx, sf.distribute(g, spec, mesh=mesh))
+        torch.testing.assert_close(gx.full_tensor(), g * want[1] * (1 / keep))
+
+
+@pytest.mark.parametrize("spec", [P("dp", "tp"), P(None, ("dp", "tp")), P("tp")], ids=str)
+def test_masked_scale_pointwise(mesh22: sf.Mesh, masked_scale_cpu: None, spec: P) -> None:
+    x = torch.randn(5, 6, generator=_gen(18))
+    mask = (torch.rand(5, 6, generator=_gen(19)) > 0.3).to(torch.uint8)
+    with sf.debug.CommCounter() as cc:
+        out = aten._masked_scale(sf.distribute(x, spec, mesh=mesh22), sf.distribute(mask, spec, mesh=mesh22), 1.25)
+    assert cc.total == 0 and out.spec == spec, cc
+    torch.testing.assert_close(out.full_tensor(), x * mask * 1.25)
+
+
+def test_fused_dropout_and_masked_scale_on_meta_mesh() -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type="meta")
+    x = sf.distribute(torch.randn(5, 6, device="meta"), P("dp", "tp"), mesh=mesh)
+    with sf.debug.CommCounter() as cc:
+        out, mask = aten._fused_dropout(x, 0.8)
+        scaled = aten._masked_scale(x, mask, 1.25)
+    assert cc.total == 0, cc
+    assert out.spec == mask.spec == scaled.spec == P("dp", "tp")
+    assert mask.dtype == torch.uint8 and out.device.type == "meta"

@@ -20,6 +20,7 @@ in-place policy (``shardfn/arrays/inplace/policy.py``); on an array the user hol
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -208,6 +209,27 @@ def _native_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
                 stride=_like_strides(x)), mask
 
 
+def _fused_dropout(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's legacy fused dropout, ``_fused_dropout(x, p)``: ``p`` is the probability of
+    *keeping* an element (``F.dropout`` reaches ``native_dropout`` instead; TorchScript and
+    older callers this). The mask is drawn as ``native_dropout``'s, from global indices, so the
+    values do not depend on the sharding; the output is the kernel's ``x * mask * (1 / p)``
+    and the mask uint8, as CUDA makes them."""
+    b = bind(func, args, kwargs)
+    x, keep = b["self"], float(b["p"])
+    k = _random._next_key(b.get("generator"), x.device)
+    shape, layout = _target(x)
+    mask = _random.bernoulli(k, keep, shape, layout, dtype=torch.uint8)
+    scale = 1.0 / keep if keep > 0.0 else math.inf  # the kernel's 1 / p (a float: no ZeroDivisionError)
+    mesh, xs = layout.mesh, raw_reshard(x, layout)
+
+    def scaled(dev: int, box: Box) -> torch.Tensor:
+        return _shard_of(xs, mesh, dev) * _shard_of(mask._local, mesh, dev).to(x.dtype) * scale
+
+    return wrap(_from_boxes(layout, shape, scaled, x.dtype, x.device), layout, shape, x.dtype,
+                stride=_like_strides(x)), mask
+
+
 # -- empty arrays and functional fills -------------------------------------------------------
 
 
@@ -266,6 +288,7 @@ SPECIAL: dict[Any, Callable] = {
     aten.normal.float_Tensor: _normal,
     aten.normal.Tensor_Tensor: _normal,
     aten.native_dropout.default: _native_dropout,
+    aten._fused_dropout.default: _fused_dropout,
     aten.empty_like.default: _empty_like,
     aten.new_empty.default: _new_empty,
     # autograd's gradient layout contract asks for one when a gradient's strides differ from its

@@ -349,6 +349,7 @@ _UNTAGGED = (
     "hardswish", "hardsigmoid", "mish", "logit_backward", "threshold", "celu", "selu",
     "silu_backward", "gelu_backward", "lift_fresh_copy", "masked_fill", "polar", "complex",
     "_prelu_kernel", "_prelu_kernel_backward",  # the weight already broadcast against the input (prelu reshapes it)
+    "_masked_scale",  # x * mask * scale: CUDA's fused dropout's backward (no pending sum passes an unknown op)
     # losses, unreduced (rules/loss.py reduces the "mean" / "sum" of sharded inputs by ops)
     *ELEMENTWISE_LOSSES,
 )
