@@ -82,6 +82,7 @@ FOUND = [
     (5794766001, 3),  # compile_dynamic recompile, uneven parts -> stacked input: Dynamo read _part_1 explaining it
     (5824102146, 5),  # cholesky of a replicated b @ b^H of -inf-infj: bmm's small kernel gave inf+nanj (mm: nan+nanj)
     (5824103705, 5),  # vmap(in_dims=-1) float32 sum of 2e4 - 2e4 + small: another order, as accurate (oracle: float64)
+    (5826296477, 5),  # compiled embedding_bag, 1 float16 column over 6 devices: the CPU kernel rejects a 0-column shard
 ]
 
 

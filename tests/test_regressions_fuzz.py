@@ -2515,3 +2515,30 @@ def test_replicated_product_values_and_grads(spec):
     ref.sum().backward()
     _close(A.grad, al.grad)
     _close(Bs.grad, bl.grad)
+
+
+# -- embedding_bag with a device holding none of the weight's columns (fuzzer seed 5826296477) ---
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("ispec", [P(), P("y", None)])
+def test_embedding_bag_of_a_column_split_that_leaves_a_device_none(mode, ispec, dtype):
+    """2 columns over 3 devices: one device's weight shard has no columns, which torch's CPU
+    kernel (its float32 / float16 sum and mean path) rejects (``Expected i < index_size``):
+    shardfn raised where torch computed."""
+    mesh = sf.Mesh((3,), ("y",))
+    w = torch.randn(5, 2, dtype=dtype)
+    idx = torch.tensor([[4, 1], [2, 2], [0, 3]])
+    wl = w.clone().requires_grad_()
+    W = sf.distribute(w, P(None, "y"), mesh=mesh).requires_grad_()
+    ref = F.embedding_bag(idx, wl, mode=mode)
+    got = F.embedding_bag(sf.distribute(idx, ispec, mesh=mesh), W, mode=mode)
+    _close(got, ref)
+    (ref * ref).sum().backward()
+    (got * got).sum().backward()
+    _close(W.grad, wl.grad)
+    with pytest.raises(Exception) as torch_err:  # an index outside the vocabulary: torch's error
+        F.embedding_bag(torch.tensor([[5, 0]]), w, mode=mode)
+    with pytest.raises(torch_err.type):
+        F.embedding_bag(sf.distribute(torch.tensor([[5, 0]]), P(), mesh=mesh), W.detach(), mode=mode)

@@ -61,13 +61,36 @@ class EmbeddingBag:
             lays = tuple(replicated(call.mesh, m.dim()) if o is None else o for o, m in zip(c.out_layouts, metas))
             c = attrs.evolve(c, out_layouts=lays)
             if not c.in_layouts[wi].dims[0]:
-                out.append(c)
+                # columns split (or none): a device may hold none of them where they do not divide
+                out.append(attrs.evolve(c, local_fn=_ColumnBag(call.func)) if c.in_layouts[wi].dims[1]
+                           and call.arrays[wi][1].shape[1] else c)
             elif mode != _MAX and metas[0].dtype != torch.float16:
                 # (not float16: a device's part of a bag may overflow where the bag does not)
                 # rows split: the output is a pending sum over the row axes
                 out.append(attrs.evolve(c, local_fn=_VocabBag(call.func, vocab),
                                         facts=(ShardFact("lo", "offset", wi, 0), ShardFact("rows", "size", wi, 0))))
         return out
+
+
+@attrs.frozen
+class _ColumnBag:
+    """One device's bags over its columns of the weight. The CPU kernel rejects a weight of no
+    columns (``Expected i < index_size``), which a column split that does not divide gives a
+    device (2 columns over 3); such a device's outputs have no columns, its auxiliary outputs
+    come from the kernel on one column of zeros (the same bags and sizes, torch's IndexError for
+    an index outside the vocabulary), as in ``_VocabBag`` (fuzzer seed 5826296477 --gen 5)."""
+
+    op: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple:
+        b = bind(self.op, args, kwargs)
+        weight = b["weight"]
+        if weight.shape[1] != 0:
+            return self.op(*args, **kwargs)
+        one = torch.zeros(weight.shape[0], 1, dtype=weight.dtype, device=weight.device)
+        out, offset2bag, bag_size, max_indices = self.op(one, *args[1:], **kwargs) if args else self.op(
+            **{**kwargs, "weight": one})
+        return out[:, :0], offset2bag, bag_size, max_indices[:, :0] if max_indices.dim() == 2 else max_indices
 
 
 @attrs.frozen
