@@ -83,6 +83,8 @@ FOUND = [
     (5824102146, 5),  # cholesky of a replicated b @ b^H of -inf-infj: bmm's small kernel gave inf+nanj (mm: nan+nanj)
     (5824103705, 5),  # vmap(in_dims=-1) float32 sum of 2e4 - 2e4 + small: another order, as accurate (oracle: float64)
     (5826296477, 5),  # compiled embedding_bag, 1 float16 column over 6 devices: the CPU kernel rejects a 0-column shard
+    (5827450650, 3),  # vmap of embedding_bag: the CPU kernel's max_indices is per bag where the meta kernel's is empty
+    (5827455820, 3),  # the same, a replicated bfloat16 weight on 16 devices
 ]
 
 

@@ -433,6 +433,32 @@ def test_compiled_product_of_an_uneven_3d_array_with_dynamic_sizes(spec, op):
     _close(torch.compile(fn, backend="aot_eager", dynamic=True)(X), x @ w)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("last", [False, True])
+@pytest.mark.parametrize("spec", [P(), P(None, "y"), P("x")])
+def test_embedding_bag_outputs_shaped_as_the_cpu_kernel(mode, last, spec):
+    """``_embedding_bag``'s auxiliary outputs on a CPU mesh have the CPU kernel's shapes (bag_size
+    and max_indices one per bag in sum / mean mode, one bag fewer with include_last_offset; the
+    meta kernel, CUDA's, makes max_indices empty): vmap reshaped each device's outputs to the
+    meta shapes and raised (fuzzer seeds 5827450650, 5827455820). Eager and under vmap."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    torch.manual_seed(5)
+    w, idx = torch.randn(12, 6, dtype=torch.float64), torch.tensor([9, 0, 1, 3, 11])
+    offsets = torch.tensor([0, 2, 3, 5] if last else [0, 2, 3])
+    ws = sf.distribute(w, spec, mesh=mesh)
+    op = torch.ops.aten._embedding_bag.default
+    m = {"sum": 0, "mean": 1, "max": 2}[mode]
+    want = op(w, idx, offsets, False, m, False, None, last, -1)
+    got = op(ws, sf.distribute(idx, P(), mesh=mesh), sf.distribute(offsets, P(), mesh=mesh), False, m, False, None,
+             last, -1)
+    assert [tuple(g.shape) for g in got] == [tuple(r.shape) for r in want]
+    for g, r in zip(got[:3], want[:3]):
+        _close(g, r)
+    wb = torch.randn(3, 12, 6, dtype=torch.float64)
+    f = lambda v: F.embedding_bag(idx, v, offsets, mode=mode, include_last_offset=last)  # noqa: E731
+    _close(torch.vmap(f)(sf.distribute(wb, P(None, *spec), mesh=mesh)), torch.vmap(f)(wb))
+
+
 # -- errors that name the problem ----------------------------------------------------------------
 
 

@@ -160,6 +160,35 @@ def _fake_cpu_run(func: Any, args: tuple, kwargs: dict) -> Any:
     return pytree.tree_map(_as_meta, out)
 
 
+# ops whose CPU kernels shape their auxiliary outputs otherwise than their meta kernels (CUDA's):
+# _embedding_bag's bag_size and max_indices (sum / mean: one per bag on the CPU, empty on meta;
+# include_last_offset: one bag fewer on the CPU)
+_SHAPED_BY_KERNEL = frozenset({aten._embedding_bag.default, aten._embedding_bag_forward_only.default})
+
+
+def _shaped_by_kernel(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` shaped as the CPU kernel shapes it: the kernel on stand-ins of the arguments'
+    sizes (zero indices and offsets, a weight of one row: the shapes follow the sizes, not the
+    values); ``out`` as it is where the sizes are symbolic or the stand-ins are refused."""
+    if not _static(pytree.tree_leaves((args, kwargs))):
+        return out
+
+    def stand_in(t: Any, weight: bool = False) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        shape = (min(t.shape[0], 1), *t.shape[1:]) if weight else tuple(t.shape)
+        return (torch.ones if t.is_floating_point() else torch.zeros)(shape, dtype=t.dtype)
+
+    try:
+        with torch.no_grad():
+            got = func(*(stand_in(a, i == 0) for i, a in enumerate(args)),
+                       **{k: stand_in(v, k == "weight") for k, v in kwargs.items()})
+    except RuntimeError:
+        return out
+    return type(out)(o if o.shape == g.shape else torch.empty(g.shape, dtype=o.dtype, device="meta")
+                     for o, g in zip(out, got))
+
+
 def meta_on_cpu(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func`` on the meta ``args``: its outputs' metadata as torch's CPU kernels make it."""
     leaves = pytree.tree_leaves((args, kwargs))
@@ -171,4 +200,6 @@ def meta_on_cpu(func: Any, args: tuple, kwargs: dict) -> Any:
     fix = _ON_CPU.get(func)
     if fix is not None and out is not None and fix[0](args):
         out = fix[1](args, out)
+    if func in _SHAPED_BY_KERNEL and no_mode:
+        out = _shaped_by_kernel(func, args, kwargs, out)
     return out

@@ -115,7 +115,10 @@ class _VocabBag:
         ones = torch.zeros(self.vocab, 1, dtype=weight.dtype, device=weight.device)
         _, offset2bag, bag_size, max_indices = self.op(ones, indices, offsets, False, mode, False,
                                                        psw, b.get("include_last_offset", False), pad)
-        nbags = bag_size.shape[0]
+        # (not bag_size's length: _embedding_bag_forward_only's CPU kernel keeps one per offset
+        # with include_last_offset, one more than the bags)
+        last = bool(b.get("include_last_offset", False))
+        nbags = max(offsets.shape[0] - 1, 0) if last else offsets.shape[0]
         inside = (indices >= lo) & (indices < lo + rows)
         if pad is not None and pad >= 0:
             inside &= indices != pad
@@ -133,13 +136,13 @@ class _VocabBag:
         pos = torch.arange(indices.shape[0], device=indices.device)
         bag = torch.searchsorted(offsets[:nbags].contiguous(), pos, right=True) - 1
         keep = bag >= 0
-        if b.get("include_last_offset", False) and offsets.shape[0]:
+        if last and offsets.shape[0]:
             keep &= pos < offsets[-1]
         out = torch.zeros(nbags, weight.shape[1], dtype=weight.dtype, device=weight.device)
         out = out.index_add(0, torch.where(keep, bag, torch.zeros_like(bag)),
                             torch.where(keep.unsqueeze(-1), looked, torch.zeros((), dtype=looked.dtype, device=looked.device)))
         if mode == 1:
-            out = out / bag_size.clamp(min=1).unsqueeze(-1).to(out.dtype)
+            out = out / bag_size[:nbags].clamp(min=1).unsqueeze(-1).to(out.dtype)
         return out, offset2bag, bag_size, max_indices
 
 
