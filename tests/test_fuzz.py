@@ -85,6 +85,7 @@ FOUND = [
     (5826296477, 5),  # compiled embedding_bag, 1 float16 column over 6 devices: the CPU kernel rejects a 0-column shard
     (5827450650, 3),  # vmap of embedding_bag: the CPU kernel's max_indices is per bag where the meta kernel's is empty
     (5827455820, 3),  # the same, a replicated bfloat16 weight on 16 devices
+    (5827465177, 3),  # vmap_mid: constraint of an int einsum that vmap left unbatched: Constrain had no vmap rule
 ]
 
 

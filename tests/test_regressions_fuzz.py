@@ -2602,3 +2602,75 @@ def test_compiled_dynamic_backward_specialising_a_forward_outputs_size():
     torch.testing.assert_close(out.full_tensor(), ref.detach())
     (g,) = torch.autograd.grad((out.full_tensor() ** 2).sum(), xs)
     torch.testing.assert_close(g, rg)
+
+
+# -- vmap over a constraint of a value the vmapped function did not batch (fuzzer seed 5827465177) --
+
+
+def _captured(kind, dtype, mesh):
+    """A [5, 3] value made outside the vmapped function: replicated, sharded or pending."""
+    a = (torch.arange(15).reshape(5, 3) % 7 - 3).to(dtype)
+    if kind == "pending":  # a contraction over a split dim: a pending sum on every device
+        b = (torch.arange(20).reshape(5, 4) % 5 - 2).to(dtype)
+        c = (torch.arange(12).reshape(4, 3) % 3 - 1).to(dtype)
+        out = sf.distribute(b, P(None, "x"), mesh=mesh) @ sf.distribute(c, P("x", None), mesh=mesh)
+        assert out.spec.partial, "the case needs a pending value"
+        return out, b @ c
+    return sf.distribute(a, P() if kind == "replicated" else P("x", None), mesh=mesh), a
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float64])
+@pytest.mark.parametrize("kind", ["replicated", "sharded", "pending"])
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x"), P()])
+def test_vmap_over_a_constraint_of_an_unbatched_value(dtype, kind, spec):
+    """Inside torch.func.vmap, a ShardedArray the function captured (or computed from its
+    argument's metadata only, as ``is_contiguous`` einsummed with a sharded weight) has no
+    batch dim, so with_sharding_constraint applied ``Constrain`` to it directly; torch asks
+    an autograd.Function for a vmap rule whenever a vmap is active, and Constrain had none
+    (``You tried to vmap over Constrain``)."""
+    mesh = sf.Mesh((4,), ("x",))
+    C, c = _captured(kind, dtype, mesh)
+    x = (torch.arange(5 * 2 * 3).reshape(5, 2, 3) % 4 - 1).to(dtype)
+    X = sf.distribute(x, P("x", None, None), mesh=mesh)
+    got = torch.func.vmap(lambda v: v + sf.with_sharding_constraint(C, spec), in_dims=1)(X)
+    _close(got, torch.func.vmap(lambda v: v + c, in_dims=1)(x))
+    alone = torch.func.vmap(lambda v: sf.with_sharding_constraint(C * 2, spec), in_dims=1, out_dims=None)(X)
+    assert alone.spec == spec and not alone.spec.partial
+    _close(alone, c * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32])
+@pytest.mark.parametrize("xspec", [P(), P("x", None, None), P(None, "x", None)])
+def test_vmap_over_a_constraint_per_example(dtype, xspec):
+    """The fuzzer's shape (vmap over dim 1, an einsum with a weight split on its first dim,
+    then a constraint) with the argument batched: the constraint applies to each example."""
+    mesh = sf.Mesh((4,), ("x",))
+    x = (torch.arange(8 * 6 * 4).reshape(8, 6, 4) % 5 - 2).to(dtype)
+    w = (torch.arange(16).reshape(4, 4) % 3 - 1).to(dtype)
+    X, W = sf.distribute(x, xspec, mesh=mesh), sf.distribute(w, P("x", None), mesh=mesh)
+    f = lambda v, w: torch.einsum("ij,jk->ik", v, w)  # noqa: E731
+    got = torch.func.vmap(lambda v: sf.with_sharding_constraint(f(v, W), P("x")), in_dims=1)(X)
+    _close(got, torch.func.vmap(lambda v: f(v, w), in_dims=1)(x))
+
+
+@pytest.mark.parametrize("b", [0, 1])
+def test_constrain_vmap_rule_of_a_batched_value(b):
+    """The rule's batched branch (reached by Constrain.apply on a batched array): the batch
+    dim stays beside the constrained dims, unsharded."""
+    from shardfn.arrays.functorch import layout_of
+    from shardfn.transforms.boundary import Constrain
+
+    mesh = sf.Mesh((4,), ("x",))
+    x = torch.randn(4, 4, dtype=torch.float64)
+    X = sf.distribute(x, P("x", None), mesh=mesh)
+    dst = sf.distribute(torch.zeros(4), P("x"), mesh=mesh)._layout
+    seen = []
+
+    def per_example(v):
+        out = Constrain.apply(v, dst)
+        seen.append(layout_of(out))
+        return out * 2
+
+    got = torch.func.vmap(per_example, in_dims=b)(X)
+    _close(got, torch.func.vmap(lambda v: v * 2, in_dims=b)(x))
+    assert seen == [dst]

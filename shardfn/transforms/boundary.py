@@ -26,6 +26,7 @@ import torch
 import torch._C._functorch as _ft
 
 from ..arrays.array import ShardedArray, wrap
+from ..arrays.functorch import insert_dim
 from ..arrays.local_shards import part_weights
 from ..arrays.redistribute import moved, raw_reshard
 from ..backends.registry import backend_for
@@ -488,3 +489,13 @@ class Constrain(torch.autograd.Function):
     def backward(ctx: Any, ct: Any) -> Any:
         layout, shape, dtype = ctx.meta
         return wrap(grad_value(ct, layout), layout, shape, dtype), None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Any, dst: Layout) -> tuple:
+        """Under ``torch.func.vmap`` the constraint applies to each example: a value the
+        vmapped function captured rather than derived from its argument (no batch dim:
+        ``is_contiguous`` of the argument einsummed with a sharded weight) is constrained
+        as it is; a batched one keeps its batch dim, unsharded, beside ``dst``'s dims
+        (torch calls this rule whenever a vmap is active, batched input or not)."""
+        b = in_dims[0]
+        return Constrain.apply(x, dst if b is None else insert_dim(dst, b)), b
