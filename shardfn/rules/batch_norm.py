@@ -47,7 +47,7 @@ class BatchNorm:
         x = b["input"]
         if x.dim() < 2:
             return []
-        training = self.training if isinstance(self.training, bool) else bool(b[self.training])
+        training = self._training(b)
         channels = x.shape[1]
         lx = _input_letters(x.dim(), training)
         names = _schema_info(call.func)[0]
@@ -73,16 +73,14 @@ class BatchNorm:
             cands = [attrs.evolve(c, local_fn=_EvalForward(call.func)) for c in cands]
         return cands
 
-    @staticmethod
-    def out_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    def _training(self, bound: dict) -> bool:
+        return self.training if isinstance(self.training, bool) else bool(bound[self.training])
+
+    def out_meta(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The op's meta, with a forward's saved statistics empty in evaluation, as its CPU and
         CUDA kernels return them (its meta kernel gives them the channels' size)."""
         out = func(*args, **kwargs)
-        return _saved_emptied(out) if func in _FORWARDS and not _training(func, args, kwargs) else out
-
-
-def _training(func: Any, args: tuple, kwargs: dict) -> bool:
-    return func is not aten._native_batch_norm_legit_no_training.default and bool(bind(func, args, kwargs)["training"])
+        return _saved_emptied(out) if func in _FORWARDS and not self._training(bind(func, args, kwargs)) else out
 
 
 def _saved_emptied(out: tuple) -> tuple:
