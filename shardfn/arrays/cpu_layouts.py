@@ -102,12 +102,18 @@ def kernel_dtypes(func: Any, args: tuple, kwargs: dict) -> list[torch.dtype] | N
     def stand_in(v: Any) -> Any:
         return torch.ones((2, 1) if v.dim() >= 2 else (1,), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
 
+    out = _kernel_on_stand_ins(func, args, kwargs, stand_in)
+    return None if out is None else [o.dtype for o in out]
+
+
+def _kernel_on_stand_ins(func: Any, args: tuple, kwargs: dict, stand_in: Callable[[Any], Any]) -> Any:
+    """``func``'s CPU kernel on ``stand_in`` of each argument, without grad; None where the
+    kernel refuses them (the real arguments' own error comes from the kernel later)."""
     try:
         with torch.no_grad():
-            out = func(*(stand_in(a) for a in args), **{k: stand_in(v) for k, v in kwargs.items()})
+            return func(*(stand_in(a) for a in args), **{k: stand_in(v) for k, v in kwargs.items()})
     except RuntimeError:
         return None
-    return [o.dtype for o in out]
 
 
 def typed_as_on_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -173,17 +179,16 @@ def _shaped_by_kernel(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     if not _static(pytree.tree_leaves((args, kwargs))):
         return out
 
-    def stand_in(t: Any, weight: bool = False) -> Any:
+    weight = args[0] if args else kwargs.get("weight")
+
+    def stand_in(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        shape = (min(t.shape[0], 1), *t.shape[1:]) if weight else tuple(t.shape)
+        shape = (min(t.shape[0], 1), *t.shape[1:]) if t is weight else tuple(t.shape)
         return (torch.ones if t.is_floating_point() else torch.zeros)(shape, dtype=t.dtype)
 
-    try:
-        with torch.no_grad():
-            got = func(*(stand_in(a, i == 0) for i, a in enumerate(args)),
-                       **{k: stand_in(v, k == "weight") for k, v in kwargs.items()})
-    except RuntimeError:
+    got = _kernel_on_stand_ins(func, args, kwargs, stand_in)
+    if got is None:
         return out
     return type(out)(o if o.shape == g.shape else torch.empty(g.shape, dtype=o.dtype, device="meta")
                      for o, g in zip(out, got))
