@@ -86,6 +86,7 @@ FOUND = [
     (5827450650, 3),  # vmap of embedding_bag: the CPU kernel's max_indices is per bag where the meta kernel's is empty
     (5827455820, 3),  # the same, a replicated bfloat16 weight on 16 devices
     (5827465177, 3),  # vmap_mid: constraint of an int einsum that vmap left unbatched: Constrain had no vmap rule
+    (5829542315, 3),  # vmap_last embedding_bag: vmap's strided weight slice leaves the CPU sum fast path (offset2bag filled)
 ]
 
 

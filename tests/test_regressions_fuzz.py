@@ -459,6 +459,48 @@ def test_embedding_bag_outputs_shaped_as_the_cpu_kernel(mode, last, spec):
     _close(torch.vmap(f)(sf.distribute(wb, P(None, *spec), mesh=mesh)), torch.vmap(f)(wb))
 
 
+@pytest.mark.parametrize("form", ["2d", "offsets", "last_offset"])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("spec", [P(), P(None, "y"), P("x")])
+def test_embedding_bag_offset2bag_follows_the_weights_layout(form, transposed, spec):
+    """The CPU kernel's sum fast path (a float32 weight with unit-strided columns, no
+    padding_idx) leaves ``offset2bag`` empty, other layouts fill it: the stand-ins shardfn ran
+    the kernel on were contiguous, so a transposed weight, or the strided slice
+    torch.func.vmap's fallback passes of a weight batched on its last dim, got an empty
+    ``offset2bag`` where each device's was filled (or the other way round: a vocabulary split
+    looks up a contiguous column), and the stacked outputs' reshape raised (fuzzer seed
+    5829542315). Shapes against torch's on the same layout; values and gradients eager and
+    under vmap on either end."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    torch.manual_seed(6)
+    w = torch.randn(6, 12).t() if transposed else torch.randn(12, 6)
+    idx = torch.tensor([[9, 0], [1, 3], [11, 4]])
+    offsets = {"2d": None, "offsets": torch.tensor([0, 1, 1, 4]), "last_offset": torch.tensor([0, 1, 1, 4, 6])}[form]
+    last = form == "last_offset"
+
+    def f(v):
+        return F.embedding_bag(idx if offsets is None else idx.flatten(), v, offsets, include_last_offset=last)
+
+    ws = sf.distribute(w, spec, mesh=mesh)
+    assert ws.stride() == w.stride()
+    flat = idx.flatten()
+    offs = torch.arange(0, 6, 2) if offsets is None else offsets
+    op = torch.ops.aten._embedding_bag.default
+    want = op(w, flat, offs, False, 0, False, None, last)
+    got = op(ws, sf.distribute(flat, P(), mesh=mesh), sf.distribute(offs, P(), mesh=mesh), False, 0, False, None, last)
+    assert [tuple(g.shape) for g in got] == [tuple(r.shape) for r in want]
+    for g, r in zip(got[:3], want[:3]):
+        _close(g, r)
+    wr, wg = w.clone().requires_grad_(), ws.detach().requires_grad_()
+    f(wr).square().sum().backward()
+    f(wg).square().sum().backward()
+    _close(wg.grad, wr.grad)
+    for d, wb, sb in ((0, torch.randn(3, 12, 6), P(None, *spec)), (-1, torch.randn(12, 6, 3), P(*spec, None))):
+        _close(torch.vmap(f, in_dims=d)(sf.distribute(wb, sb, mesh=mesh)), torch.vmap(f, in_dims=d)(wb))
+        g = torch.func.grad(lambda v: f(v).square().sum())
+        _close(torch.vmap(g, in_dims=d)(sf.distribute(wb, sb, mesh=mesh)), torch.vmap(g, in_dims=d)(wb))
+
+
 # -- errors that name the problem ----------------------------------------------------------------
 
 

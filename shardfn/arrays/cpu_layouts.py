@@ -168,14 +168,18 @@ def _fake_cpu_run(func: Any, args: tuple, kwargs: dict) -> Any:
 
 # ops whose CPU kernels shape their auxiliary outputs otherwise than their meta kernels (CUDA's):
 # _embedding_bag's bag_size and max_indices (sum / mean: one per bag on the CPU, empty on meta;
-# include_last_offset: one bag fewer on the CPU)
+# include_last_offset: one bag fewer on the CPU), and its offset2bag, which the CPU kernel's sum
+# fast path leaves empty: a float32 / float16 / bfloat16 weight whose columns are unit-strided,
+# per-sample weights unit-strided too, no padding_idx (a weight that torch.func.vmap's fallback
+# selects from a batch on its last dim is not unit-strided: fuzzer seed 5829542315)
 _SHAPED_BY_KERNEL = frozenset({aten._embedding_bag.default, aten._embedding_bag_forward_only.default})
 
 
 def _shaped_by_kernel(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     """``out`` shaped as the CPU kernel shapes it: the kernel on stand-ins of the arguments'
     sizes (zero indices and offsets, a weight of one row: the shapes follow the sizes, not the
-    values); ``out`` as it is where the sizes are symbolic or the stand-ins are refused."""
+    values) that keep whether each one's last dim is unit-strided (the kernel's fast path reads
+    it); ``out`` as it is where the sizes are symbolic or the stand-ins are refused."""
     if not _static(pytree.tree_leaves((args, kwargs))):
         return out
 
@@ -185,7 +189,10 @@ def _shaped_by_kernel(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         shape = (min(t.shape[0], 1), *t.shape[1:]) if t is weight else tuple(t.shape)
-        return (torch.ones if t.is_floating_point() else torch.zeros)(shape, dtype=t.dtype)
+        fill = torch.ones if t.is_floating_point() else torch.zeros
+        if t.dim() and t.stride(-1) != 1:  # last dim's stride 2: every element of a trailing pair
+            return fill((*shape, 2), dtype=t.dtype)[..., 0]
+        return fill(shape, dtype=t.dtype)
 
     got = _kernel_on_stand_ins(func, args, kwargs, stand_in)
     if got is None:

@@ -69,7 +69,45 @@ class EmbeddingBag:
                 # rows split: the output is a pending sum over the row axes
                 out.append(attrs.evolve(c, local_fn=_VocabBag(call.func, vocab),
                                         facts=(ShardFact("lo", "offset", wi, 0), ShardFact("rows", "size", wi, 0))))
-        return out
+        filled = metas[1].shape[0]
+        if not isinstance(filled, int):  # (symbolic sizes: the meta kernel's offset2bag, always filled)
+            return out
+        return [attrs.evolve(c, local_fn=_Offset2bagAs(c.local_fn or call.func, bool(filled))) for c in out]
+
+
+@attrs.frozen
+class _Offset2bagAs:
+    """One device's call with ``offset2bag`` filled or empty as the logical call's is. The CPU
+    kernel leaves it empty on its sum fast path, which it takes from the weight's layout (a
+    float32 / float16 / bfloat16 weight with unit-strided columns, unit-strided per-sample
+    weights, no padding_idx): a device's shard, or the zero column ``_ColumnBag`` and
+    ``_VocabBag`` look up, may take it where the logical weight does not (a transposed weight,
+    or the strided slice torch.func.vmap's fallback passes of a weight batched on its last dim:
+    fuzzer seed 5829542315) or the other way round, and the devices' outputs then disagreed
+    with their shapes (a reshape of the stacked outputs raised)."""
+
+    fn: Any
+    filled: bool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple:
+        out, offset2bag, bag_size, max_indices = self.fn(*args, **kwargs)
+        if bool(offset2bag.shape[0]) != self.filled:
+            offset2bag = _offset2bag(bind(self.fn if isinstance(self.fn, torch._ops.OpOverload) else self.fn.op,
+                                          args, kwargs), offset2bag) if self.filled else offset2bag[:0]
+        return out, offset2bag, bag_size, max_indices
+
+
+def _offset2bag(b: dict, like: torch.Tensor) -> torch.Tensor:
+    """Each index's bag, as the CPU kernel's slow path makes ``offset2bag`` (make_offset2bag: a
+    count of the offsets at or before each position, less one; with include_last_offset the
+    last offset starts no bag)."""
+    indices, offsets = b["indices"], b["offsets"]
+    if b.get("include_last_offset", False) and offsets.shape[0]:
+        offsets = offsets[:-1]
+    n = indices.shape[0]
+    starts = like.new_zeros(n + 1).index_add_(0, offsets.to(like.dtype), torch.ones_like(offsets, dtype=like.dtype))
+    starts[0] -= 1
+    return starts.cumsum(0)[:n]
 
 
 @attrs.frozen
