@@ -72,7 +72,7 @@ class EmbeddingBag:
         filled = metas[1].shape[0]
         if not isinstance(filled, int):  # (symbolic sizes: the meta kernel's offset2bag, always filled)
             return out
-        return [attrs.evolve(c, local_fn=_Offset2bagAs(c.local_fn or call.func, bool(filled))) for c in out]
+        return [attrs.evolve(c, local_fn=_Offset2bagAs(call.func, c.local_fn or call.func, bool(filled))) for c in out]
 
 
 @attrs.frozen
@@ -86,14 +86,14 @@ class _Offset2bagAs:
     fuzzer seed 5829542315) or the other way round, and the devices' outputs then disagreed
     with their shapes (a reshape of the stacked outputs raised)."""
 
-    fn: Any
+    op: Any
+    fn: Any  # the device's call: the op, ``_ColumnBag`` or ``_VocabBag``
     filled: bool
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple:
         out, offset2bag, bag_size, max_indices = self.fn(*args, **kwargs)
         if bool(offset2bag.shape[0]) != self.filled:
-            offset2bag = _offset2bag(bind(self.fn if isinstance(self.fn, torch._ops.OpOverload) else self.fn.op,
-                                          args, kwargs), offset2bag) if self.filled else offset2bag[:0]
+            offset2bag = _offset2bag(bind(self.op, args, kwargs), offset2bag) if self.filled else offset2bag[:0]
         return out, offset2bag, bag_size, max_indices
 
 
