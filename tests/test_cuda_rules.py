@@ -43,13 +43,15 @@ def _forward(q, k, v, bias, causal, scale):  # noqa: ANN001, ANN202
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def _backward(g, q, k, v, bias, causal, scale):  # noqa: ANN001, ANN202
+def _backward(g, q, k, v, bias, causal, scale, delta=None):  # noqa: ANN001, ANN202
+    """``delta``: the rows of ``g * out`` summed, as kernels that read the forward's output
+    compute it (the same value as from the probabilities, where ``out`` is read right)."""
     k2, v2, rep = _expand_kv(q, k, v)
     sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     p = torch.softmax(_scores(q, k2, bias, causal, scale), -1)
     dv = p.transpose(-1, -2) @ g
     dp = g @ v2.transpose(-1, -2)
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    ds = p * (dp - ((dp * p).sum(-1, keepdim=True) if delta is None else delta))
     dq, dk = ds @ k2 * sc, ds.transpose(-1, -2) @ q * sc
     if rep > 1:
         dk = dk.unflatten(-3, (-1, rep)).sum(-3)
@@ -69,7 +71,7 @@ def _like_meta(op, args, kwargs, values):  # noqa: ANN001, ANN202
         if not isinstance(m, torch.Tensor):
             out.append(m)
             continue
-        t = torch.zeros(m.shape, dtype=m.dtype)
+        t = torch.zeros_like(m, device="cpu")  # the meta kernel's strides: CUDA's output layouts
         if i in values and values[i] is not None:
             val = values[i]
             if val.dim() + 1 == m.dim():  # cudnn's logsumexp has a trailing 1
@@ -97,7 +99,13 @@ def _efficient(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, sc
 
 
 def _efficient_bwd(g, q, k, v, bias, out, lse, seed, offset, dropout_p, mask, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
-    dq, dk, dv, db = _backward(g, q, k, v, bias, is_causal, scale)
+    # CUDA's kernel reads ``out`` as its forward wrote it, (b, s, h, d) dense, whatever its strides:
+    # row stride heads * dim (xformers' ``o_strideM``); read so here, an ``out`` in another layout
+    # gives wrong query and key gradients, as on the GPU
+    b_, h_, s_, d_ = out.shape
+    read = out.as_strided(out.shape, (out.stride(0), out.stride(1), h_ * d_, 1), out.storage_offset())
+    delta = (g * read).sum(-1, keepdim=True)
+    dq, dk, dv, db = _backward(g, q, k, v, bias, is_causal, scale, delta)
     return dq, dk, dv, db if db is not None and mask[3] else torch.empty(0)
 
 
@@ -221,6 +229,29 @@ def test_attention_values_and_grads_equal_unsharded(kernel: str, cpu_kernels: No
         torch.testing.assert_close(got.full_tensor(), want, msg=f"{kernel} {case}")
         for g, w in zip(grads, want_grads):
             torch.testing.assert_close(g.full_tensor(), w, msg=f"{kernel} {case} grad")
+
+
+@pytest.mark.parametrize("bias", [None, "broadcast"])
+@pytest.mark.parametrize("spec", [P("dp", "tp"), P(None, "tp"), P("dp"), P()])
+def test_efficient_backward_reads_an_output_in_any_layout(bias: str | None, spec: P, cpu_kernels: None) -> None:
+    # the kernel reads ``out`` by its forward's layout, not its strides: an ``out`` laid out
+    # otherwise (here (b, h, s, d) dense, as a restacked or resharded shard is) is relaid first,
+    # on the batched path (no bias) and the per-device one (a bias)
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    q, k, v, b = _inputs(H, bias)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, b, True)[:4]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    want = aten._scaled_dot_product_efficient_attention_backward(g, q, k, v, b, out, lse, seed, offset, 0.0,
+                                                                 [True, True, True, False])
+    assert not out.is_contiguous()  # the test kernel lays its output out as CUDA's does
+    d = {n: sf.distribute(t, spec, mesh=mesh) for n, t in dict(g=g, q=q, k=k, v=v, out=out.contiguous()).items()}
+    ls = sf.distribute(lse, P(*spec[:2]), mesh=mesh)
+    bs = None if b is None else sf.distribute(b, P(), mesh=mesh)
+    for _ in range(2):  # a warm call (the batched path's replay) too
+        got = aten._scaled_dot_product_efficient_attention_backward(
+            d["g"], d["q"], d["k"], d["v"], bs, d["out"], ls, seed, offset, 0.0, [True, True, True, False])
+        for x, w in zip(got[:3], want[:3]):
+            torch.testing.assert_close(x.full_tensor(), w)
 
 
 def test_test_kernels_match_torch_math() -> None:

@@ -33,6 +33,7 @@ from ..values.schema import _schema_info
 from ..values.sharded import Sharded
 from ..values.layout import local_shapes
 from . import device_call as dc
+from . import kernel_layouts
 from . import stacked_matmul
 from .local_values import SHARES
 from .view_replay import geometry
@@ -570,7 +571,11 @@ def _attention(info: Info) -> "_Call | None":
         # the rule's ``dense``, on the folded operands (a logsumexp's transposed strides: a copy)
         folded = [dc.dense(a, True if grouped else "last") for a in viewed]
         batch = next(a.shape[0] for a in folded if isinstance(a, torch.Tensor) and a.dim() >= 3)
-        outs = op(*folded[:len(args)], **dict(zip(kwargs, folded[len(args):])))
+        # an argument the kernel reads by strides of its own, copied into them: a copy ``run``'s
+        # replay would not remake, so such a call keeps no replay plan
+        fa, fk = kernel_layouts.laid_out(op, tuple(folded[:len(args)]), dict(zip(kwargs, folded[len(args):])))
+        relaid = any(x is not y for x, y in zip((*fa, *fk.values()), folded))
+        outs = op(*fa, **fk)
         back = None
         if to_heads:  # (batch mesh dims, batch, heads mesh dims, heads, ...) -> mesh dims first
             where = {d: j for j, d in enumerate((*to_batch, "b", *to_heads, "h"))}
@@ -590,7 +595,7 @@ def _attention(info: Info) -> "_Call | None":
                 raise RuntimeError(f"{op}: output {i} is neither batch-led nor replicated")  # -> per device
             return o.view((1,) * m + tuple(o.shape))
 
-        return tuple(unfold(i, o) for i, o in enumerate(outs)), viewed, folded, outs
+        return tuple(unfold(i, o) for i, o in enumerate(outs)), viewed, folded, outs, relaid
 
     # per the tensors' (sizes, strides, flags): the geometry (``view_replay.geometry``) of each
     # argument's fold and whether ``dense`` then copied it, and of each output's unfold, relative
@@ -624,11 +629,11 @@ def _attention(info: Info) -> "_Call | None":
                 return tuple(res)
             replays.pop(key, None)
             return chain(args, kwargs)[0]  # (the kernel again: never reached in practice)
-        result, viewed, folded, outs = chain(args, kwargs)
+        result, viewed, folded, outs, relaid = chain(args, kwargs)
         if plan is _UNSET:
             if len(replays) >= 64:
                 replays.clear()
-            replays[key] = _replay_plan((*args, *kwargs.values()), viewed, folded, outs, result)
+            replays[key] = None if relaid else _replay_plan((*args, *kwargs.values()), viewed, folded, outs, result)
         return result
 
     return _Call(info, run, (), (), dense_inside=True)

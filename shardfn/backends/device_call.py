@@ -17,6 +17,7 @@ import torch
 
 from ..values.schema import _schema_info, bind, replace_arg
 from ..values.layout import Layout, device_box, local_shapes
+from .kernel_layouts import with_kernel_layouts
 
 aten = torch.ops.aten
 
@@ -243,6 +244,7 @@ class DeviceCall:
         self.fn = cand.local_fn or local_op(func, cand)
         if complex_call:
             self.fn = with_flag_keys(self.fn)
+        self.fn = with_kernel_layouts(func, self.fn)
         self.rebind = rebinder(func, cand) if cand.local_fn is None else None
         self.dense = cand.dense
         self.sizes = {dev: [] for dev in devices}

@@ -1,0 +1,63 @@
+"""Arguments some CUDA kernels read with strides of their own, whatever the tensor says.
+
+Mem-efficient attention's backward (xformers' kernel) reads ``out`` as its forward wrote it,
+(batch, seq, heads, dim) dense: the row stride it uses is heads * dim (``o_strideM``), not
+``out``'s. A shard the local backend restacked per device is (batch, heads, seq, dim) dense,
+and was read wrongly, silently: the query and key gradients came out wrong in bfloat16 on an
+H100. Such an argument is put in the kernel's layout before the call (a copy only where it
+is not in it already)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _seq_major(t: Any) -> Any:
+    """(batch, heads, seq, dim) whose (batch, seq, heads, dim) transpose is dense."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        return t
+    bshd = t.transpose(1, 2)
+    return t if bshd.is_contiguous() else bshd.contiguous().transpose(1, 2)
+
+
+def _dense(t: Any) -> Any:
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
+
+
+# op -> (argument position, argument name, what puts it in the kernel's layout)
+_READ_AS_WRITTEN: dict[Any, tuple[tuple[int, str, Callable[[Any], Any]], ...]] = {
+    aten._scaled_dot_product_efficient_attention_backward.default: ((5, "out", _seq_major),),
+    aten._efficient_attention_backward.default: ((5, "out", _dense),),  # already (b, s, h, d)
+}
+
+
+def laid_out(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``func``'s arguments with each one its kernel reads by its own strides in that layout
+    (the same objects where nothing needed it)."""
+    for pos, name, fix in _READ_AS_WRITTEN.get(func, ()):
+        if pos < len(args):
+            a = fix(args[pos])
+            if a is not args[pos]:
+                args = (*args[:pos], a, *args[pos + 1:])
+        elif name in kwargs:
+            a = fix(kwargs[name])
+            if a is not kwargs[name]:
+                kwargs = {**kwargs, name: a}
+    return args, kwargs
+
+
+def with_kernel_layouts(func: Any, fn: Callable) -> Callable:
+    """``fn`` (a device's call of ``func``), its arguments first put in the layouts ``func``'s
+    kernel reads; ``fn`` itself for every other op."""
+    if func not in _READ_AS_WRITTEN:
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = laid_out(func, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return call
