@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's shardfn
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_dispatch
 
 import shardfn as sf  # noqa: E402
 from shardfn import P  # noqa: E402
 from shardfn.backends.local import set_pending_parts  # noqa: E402
+from bench_dispatch import BareWrapper  # noqa: E402
 
 FULL = {"dim": 256, "heads": 8, "hidden": 1024, "seq": 64, "batch": 16}
 QUICK = {"dim": 32, "heads": 4, "hidden": 64, "seq": 8, "batch": 8}
@@ -53,6 +55,9 @@ CONFIGS = {
     "dp x tp (2, 4)": ((2, 4), ("dp", "tp"), MEGATRON),
     "dp of (2, 4)": ((2, 4), ("dp", "tp"), None),
 }
+# the reference floor of any tensor subclass that runs every op through ``__torch_dispatch__``:
+# bench_dispatch's bare wrapper (unwrap, run the op once on the one tensor, wrap), no sharding
+BARE = "bare wrapper"
 
 
 def init_params(cfg: dict[str, int], seed: int = 0, device: str = "cpu",
@@ -139,8 +144,11 @@ class _Run:
 
     def __init__(self, cfg: dict[str, int], config: str | None, device: str = "cpu", loss_of: Any = None) -> None:
         self.cfg, self.device, self.loss_of = cfg, device, loss_of
-        if config is None:
+        self.bare = config == BARE
+        if config is None or self.bare:
             self.params, self.mesh = init_params(cfg, device=device), None
+            if self.bare:
+                self.params = {k: BareWrapper(v) for k, v in self.params.items()}
         else:
             self.params, self.mesh = _shard(cfg, config, device)
         self.losses: list[float] = []
@@ -152,6 +160,8 @@ class _Run:
         x, y = make_batch(self.cfg, s, self.device)
         if self.mesh is not None:
             x, y = sf.distribute(x, P("dp"), mesh=self.mesh), sf.distribute(y, P("dp"), mesh=self.mesh)
+        elif self.bare:
+            x, y = BareWrapper(x), BareWrapper(y)
         _sync(self.device)
         t0, c0 = time.perf_counter(), time.process_time()
         self.params, loss = train_step(self.params, x, y, self.cfg["heads"], self.loss_of)
@@ -177,14 +187,15 @@ def step_peak_bytes(run: "_Run", s: int) -> int:
 
 def measure(cfg: dict[str, int], steps: int, device: str = "cpu", compile_backend: str | None = None,
             rtol: float = 1e-5, configs: tuple[str, ...] | None = None,
-            peaks: dict | None = None) -> tuple[list[tuple[str, float, float, float, float]], dict]:
+            peaks: dict | None = None, bare: bool = False) -> tuple[list[tuple[str, float, float, float, float]], dict]:
     """(config, unsharded wall, simulated wall, unsharded CPU, simulated CPU) seconds per
     configuration, and the losses of every run (each configuration's checked against
-    unsharded within ``rtol`` relative). The runs advance one step at a time in turn
+    unsharded within ``rtol`` relative); with ``bare``, a last row for the same step on the
+    bare wrapper subclass (``BARE``). The runs advance one step at a time in turn
     (unsharded, then each configuration), so a burst of load from other processes hits
     them alike; a time is the fastest of the ``steps`` steps after the first (which fills
     the caches): the step's cost when nothing else interferes."""
-    configs = tuple(configs or CONFIGS)
+    configs = tuple(configs or CONFIGS) + ((BARE,) if bare else ())
     # each run compiles its own wrapper (a shared one would count every layout as a recompile)
     runs = {config: _Run(cfg, config, device, torch.compile(loss_fn, backend=compile_backend) if compile_backend
                          else None) for config in (None, *configs)}
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in (("device", "shares") if ns.parts == "both" else (ns.parts,)):
         set_pending_parts(mode)
         print(f"pending parts: {mode} (set_pending_parts)")
-        print(report(cfg, *measure(cfg, 2 if quick else ns.steps)))
+        print(report(cfg, *measure(cfg, 2 if quick else ns.steps, bare=True)))
     set_pending_parts("device")
 
 

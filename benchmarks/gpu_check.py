@@ -253,7 +253,8 @@ def sim_runs(device: str, quick: bool, budget_s: float, start: float, failures: 
     for label, cfg in sizes.items():
         with part(f"3. eager, {label} size", failures):
             peaks: dict = {}
-            rows, losses = bench_sim.measure(cfg, steps, device=device, rtol=rtol, configs=configs, peaks=peaks)
+            rows, losses = bench_sim.measure(cfg, steps, device=device, rtol=rtol, configs=configs, peaks=peaks,
+                                              bare=True)
             say(f"[eager, {label} size] " + bench_sim.report(cfg, rows, losses, rtol))
             if peaks:
                 say(_peak_line(peaks))

@@ -34,7 +34,7 @@ def dispatch_output() -> str:
 
 def test_bench_sim_checks_losses_and_prints_ratios() -> None:
     out = _run("bench_sim.py")
-    for config in ("dp (8,)", "dp x tp (2, 4)", "dp of (2, 4)"):
+    for config in ("dp (8,)", "dp x tp (2, 4)", "dp of (2, 4)", "bare wrapper"):  # the last: the reference floor
         row = next(line for line in out.splitlines() if line.startswith(config))
         assert len(row.split()) >= 7 and all(float(v.rstrip("x")) > 0 for v in row.split()[-6:])
     assert "losses equal unsharded" in out
