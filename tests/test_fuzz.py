@@ -87,6 +87,7 @@ FOUND = [
     (5827455820, 3),  # the same, a replicated bfloat16 weight on 16 devices
     (5827465177, 3),  # vmap_mid: constraint of an int einsum that vmap left unbatched: Constrain had no vmap rule
     (5829542315, 3),  # vmap_last embedding_bag: vmap's strided weight slice leaves the CPU sum fast path (offset2bag filled)
+    (5829512817, 3),  # compiled backward: mse_loss_backward's fake strides (meta) vs its CPU kernel's (contiguous)
 ]
 
 

@@ -7,6 +7,13 @@ FFTs, convolutions, SVD/eig, 2-d padding and pixel shuffle of a transposed or
 channels-last input report other strides than the CPU kernels give. On a CPU mesh those
 ops run on fake CPU tensors instead; a few CPU kernels that no meta kernel models are
 listed with the layout they give. ``tools/stride_census.py`` finds the ops this misses.
+
+The same difference reaches a compiled program through the shards: AOTAutograd traces
+each device's call on fake CPU tensors, whose strides come from the meta kernel, and a later
+view of the shard (a gather's fold of the mesh dims, a reshape) is recorded as a view where
+those strides allow it; the CPU kernel's output at run time may not allow it ('view size is
+not compatible', fuzzer seed 5829512817: ``mse_loss_backward`` of a column-split shard).
+``traced_relayout`` gives such a call's traced outputs a layout the run will have too.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
 from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
@@ -36,10 +43,14 @@ def _contiguous(args: tuple, out: Any) -> Any:
     return _map(lambda o: o.contiguous(), out)
 
 
-def _like_first(args: tuple, out: Any) -> Any:
-    """An elementwise CPU kernel (TensorIterator) keeps its first input's dim order."""
-    first = args[0]
-    return _map(lambda o: torch.empty_like(first, dtype=o.dtype) if o.shape == first.shape else o, out)
+def _like_arg(i: int) -> Callable[[tuple, Any], Any]:
+    """An output of argument ``i``'s shape allocated like it (``empty_like``: its dim order): an
+    elementwise CPU kernel (TensorIterator) keeping its first input's order, binary cross
+    entropy and its backward allocating like the input, where the meta kernels' are contiguous."""
+    def layout(args: tuple, out: Any) -> Any:
+        like = args[i]
+        return _map(lambda o: torch.empty_like(like, dtype=o.dtype) if o.shape == like.shape else o, out)
+    return layout
 
 
 def _like_format_of(i: int) -> Callable[[tuple, Any], Any]:
@@ -70,11 +81,18 @@ def _like_binary(args: tuple, out: Any) -> Any:
 # reported transposed strides, so view(-1) raised where torch's did not); angle of a complex
 # input goes through a contiguous temporary (fuzzer seed 5807404802; a real input keeps its
 # order in both); native_dropout_backward's meta kernel is contiguous, its CPU kernel an
-# elementwise product
+# elementwise product; the gradients of the mse, smooth l1 and huber losses are allocated
+# contiguous by the CPU kernels (the meta kernels, their decompositions, keep the input's order:
+# fuzzer seed 5829512817), binary cross entropy and its gradient like the input (meta: contiguous)
 _ON_CPU: dict[Any, tuple[Callable[[tuple], bool], Callable[[tuple, Any], Any]]] = {
     aten.log_sigmoid_forward.default: (lambda args: True, _contiguous),
     aten.angle.default: (lambda args: args[0].is_complex(), _contiguous),
-    aten.native_dropout_backward.default: (lambda args: True, _like_first),
+    aten.native_dropout_backward.default: (lambda args: True, _like_arg(0)),
+    aten.mse_loss_backward.default: (lambda args: True, _contiguous),
+    aten.smooth_l1_loss_backward.default: (lambda args: True, _contiguous),
+    aten.huber_loss_backward.default: (lambda args: True, _contiguous),
+    aten.binary_cross_entropy.default: (lambda args: True, _like_arg(0)),
+    aten.binary_cross_entropy_backward.default: (lambda args: True, _like_arg(1)),
     aten.reflection_pad2d_backward.default: (lambda args: True, _like_format_of(1)),
     aten.replication_pad2d_backward.default: (lambda args: True, _like_format_of(1)),
     aten.channel_shuffle.default: (lambda args: True, _like_format_of(0)),
@@ -124,6 +142,35 @@ def typed_as_on_cpu(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
     if dtypes is None or len(dtypes) != len(out):
         return out
     return type(out)(o if o.dtype == d else o.to(d) for o, d in zip(out, dtypes))
+
+
+def traced_relayout(func: Any, args: tuple) -> Callable[[list], list] | None:
+    """For an op of the table above (its CPU kernel lays outputs out otherwise than its meta
+    kernel; ``args`` the call's arguments, arrays or meta tensors): a function of the local
+    call's flat outputs (stacked values, tuples of per-device parts, non-tensors) giving each
+    traced one (fake: torch.compile, export) a layout that the trace and the run agree on. The
+    trace's strides are the meta kernel's, the run's the CPU kernel's, so a later view traced
+    against the first could fail on the second; a contiguous copy is contiguous in both. Where
+    the kernel allocates contiguous outputs and the traced one is contiguous already (static
+    sizes), it stays as it is. None for other ops: their outputs need nothing, nor do eager
+    ones (their strides are the kernel's own)."""
+    fix = _ON_CPU.get(func)
+    if fix is None or not fix[0](args):
+        return None
+    kept = fix[1] is _contiguous  # contiguous in the trace: contiguous in the run too
+
+    def relaid(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is torch.Tensor or not is_fake(t):
+            return t
+        if kept and not any(isinstance(n, torch.SymInt) for n in (*t.shape, *t.stride())) and t.is_contiguous():
+            return t
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def relayout(outs: list) -> list:
+        return [relaid(o) if isinstance(o, torch.Tensor)
+                else tuple(relaid(p) if isinstance(p, torch.Tensor) else p for p in o) if isinstance(o, tuple)
+                else o for o in outs]
+    return relayout
 
 
 def _map(fn: Callable[[torch.Tensor], torch.Tensor], out: Any) -> Any:

@@ -24,7 +24,7 @@ from . import functorch as _ft
 from . import rule_table as _rules
 from .array import _BATCHED_NDIM, ShardedArray, _BatchedArray, _make_wrapper, _wrap_output, check_partial_dtype
 from .bounds import output_marks
-from .cpu_layouts import meta_on_cpu, typed_as_on_cpu
+from .cpu_layouts import meta_on_cpu, traced_relayout, typed_as_on_cpu
 from .fragments import _odd_stride, fragment_of
 from .op_calls import _describe_call, _leaves, _replace, _to_meta, host_slots
 from .reduced import reduced_forms
@@ -279,6 +279,8 @@ class _Entry:
     local: Any = attrs.field(init=False)
     lean: Callable | None = attrs.field(init=False)  # the local call's fast form (``warm``)
     pending_view: bool = attrs.field(init=False)  # outputs pending a reduction (``dispatch._note_derived``)
+    # traced outputs laid out as the run will lay them out (``cpu_layouts.traced_relayout``), or None
+    relayout: Callable | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         metas, self.rebuild = _flat_outputs(self.call.out_meta)
@@ -302,6 +304,9 @@ class _Entry:
         self.pending_view = any(l is not None and l.partial for l in self.cand.out_layouts)
         lone = self.positional is not None and not self.any_move and self.single is not None
         self.lean = self.local.lean if lone else None
+        self.relayout = traced_relayout(self.func, self.call.args) if self.call.mesh.device_type == "cpu" else None
+        if self.relayout is not None and self.lean is not None:
+            self.lean = _relaid_lean(self.lean, self.relayout)
         # the cache must not keep the first call's arrays alive (nor count as holding them)
         self.call = attrs.evolve(self.call, args=(), kwargs={}, arrays=[])
 
@@ -352,6 +357,8 @@ class _Entry:
                       for p, want, move in zip(self.paths, self.cand.in_layouts, self.moves)
                       for v in (_at(args, kwargs, p),)}
         locals_ = self.local(args, kwargs, values, symbolic)
+        if self.relayout is not None:
+            locals_ = self.relayout(locals_)
         if symbolic:
             return self.rebuild(self._wrap_symbolic(args, kwargs, locals_))
         if self.single is not None:  # one tensor output (most ops): no lists, no rebuild
@@ -383,6 +390,14 @@ class _Entry:
             stride = None if meta is None else (tuple(meta.stride()), meta.storage_offset())
             results.append(_wrap_output(local, layout, shape, dtype, None, stride))
         return results
+
+
+def _relaid_lean(lean: Callable, relayout: Callable) -> Callable:
+    """``lean`` with its output laid out by ``relayout`` (``_Entry.relayout``)."""
+    def run(args: tuple, kwargs: dict) -> Any:
+        out = lean(args, kwargs)
+        return out if out is None else relayout([out])[0]
+    return run
 
 
 def _at(args: tuple, kwargs: dict, path: Any) -> Any:
