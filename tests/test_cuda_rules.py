@@ -43,12 +43,16 @@ def _forward(q, k, v, bias, causal, scale):  # noqa: ANN001, ANN202
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def _backward(g, q, k, v, bias, causal, scale, delta=None):  # noqa: ANN001, ANN202
+def _backward(g, q, k, v, bias, causal, scale, delta=None, lse=None):  # noqa: ANN001, ANN202
     """``delta``: the rows of ``g * out`` summed, as kernels that read the forward's output
-    compute it (the same value as from the probabilities, where ``out`` is read right)."""
+    compute it (the same value as from the probabilities, where ``out`` is read right);
+    ``lse``: the forward's logsumexp, which the probabilities are then rebuilt from."""
     k2, v2, rep = _expand_kv(q, k, v)
     sc = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
-    p = torch.softmax(_scores(q, k2, bias, causal, scale), -1)
+    if lse is None:
+        p = torch.softmax(_scores(q, k2, bias, causal, scale), -1)
+    else:
+        p = torch.exp(_scores(q, k2, bias, causal, scale) - lse[..., :q.shape[-2], None])
     dv = p.transpose(-1, -2) @ g
     dp = g @ v2.transpose(-1, -2)
     ds = p * (dp - ((dp * p).sum(-1, keepdim=True) if delta is None else delta))
@@ -88,7 +92,9 @@ def _flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, 
 
 
 def _flash_bwd(g, q, k, v, out, lse, cq, ck, mq, mk, dropout_p, is_causal, seed, offset, *, scale=None):  # noqa: ANN001, ANN202
-    dq, dk, dv, _ = _backward(g, q, k, v, None, is_causal, scale)
+    # CUDA's kernel reads the logsumexp by a bare pointer, as (b, h, s) dense: read so here
+    read = lse.as_strided(lse.shape, torch.empty(lse.shape, device="meta").stride(), lse.storage_offset())
+    dq, dk, dv, _ = _backward(g, q, k, v, None, is_causal, scale, lse=read)
     return dq, dk, dv
 
 
@@ -252,6 +258,22 @@ def test_efficient_backward_reads_an_output_in_any_layout(bias: str | None, spec
             d["g"], d["q"], d["k"], d["v"], bs, d["out"], ls, seed, offset, 0.0, [True, True, True, False])
         for x, w in zip(got[:3], want[:3]):
             torch.testing.assert_close(x.full_tensor(), w)
+
+
+def test_flash_backward_reads_a_logsumexp_of_any_layout(cpu_kernels: None) -> None:
+    # the kernel reads the logsumexp by a bare pointer: one whose heads are split from a
+    # replicated copy (a strided slice on each device) is made dense first
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    q, k, v = (t[:3] for t in _inputs(H, None)[:3])  # an uneven batch: each device's own call
+    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[:2]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    extra = (None, None, S, S, 0.0, True, torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64))
+    want = aten._scaled_dot_product_flash_attention_backward(g, q, k, v, out, lse, *extra)
+    d = [sf.distribute(t, P("dp", "tp"), mesh=mesh) for t in (g, q, k, v, out)]
+    for spec in (P("dp"), P(), P(None, "tp")):
+        got = aten._scaled_dot_product_flash_attention_backward(*d, sf.distribute(lse, spec, mesh=mesh), *extra)
+        for x, w in zip(got, want):
+            torch.testing.assert_close(x.full_tensor(), w, msg=str(spec))
 
 
 def test_test_kernels_match_torch_math() -> None:

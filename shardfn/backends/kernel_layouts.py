@@ -4,8 +4,10 @@ Mem-efficient attention's backward (xformers' kernel) reads ``out`` as its forwa
 (batch, seq, heads, dim) dense: the row stride it uses is heads * dim (``o_strideM``), not
 ``out``'s. A shard the local backend restacked per device is (batch, heads, seq, dim) dense,
 and was read wrongly, silently: the query and key gradients came out wrong in bfloat16 on an
-H100. Such an argument is put in the kernel's layout before the call (a copy only where it
-is not in it already)."""
+H100. Flash attention's backward reads the logsumexp by a bare pointer, as (batch, heads,
+seq) dense; a device's slice of a logsumexp replicated over the heads is not. Such an
+argument is put in the kernel's layout before the call (a copy only where it is not in it
+already)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def _dense(t: Any) -> Any:
 _READ_AS_WRITTEN: dict[Any, tuple[tuple[int, str, Callable[[Any], Any]], ...]] = {
     aten._scaled_dot_product_efficient_attention_backward.default: ((5, "out", _seq_major),),
     aten._efficient_attention_backward.default: ((5, "out", _dense),),  # already (b, s, h, d)
+    aten._scaled_dot_product_flash_attention_backward.default: ((5, "logsumexp", _dense),),
+    aten._flash_attention_backward.default: ((5, "logsumexp", _dense),),
 }
 
 
