@@ -190,10 +190,11 @@ def check_attention_values(device: str, quick: bool) -> list[str]:
                 SDPBackend.MATH)
     bad = []
     for dtype in (torch.float32, torch.bfloat16):
-        for case in ("plain", "causal", "gqa", "mask"):
-            q, k, v = (torch.randn(b, 2 if case == "gqa" and i else h, s, d, generator=g).to(device, dtype)
+        for case in ("plain", "causal", "gqa", "mask", "uneven"):  # uneven: batch 3 over 'dp', each device's own call
+            bb = b - 1 if case == "uneven" else b
+            q, k, v = (torch.randn(bb, 2 if case == "gqa" and i else h, s, d, generator=g).to(device, dtype)
                        for i in range(3))
-            kw: dict = {"causal": {"is_causal": True}, "gqa": {"enable_gqa": True},
+            kw: dict = {"causal": {"is_causal": True}, "gqa": {"enable_gqa": True}, "uneven": {"is_causal": True},
                         "mask": {"attn_mask": torch.randn(b, 1, s, s, generator=g).to(device, dtype)}}.get(case, {})
             for backend in backends:
                 plain = [t.clone().requires_grad_() for t in (q, k, v)]
