@@ -88,6 +88,7 @@ FOUND = [
     (5827465177, 3),  # vmap_mid: constraint of an int einsum that vmap left unbatched: Constrain had no vmap rule
     (5829542315, 3),  # vmap_last embedding_bag: vmap's strided weight slice leaves the CPU sum fast path (offset2bag filled)
     (5829512817, 3),  # compiled backward: mse_loss_backward's fake strides (meta) vs its CPU kernel's (contiguous)
+    (5829536839, 3),  # median(dim) of an expand: torch's CPU kernel misreads stride 0 (oracle: contiguous), so did shardfn's
 ]
 
 
@@ -288,3 +289,18 @@ def test_dist_found_seeds_replay_clean_on_the_simulated_mesh(entry):
 
     case = fuzz_dist.draw(seed, "local", version)
     assert fuzz.run_case(case) is None, f"seed {seed}: {case.describe()}"
+
+
+@pytest.mark.parametrize("name", sorted(fuzz._MISREAD_STRIDE_0))
+def test_the_oracle_runs_stride_0_misreading_steps_on_a_contiguous_input(name):
+    """torch's CPU median / nanmedian along an expanded dim (stride 0) give values from other
+    positions (seed 5829536839): the plain program hands those steps its input contiguous (torch's
+    own value for it), the sharded one its input as it is (shardfn's handling of the view is what
+    is under test)."""
+    seen = []
+    step = fuzz.Step(name, lambda v, A: seen.append(v.stride()) or v.median(0)[0], name)
+    x = torch.randn(9, dtype=torch.float64)
+    e = x.unsqueeze(0).expand(3, 9)
+    torch.testing.assert_close(fuzz._chain([step], e, lambda a: a.plain), x)
+    assert fuzz._chain_outputs([step], e, lambda a: a.sharded)[0] is not None
+    assert seen == [(9, 1), (0, 1)]

@@ -2716,3 +2716,40 @@ def test_constrain_vmap_rule_of_a_batched_value(b):
     got = torch.func.vmap(per_example, in_dims=b)(X)
     _close(got, torch.func.vmap(lambda v: v * 2, in_dims=b)(x))
     assert seen == [dst]
+
+
+# -- median along a dim of stride 0: torch's CPU kernel misreads it (fuzzer seed 5829536839) -----
+
+
+_EXPANDED = {
+    "front": (lambda v: v.unsqueeze(0).expand(3, 9), 0),
+    "behind": (lambda v: v.unsqueeze(1).expand(9, 4), 1),
+    "one_element": (lambda v: v[2:3].expand(5), 0),
+}
+
+
+@pytest.mark.parametrize("op", ["median", "nanmedian"])
+@pytest.mark.parametrize("how", sorted(_EXPANDED))
+@pytest.mark.parametrize("spec", [P(), P("x")])
+def test_median_along_an_expanded_dim_is_torchs_on_a_contiguous_copy(op, how, spec):
+    """torch's CPU median / nanmedian along a dim of stride 0 (an ``expand``) give values from
+    other positions (``x.expand(3, 9).median(0)`` is not ``x``, torch 2.13), where the contiguous
+    copy's are right; each device's shard of the expanded array is such a view, so shardfn gave
+    other wrong values (fuzzer seed 5829536839). Now its devices reduce a copy: values, indices
+    and gradients are torch's on the contiguous copy; the all-dims overloads too (their batched
+    form reduced a stride-0 view of one expanded element)."""
+    mesh = sf.Mesh((5,), ("x",))
+    torch.manual_seed(9)
+    x = torch.randn(9, dtype=torch.float64)
+    expand, d = _EXPANDED[how]
+    e = expand(x)
+    assert 0 in e.stride()
+    X = sf.distribute(x, spec, mesh=mesh)
+    got, want = getattr(expand(X), op)(d), getattr(e.contiguous(), op)(d)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    _close(getattr(expand(X), op)(), getattr(e.contiguous(), op)())
+    xr, Xg = x.clone().requires_grad_(), X.detach().requires_grad_()
+    getattr(expand(xr).contiguous(), op)(d)[0].square().sum().backward()
+    getattr(expand(Xg), op)(d)[0].square().sum().backward()
+    _close(Xg.grad, xr.grad)

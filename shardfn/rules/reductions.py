@@ -41,12 +41,14 @@ class Reduction:
     """Reduce ``dim`` (all dims when absent) of the first input. ``reduce_op``: what a
     reduction over a sharded dim leaves pending (None: the reduced dims must be whole);
     ``mean``: the op is a mean (pending avg over even shards, else a sum of ``x / n``);
-    ``identity``: the value of an empty reduction (amax/amin on an empty shard)."""
+    ``identity``: the value of an empty reduction (amax/amin on an empty shard); ``dense``: the
+    candidates' (``Candidate.dense``)."""
 
     reduce_op: str | None = None
     linear: tuple[str, ...] = ()
     mean: bool = False
     identity: Callable[[torch.dtype], Any] | None = None
+    dense: bool | str = False
 
     def candidates(self, call: OpCall) -> list[Candidate]:
         if len(call.arrays) != 1:
@@ -69,6 +71,8 @@ class Reduction:
             if op in ("max", "min") and call.arrays[0][1].dtype.is_complex:
                 op = None  # complex values have no order to leave pending (torch reduces only empty ones)
             cands = compile_dims(call, spec(op))
+            if self.dense:
+                cands = [attrs.evolve(c, dense=self.dense) for c in cands]
             if self.identity is None:
                 return cands
             fn = _EmptyIdentity(call.func, dims, keep, self.identity)
@@ -178,6 +182,13 @@ _SUM = Reduction("sum", LINEAR_OPS)
 _AMAX = Reduction("max", ("max",), identity=_lowest)
 _AMIN = Reduction("min", ("min",), identity=_highest)
 _WHOLE = Reduction()
+# torch's CPU median / nanmedian read a dim of stride 0 (an ``expand``) wrongly: values from other
+# positions along it (``x.expand(3, 9).median(0)`` is not x), where the contiguous copy's are right;
+# each device's shard of an expanded array is such a view, so it reaches them copied ("distinct":
+# only a tensor whose elements share memory). Fuzzer seed 5829536839; also the all-dims overloads,
+# whose batched form (``backends/batching._median_all``) runs ``median.dim`` on a flattened
+# stacked value, a stride-0 view still where the whole array is one expanded element.
+_MEDIAN = Reduction(dense="distinct")
 _ALONG = AlongDim()
 
 TABLE = {
@@ -193,8 +204,8 @@ TABLE = {
     **{op: _WHOLE for op in (
         aten.max.dim, aten.min.dim, aten.argmax, aten.argmin, aten.var, aten.std, aten.var_mean,
         aten.std_mean, aten.logsumexp, aten.linalg_vector_norm, aten.prod.default, aten.prod.dim_int,
-        aten.any, aten.all, aten.median.default, aten.median.dim, aten.nanmedian.default, aten.nanmedian.dim,
-        aten.mode, aten.kthvalue, aten.aminmax, aten.norm)},
+        aten.any, aten.all, aten.mode, aten.kthvalue, aten.aminmax, aten.norm)},
+    **{op: _MEDIAN for op in (aten.median.default, aten.median.dim, aten.nanmedian.default, aten.nanmedian.dim)},
     aten._softmax: _ALONG,
     aten._safe_softmax: _ALONG,
     aten._log_softmax: _ALONG,
