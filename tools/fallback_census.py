@@ -16,7 +16,10 @@ rule), with whether DTensor has a strategy for it:
   ``_flash_attention_*``, ``_efficient_attention_*``, the fused-overrideable SDPA, the fused
   RMS norm, ``native_layer_norm``, ``_addmm_activation``, the ``_foreach`` ops, ``_scaled_mm``,
   ``_int_mm``, ``_weight_int8pack_mm``, ``_grouped_mm`` of 2-D operands and its backward);
-- ``optim``: ``sf.optim`` AdamW / Adam / SGD with ``foreach=True`` and ``fused=True``.
+- ``optim``: ``sf.optim`` AdamW / Adam / SGD with ``foreach=True`` and ``fused=True``;
+- ``mha``: ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` in inference and the
+  kernels of their fast path (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``,
+  ``_transform_bias_rescale_qkv``) with every mask type, forward only.
 
 On ``--device meta`` (any CPU machine) torch's meta kernels stand in for the CUDA ones; as
 ``F.scaled_dot_product_attention`` picks the math path off CUDA, ``--sdpa`` routes it to the
@@ -31,7 +34,7 @@ that no test builds yet (``NEW_FAMILIES``, tiny configs by ``tiny_config``). On 
 reads its data on the host (``.tolist()``, ``.cpu()``) cannot run: such a row names the error.
 
     python tools/fallback_census.py [--device meta] [--dtypes float32,bfloat16] [--sdpa cuda]
-                                    [--configs tp,dp,dptp] [--families core|all|new] [--models llama,sdpa]
+                                    [--configs tp,dp,dptp] [--families core|all|new] [--models llama,sdpa,mha]
                                     [--grad autograd,func]
 
 Target on CUDA / meta: no op for any model.
@@ -477,6 +480,50 @@ def _kernels_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
         typed((64, 32), P(None, tp), torch.bfloat16).requires_grad_())
 
 
+def _mha_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
+    """``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` in inference (eval, batch
+    first, inference mode), and the kernels of their fast path called as it calls them
+    (``_native_multi_head_attention`` with each mask type and weights variant,
+    ``_transformer_encoder_layer_fwd``, ``_transform_bias_rescale_qkv``): batch over ``dp``,
+    in_proj's packed rows over ``tp`` (a Megatron split by rows, which cuts q, k and v
+    apart: gathered). The modules themselves take their composite path on ShardedArrays (3-d
+    arrays carry a torch-function hook, which torch's fast-path check refuses)."""
+    E, H, B, S = 16, 4, 4, 8
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=dtype).eval()
+    enc = torch.nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, dtype=dtype).eval()
+    dp = "dp" if "dp" in mesh.axis_names else None
+    tp = "tp" if "tp" in mesh.axis_names else None
+
+    def arr(t: torch.Tensor, sp: P = P()) -> Any:
+        return sf.distribute(t.to(device), sp, mesh=mesh)
+
+    def params(mod: torch.nn.Module) -> dict:
+        return {n: arr(p.detach(), P(tp, None) if n.endswith("in_proj_weight") else P(tp) if n.endswith("in_proj_bias")
+                       else P()) for n, p in mod.named_parameters()}
+
+    pm, pe = params(mha), params(enc)
+    x = arr(torch.randn(B, S, E, dtype=dtype), P(dp))
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[:, -1] = True
+    causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+    full = (causal | pad[:, None, None, :]).expand(B, H, S, S).contiguous()
+    masks = [(None, None), (arr(causal), 0), (arr(pad, P(dp)), 1), (arr(full, P(dp)), 2)]
+    attn = [pm[n] for n in ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")]
+    with torch.inference_mode():
+        torch.func.functional_call(mha, pm, (x, x, x), {"key_padding_mask": masks[2][0]})
+        torch.func.functional_call(enc, pe, (x,), {"src_key_padding_mask": masks[2][0]})
+        for mask, mask_type in masks:
+            for need, avg in ((False, True), (True, True), (True, False)):
+                aten._native_multi_head_attention(x, x, x, E, H, *attn, mask, need, avg, mask_type)
+            ln = [pe[f"norm{i}.{w}"] for i in (1, 2) for w in ("weight", "bias")]
+            ff = [pe[f"linear{i}.{w}"] for i in (1, 2) for w in ("weight", "bias")]
+            enc_attn = [pe["self_attn." + n] for n in ("in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                                       "out_proj.bias")]
+            aten._transformer_encoder_layer_fwd(x, E, H, *enc_attn, False, False, 1e-5, *ln, *ff, mask, mask_type)
+        aten._transform_bias_rescale_qkv(arr(torch.randn(B, S, 3 * E, dtype=dtype), P(dp)), attn[1], H)
+
+
 def _optim_step(mesh: sf.Mesh, device: str, dtype: torch.dtype) -> None:
     """sf.optim with torch's foreach and fused kernels, two steps."""
     tp = "tp" if "tp" in mesh.axis_names else None
@@ -510,6 +557,7 @@ def models(families: str = "core", grad_mode: str = "autograd") -> dict[str, Cal
     out["sdpa"] = lambda device, dtype, mesh: _sdpa_step(mesh, device, dtype)
     out["kernels"] = lambda device, dtype, mesh: _kernels_step(mesh, device, dtype)
     out["optim"] = lambda device, dtype, mesh: _optim_step(mesh, device, dtype)
+    out["mha"] = lambda device, dtype, mesh: _mha_step(mesh, device, dtype)
     return out
 
 
@@ -562,7 +610,7 @@ def run_census(device: str, dtypes: list[torch.dtype], kernels: list[str], only:
     runs = []
     for mode in grad_modes:
         for name, run in models(families, mode).items():
-            if mode != "autograd" and name in ("block", "sdpa", "kernels", "optim"):
+            if mode != "autograd" and name in ("block", "sdpa", "kernels", "optim", "mha"):
                 continue  # (no torch.func form: autograd only)
             runs.append((name + ("" if mode == "autograd" else "+" + mode), name, run))
     for name, base, run in runs:
