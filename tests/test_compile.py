@@ -3,6 +3,7 @@ gradients against plain single-device torch, on the local backend."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -233,6 +234,33 @@ def test_mark_dynamic_2d_mesh_backward(mesh22):
         ref.sum().backward()
         torch.testing.assert_close(sf.gather(out), ref.detach())
         torch.testing.assert_close(sf.gather(w.grad), wr.grad)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)])
+def test_an_op_run_per_device_keeps_dynamic_sizes(mesh_shape, batched):
+    """An op with no batched form (``diagonal_backward``) runs once per device; on even
+    layouts its sizes stay symbolic (its size argument localised from the call's own sizes:
+    a leading dim split over the mesh is each device's share), so new even sizes share one
+    graph. It specialised them before: a recompile per size, and in a compiled backward a
+    size pinned in AOTAutograd's joint pass only (fuzzer seed 5827462382)."""
+    mesh = sf.Mesh(mesh_shape, ("x", "y")[:len(mesh_shape)])
+
+    def fn(v):
+        if batched:  # [b, n] -> [b, n, n + 2], b split as the input's
+            return torch.ops.aten.diagonal_backward(v, [v.shape[0], v.shape[1], v.shape[1] + 2], 0, 1, 2) * 2
+        return torch.ops.aten.diagonal_backward(v, [v.shape[0], v.shape[0] + 2], 0, 0, 1) * 2
+
+    counter = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for n in (12, 24, 36):
+        shape = (n, 5) if batched else (n,)
+        t = torch.linspace(-2, 2, math.prod(shape), dtype=torch.float64).reshape(shape)
+        out = f(sf.distribute(t, P(mesh.axis_names), mesh=mesh))
+        names = mesh.axis_names
+        assert out.spec == (P(names[0] if len(names) == 1 else names) if batched else P())
+        torch.testing.assert_close(out.full_tensor(), fn(t))
     assert counter.frame_count == 1
 
 

@@ -89,6 +89,8 @@ FOUND = [
     (5829542315, 3),  # vmap_last embedding_bag: vmap's strided weight slice leaves the CPU sum fast path (offset2bag filled)
     (5829512817, 3),  # compiled backward: mse_loss_backward's fake strides (meta) vs its CPU kernel's (contiguous)
     (5829536839, 3),  # median(dim) of an expand: torch's CPU kernel misreads stride 0 (oracle: contiguous), so did shardfn's
+    (5827461094, 3),  # compile_dynamic amax of a psum_scatter: a global size of a constant shard pinned in the joint pass only
+    (5827462382, 3),  # compile_dynamic diagonal's backward run per device: its sizes pinned in the joint pass only
 ]
 
 

@@ -4,6 +4,7 @@ plain torch (values, errors) on the smallest case that showed the bug."""
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import warnings
 
@@ -2612,37 +2613,80 @@ def test_embedding_bag_of_a_column_split_that_leaves_a_device_none(mode, ispec, 
         F.embedding_bag(sf.distribute(torch.tensor([[5, 0]]), P(), mesh=mesh), W.detach(), mode=mode)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (fuzzer seeds 5827461094, 5827462382): AOTAutograd records a compiled graph output's "
-    "symbolic sizes on its forward-only pass; shardfn's dispatch then specialises those symbols "
-    "in the joint pass (diagonal_backward of a replicated grad is not run stacked, so "
-    "_dispatch_symbolic guards the sizes), the graph returns the now-constant sizes as None "
-    "and __tensor_unflatten__ gets None sizes / strides"))
-def test_compiled_dynamic_backward_specialising_a_forward_outputs_size():
-    mesh = sf.Mesh((3,), ("x",))
+# -- compiled dynamic backwards that pinned a symbol a forward output's size carried -------------
+# (fuzzer seeds 5827461094, 5827462382). AOTAutograd records a compiled graph's outputs' symbolic
+# sizes on a forward-only pass, then traces forward and backward together; a size pinned only in
+# that second pass left the forward returning None for it (a TypeError rebuilding the array) or
+# AOTAutograd's "Node ... was invalid, but is output".
 
-    def flip_blocks(v):
-        v = sf.reshard(v, P("x", None))
-        return sf.shard_map(lambda b: b.flip(0), mesh=mesh, in_specs=(P("x", None),), out_specs=P("x", None),
-                            check_vma=False)(v)
 
-    steps = [flip_blocks, lambda v: v.diagonal()]
-
-    def chain(v):  # a loop over steps: the shard_map's graph break resumes in a frame of its own
+def _compiled_chain(steps, x, mesh, spec):
+    """``steps`` chained under torch.compile(dynamic=True) on ``x`` laid out as ``spec`` (a loop
+    over the steps: a shard_map's graph break resumes in a frame of its own); its value and the
+    gradient of its sum of squares."""
+    def chain(v):
         for s in steps:
             v = s(v)
         return v
 
-    x = torch.randn(12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    xl = x.clone().requires_grad_()
-    ref = torch.cat([t.flip(0) for t in xl.split(4)]).diagonal()
-    (rg,) = torch.autograd.grad((ref ** 2).sum(), xl)
     torch._dynamo.reset()
-    f = torch.compile(lambda v: chain(v), backend="aot_eager", dynamic=True)
     xs = x.clone().requires_grad_()
-    out = f(sf.distribute(xs, P("x", None), mesh=mesh))
-    torch.testing.assert_close(out.full_tensor(), ref.detach())
+    out = torch.compile(chain, backend="aot_eager", dynamic=True)(sf.distribute(xs, spec, mesh=mesh))
     (g,) = torch.autograd.grad((out.full_tensor() ** 2).sum(), xs)
+    return out.full_tensor().detach(), g
+
+
+def _loss_grad(fn, x):
+    xl = x.clone().requires_grad_()
+    ref = fn(xl)
+    (g,) = torch.autograd.grad((ref ** 2).sum(), xl)
+    return ref.detach(), g
+
+
+@pytest.mark.parametrize("mesh_shape,shape", [((3,), (12, 5)), ((2,), (4, 6)), ((2, 2), (8, 8))])
+def test_compiled_dynamic_backward_specialising_a_forward_outputs_size(mesh_shape, shape):
+    """The backward's ``diagonal_backward`` has no batched form: it ran once per device, which
+    specialised the sizes (only in the joint pass) where the forward's output carried them
+    (``Min(3*s55, s81)``). The per-device call keeps them symbolic on even layouts now."""
+    names = ("x", "y")[:len(mesh_shape)]
+    mesh = sf.Mesh(mesh_shape, names)
+    k = math.prod(mesh_shape)
+    spec = P(names, None)
+
+    def flip_blocks(v):
+        v = sf.reshard(v, spec)
+        return sf.shard_map(lambda b: b.flip(0), mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)(v)
+
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got, g = _compiled_chain([flip_blocks, lambda v: v.diagonal()], x, mesh, spec)
+    ref, rg = _loss_grad(lambda v: torch.cat([t.flip(0) for t in v.split(shape[0] // k)]).diagonal(), x)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(g, rg)
+
+
+@pytest.mark.parametrize("mesh_shape,shape,d,dim", [
+    ((2,), (4, 3, 4), 0, 0), ((2,), (4, 3, 4), 0, 1), ((2, 2), (4, 3, 4), 0, 1), ((4, 2), (1, 4, 8, 1, 4, 8), 1, -4)])
+def test_compiled_dynamic_amax_of_a_shard_maps_output(mesh_shape, shape, d, dim):
+    """A shard_map's output (traced on static shards) enters the next frame with a global size
+    symbolic (s81) and its shard's size a constant (duck sizing shared the shard dim's symbol
+    with a mesh dim, pinned). The size amax's output read off its shards (4) met the input's
+    s81 in the backward's broadcast, which pinned s81 in the joint pass only, where a forward
+    output's other dim of that size (and its strides) carried it. The global size is pinned as
+    the array is made now, in every pass."""
+    names = ("x", "y")[:len(mesh_shape)]
+    mesh = sf.Mesh(mesh_shape, names)
+    a = names[-1]
+    spec = P(*[a if i == d else None for i in range(len(shape))])
+
+    def scatter(v):
+        v = sf.reshard(v, P())
+        return sf.shard_map(lambda b: sf.lax.psum_scatter(b, a, scatter_dimension=d, tiled=True), mesh=mesh,
+                            in_specs=(P(),), out_specs=spec)(v)
+
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got, g = _compiled_chain([scatter, lambda v: v.amax(dim, keepdim=True)], x, mesh, P())
+    ref, rg = _loss_grad(lambda v: (v * mesh.shape[-1]).amax(dim, keepdim=True), x)
+    torch.testing.assert_close(got, ref)
     torch.testing.assert_close(g, rg)
 
 

@@ -518,7 +518,8 @@ class _MirroredDims(set):
 
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:
     """Tie a symbolic global size to the stacked shard size (``n == k * local``): a guard
-    on the relation, never a specialisation to a constant. Stated as ``local == n // k``:
+    on the relation, a specialisation to a constant only where the shard's size is one (the
+    relation then fixes the global size). Stated as ``local == n // k``:
     the shard's size is solved for, and the global size stays a symbol of its own. (Stated
     as ``n == k * local``, Dynamo's shape env replaced the input's global sizes by products
     of shard symbols, and its contiguous strides by products of two, which Dynamo cannot
@@ -534,8 +535,17 @@ def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> N
     for k in range(mesh.ndim):
         if isinstance(local.shape[k], torch.SymInt):
             _ft.static_int(local.shape[k])
+    # A shard size that is a constant (a shard_map's output is traced on static shards; duck sizing
+    # shared a data dim's symbol with a mesh dim pinned above) fixes its global size: pinned here
+    # too. Only checked (``n // k == m``), that size stayed a symbol in the first pass, and the
+    # array's sizes read off its shards (4 where it had s81) pinned it when an op compared the two
+    # (a broadcast): in the joint pass only, so the forward returned None for a size and a stride
+    # of an output that the first pass recorded as symbols (fuzzer seed 5827461094).
     for d, (n, axes) in enumerate(zip(shape, layout.dims)):
-        if isinstance(n, torch.SymInt):
+        if isinstance(n, torch.SymInt) and _ft.constant_int(local.shape[mesh.ndim + d]) is not None:
+            _ft.static_int(n)
+    for d, (n, axes) in enumerate(zip(shape, layout.dims)):
+        if isinstance(n, torch.SymInt) and _ft.constant_int(n) is None:
             k = math.prod(mesh.axis_size(a) for a in axes)
             m = local.shape[mesh.ndim + d]
             if k == 1:

@@ -68,6 +68,14 @@ def static_int(n: Any) -> int:
     return n if isinstance(n, int) else torch_compat.specialise_symint(n)
 
 
+def constant_int(n: Any) -> int | None:
+    """``n``'s value where it is a constant (an int, or a SymInt whose symbols have all been
+    specialised), else None; guards on nothing."""
+    if isinstance(n, int):
+        return n
+    return n.node.maybe_as_int() if isinstance(n, torch.SymInt) else None
+
+
 def is_symbolic(shape: Any) -> bool:
     """Whether any size in ``shape`` is a SymInt (a dynamic dim under torch.compile)."""
     return any(isinstance(n, torch.SymInt) for n in shape)

@@ -180,7 +180,7 @@ class _Call:
             m = self.m
             for where, splits, local in self.sized:
                 if symbolic:
-                    local = _symbolic_local(_get(args, kwargs, where), splits)
+                    local = dc.symbolic_local(_get(args, kwargs, where), splits)
                 _set(args, kwargs, where, [*args[0].shape[:m], *local])
             for where, pad in self.align:
                 x = _get(args, kwargs, where)
@@ -206,16 +206,6 @@ def _set(args: list, kwargs: dict, where: tuple[int, str], v: Any) -> None:
         args[i] = v
     else:
         kwargs[name] = v
-
-
-def _symbolic_local(sizes: Sequence[Any], splits: Sequence[int]) -> list:
-    """Local sizes from global ones that may be symbolic (torch.compile dynamic shapes). A -1
-    stays -1: every device holds the same share of the elements (the stacked form is even), so
-    torch infers the local size from the local elements as it infers the global one."""
-    out = []
-    for n, k in zip(sizes, splits):
-        out.append(n if k == 1 or not isinstance(n, torch.SymInt) and n == -1 else n // k)
-    return out
 
 
 def _target(info: Info) -> Any:

@@ -100,6 +100,17 @@ def size_splits(layout: Layout) -> tuple[int, ...]:
     return tuple(math.prod(mesh.axis_size(a) for a in axes) for axes in layout.dims)
 
 
+def symbolic_local(sizes: Sequence[Any], splits: Sequence[int]) -> list:
+    """Local sizes from global ones that may be symbolic (torch.compile dynamic shapes), for an
+    even layout split ``splits`` ways per dim. A -1 stays -1: every device holds the same share
+    of the elements, so torch infers the local size from the local elements as it infers the
+    global one."""
+    out = []
+    for n, k in zip(sizes, splits):
+        out.append(n if k == 1 or not isinstance(n, torch.SymInt) and n == -1 else n // k)
+    return out
+
+
 def size_one_strided(t: Any) -> Any:
     """``t`` with each size-1 dim strided as a contiguous layout's: the extent of the dims
     inside it (a view; any stride is valid there, but torch's views of stacked shards give
@@ -248,6 +259,9 @@ class DeviceCall:
         self.rebind = rebinder(func, cand) if cand.local_fn is None else None
         self.dense = cand.dense
         self.sizes = {dev: [] for dev in devices}
+        # per localised size argument: its pieces per dim, for sizes computed on each call
+        # (``symbolic``: a call on symbolic shards of an even layout, whose sizes are not the hints')
+        self.splits = [(name, size_splits(cand.out_layouts[i])) for name, i in cand.local_sizes]
         for name, i in cand.local_sizes:
             shapes = local_shapes(cand.out_layouts[i], tuple(out_shapes[i]))
             for dev in devices:
@@ -260,9 +274,17 @@ class DeviceCall:
         trivial = not (cand.local_sizes or cand.facts or cand.dense) and self.rebind is None
         self.direct = self.fn if trivial else None  # nothing to adapt: call ``fn`` directly
 
-    def __call__(self, args: tuple, kwargs: dict, dev: int) -> list:
-        for name, size in self.sizes[dev]:
-            args, kwargs = replace_arg(self.func, args, kwargs, name, size)
+    def __call__(self, args: tuple, kwargs: dict, dev: int, symbolic: bool = False) -> list:
+        """``dev``'s outputs. With ``symbolic``, the size arguments are localised from the call's
+        own (symbolic) global sizes, each device's share of an even layout, not from the hints
+        the strategy was compiled on (the caller runs no call with shard facts so)."""
+        if symbolic:
+            for name, splits in self.splits:
+                local = symbolic_local(bind(self.func, args, kwargs)[name], splits)
+                args, kwargs = replace_arg(self.func, args, kwargs, name, local)
+        else:
+            for name, size in self.sizes[dev]:
+                args, kwargs = replace_arg(self.func, args, kwargs, name, size)
         if self.rebind is not None:
             args, kwargs = self.rebind(args, kwargs)
         if self.dense:

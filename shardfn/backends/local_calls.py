@@ -26,10 +26,10 @@ def compile_call(func: Any, call: Any, cand: Any, out_shapes: Sequence[Any], pos
     outputs`` (stacked values or per-device tuples, non-tensor outputs as they are)."""
     from . import batching as _batching
 
-    per_device = PerDeviceCall(func, cand, call, out_shapes, positional)
     canon = tuple(torch.Size(v._layout.varying_sizes) for _, v in call.arrays)
     even = all(is_even(l, tuple(v.shape)) for (_, v), l in zip(call.arrays, cand.in_layouts)) and all(
         l is None or is_even(l, s) for l, s in zip(cand.out_layouts, out_shapes))
+    per_device = PerDeviceCall(func, cand, call, out_shapes, positional, even)
     batched = _batching.batched_call(func, cand, call, out_shapes) if even else None
     if batched is None:
         return per_device
@@ -182,7 +182,7 @@ class StackedCall:
             else:
                 return [settle(o, l) if isinstance(o, torch.Tensor) and l is not None else o
                         for o, l in zip(outs, layouts)]
-        return self.per_device(args, kwargs, values)
+        return self.per_device(args, kwargs, values, symbolic)
 
 
 def _copies(values: dict, dims: tuple[int, ...]) -> dict | None:
@@ -253,15 +253,25 @@ def _bind(fn: Any, args: tuple, kwargs: dict, positional: tuple) -> tuple | None
 
 class PerDeviceCall:
     """The local call once per device, on each device's shard (uneven layouts, or ops
-    with no batched form); outputs are stored in their preferred form."""
+    with no batched form); outputs are stored in their preferred form.
 
-    keeps_symbolic = False
+    On even layouts it keeps symbolic sizes symbolic (``keeps_symbolic``: torch.compile with
+    dynamic shapes): each device's shard of a stacked value is a view of symbolic sizes, its
+    size arguments are localised from the call's own sizes (``DeviceCall``), and the even
+    outputs stack back. Otherwise dispatch specialises the sizes, and a specialisation first
+    made in a compiled backward (an op with no batched form, only in the backward) left
+    AOTAutograd's forward without the outputs' symbolic sizes its first pass recorded
+    (fuzzer seeds 5827461094, 5827462382: ``diagonal_backward``). A ``local_fn`` and shard
+    facts are written against concrete shards: not kept symbolic."""
+
     lean = None  # no fast form: a warm call takes ``__call__``
 
-    def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None) -> None:
+    def __init__(self, func: Any, cand: Any, call: Any, out_shapes: Sequence[Any], positional: tuple | None,
+                 even: bool = False) -> None:
         self.mesh = call.mesh
         self.device_call = DeviceCall(func, cand, [tuple(v.shape) for _, v in call.arrays], out_shapes,
                                       range(call.mesh.size), call_is_complex(call))
+        self.keeps_symbolic = even and cand.local_fn is None and not cand.facts
         self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
         self.empty = empty_outputs(cand, out_shapes)  # where a kernel rejecting the empty piece is forgiven
 
@@ -269,10 +279,11 @@ class PerDeviceCall:
         mesh = self.mesh
         per_dev: list = []
         failed = None
+        symbolic = symbolic and self.keeps_symbolic
         for dev in range(mesh.size):
             a, k = substitute(args, kwargs, values, self.positional, lambda v, dev=dev: device_view(v, mesh, dev))
             try:
-                per_dev.append(self.device_call(a, k, dev))
+                per_dev.append(self.device_call(a, k, dev, symbolic))
             except (RuntimeError, IndexError, ValueError) as e:
                 if dev not in self.empty or _is_sharding_error(e):
                     raise
