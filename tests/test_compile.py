@@ -304,6 +304,17 @@ def test_tensor_unflatten_honours_outer_size_and_stride(mesh22):
     torch.testing.assert_close(sf.gather(v), torch.arange(15.0).reshape(5, 3))
 
 
+@pytest.mark.parametrize("size,stride", [((4, None), (6, 1)), ((4, 6), (None, 1))])
+def test_tensor_unflatten_of_a_size_torch_left_out_is_a_sharding_error(mesh22, size, stride):
+    """A compiled graph whose backward specialised a size its forward output carries as a
+    symbol returns None for that size (AOTAutograd); rebuilding the array said so with a
+    TypeError from torch's wrapper constructor. A ShardingError names the case and what helps."""
+    x = sf.distribute(torch.arange(24.0).reshape(4, 6), P("x", "y"), mesh=mesh22)
+    names, ctx = x.__tensor_flatten__()
+    with pytest.raises(sf.ShardingError, match=r"dynamic=True.*specialised.*mark_static"):
+        sf.ShardedArray.__tensor_unflatten__({n: getattr(x, n) for n in names}, ctx, size, stride)
+
+
 def test_train_tp_example_compiled_matches_single_device():
     """examples/train_tp.py under torch.compile(fullgraph=True, backend="aot_eager"):
     one graph for the whole step (grad + AdamW), 20 steps equal single-device training."""

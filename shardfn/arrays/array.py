@@ -211,6 +211,8 @@ class ShardedArray(torch.Tensor):
         offset = rest[0] if rest else 0
         local = tuple(inner[f"_part_{i}"] for i in range(len(inner))) if is_parts else inner["_local"]
         like = local[0] if is_parts else local
+        if None in outer_size or outer_stride is not None and None in outer_stride:
+            raise _unrecorded_size_error(layout, outer_size, outer_stride)
         if _SymInt not in map(type, outer_size) and (outer_stride is None or _SymInt not in map(type, outer_stride)):
             # concrete sizes (a compiled graph's outputs, rewrapped on every call): nothing to
             # specialise or tie to the shards, so the array is built as an op's output is
@@ -514,6 +516,21 @@ class _MirroredDims(set):
             from torch._dynamo import mark_dynamic
 
             mark_dynamic(local, d + self._offset)
+
+
+def _unrecorded_size_error(layout: Layout, outer_size: Any, outer_stride: Any) -> ShardingError:
+    """What a compiled graph's output of a size (or stride) torch gives as None raises: AOTAutograd
+    recorded that size as a symbol on its forward-only pass, and its joint pass of forward and
+    backward then specialised it, so the forward graph returns no value for it. shardfn keeps
+    sizes symbolic where it can (even layouts; ``_check_symbolic_even`` pins what the input
+    itself fixes); a backward op that must specialise (uneven shards, a rule written against
+    concrete shards) leaves this, which torch reported as a TypeError deep in its wrapper."""
+    return ShardingError(
+        f"torch.compile(dynamic=True): a compiled graph returned an array ({layout_to_spec(layout)}) "
+        f"without the value of a dynamic size (sizes {tuple(outer_size)}, strides "
+        f"{None if outer_stride is None else tuple(outer_stride)}): the graph's backward specialised "
+        "a size that its forward output carries as a symbol. Compile with dynamic=False, or mark "
+        "the input's dims static (torch._dynamo.mark_static), to specialise it in both passes")
 
 
 def _check_symbolic_even(layout: Layout, shape: tuple, local: torch.Tensor) -> None:
