@@ -7,7 +7,8 @@ dim order) but contiguous from the CPU kernel, so a column-split shard of a repl
 (a view in another dim order) got a gradient the trace thought viewable across the devices'
 columns, and the gather of that gradient, recorded as a view, raised 'view size is not
 compatible' when the compiled backward ran (fuzzer seed 5829512817: take_along_dim, then
-mse_loss(reduction='none') against a column-split target, then nansum). Plain torch under
+mse_loss(reduction='none') against a column-split target, then nansum); log_softmax's
+gradient (``_log_softmax_backward_data``: the gradient's order on meta) likewise. Plain torch under
 ``backend="aot_eager"`` raises the same on a transposed input, a torch bug; its inductor runs it.
 Values and gradients are compared with plain torch's eager program, eager and compiled.
 """
@@ -26,6 +27,8 @@ LOSSES = {
     "smooth_l1": lambda a, b: F.smooth_l1_loss(a, b, reduction="none", beta=0.5),
     "huber": lambda a, b: F.huber_loss(a, b, reduction="none", delta=0.5),
     "bce": lambda a, b: F.binary_cross_entropy(a, b, reduction="none"),
+    "log_softmax": lambda a, b: a.log_softmax(0) * b,
+    "layer_norm": lambda a, b: F.layer_norm(a.t(), (4,)).t() * b,
 }
 
 
@@ -57,17 +60,26 @@ def test_a_split_loss_gradient_gathered_in_a_compiled_backward(name, devices, mo
     torch.testing.assert_close(grad, want_grad)
 
 
-@pytest.mark.parametrize("name", ["mse", "smooth_l1", "huber"])
-def test_the_loss_gradients_report_the_cpu_kernels_strides(name):
+EAGER = {
+    "mse": LOSSES["mse"],
+    "smooth_l1": LOSSES["smooth_l1"],
+    "huber": LOSSES["huber"],
+    "log_softmax": lambda a, b: a.log_softmax(1) * b,
+    "layer_norm": lambda a, b: F.layer_norm(a, (6,)) * b,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EAGER))
+def test_the_gradients_report_the_cpu_kernels_strides(name):
     """Eager: the gradient of a transposed input is contiguous, as torch's CPU kernel makes it
     (the meta kernel said transposed, so ``view(-1)`` raised where torch's ran)."""
     x = torch.randn(6, 4, dtype=torch.float64).t()
-    y = torch.randn(4, 6, dtype=torch.float64)
+    y = torch.randn(6, 4, dtype=torch.float64).t()
     mesh = sf.Mesh((2,), ("x",))
     xl = x.detach().requires_grad_()
-    (want,) = torch.autograd.grad(LOSSES[name](xl, y).sum(), xl)
-    X = sf.distribute(x, P(None, "x"), mesh=mesh).requires_grad_()
-    (got,) = torch.autograd.grad(LOSSES[name](X, sf.distribute(y, P(None, "x"), mesh=mesh)).sum(), X)
+    (want,) = torch.autograd.grad(EAGER[name](xl, y).sum(), xl)
+    X = sf.distribute(x, P("x"), mesh=mesh).requires_grad_()
+    (got,) = torch.autograd.grad(EAGER[name](X, sf.distribute(y, P("x"), mesh=mesh)).sum(), X)
     assert got.stride() == want.stride() == (6, 1)
     assert got.view(-1).shape == (24,)
     torch.testing.assert_close(got.full_tensor(), want)

@@ -83,7 +83,8 @@ def _like_binary(args: tuple, out: Any) -> Any:
 # order in both); native_dropout_backward's meta kernel is contiguous, its CPU kernel an
 # elementwise product; the gradients of the mse, smooth l1 and huber losses are allocated
 # contiguous by the CPU kernels (the meta kernels, their decompositions, keep the input's order:
-# fuzzer seed 5829512817), binary cross entropy and its gradient like the input (meta: contiguous)
+# fuzzer seed 5829512817), as are log_softmax's and layer_norm's input gradients (meta: the
+# gradient's / the input's order), binary cross entropy and its gradient like the input (meta: contiguous)
 _ON_CPU: dict[Any, tuple[Callable[[tuple], bool], Callable[[tuple, Any], Any]]] = {
     aten.log_sigmoid_forward.default: (lambda args: True, _contiguous),
     aten.angle.default: (lambda args: args[0].is_complex(), _contiguous),
@@ -91,6 +92,8 @@ _ON_CPU: dict[Any, tuple[Callable[[tuple], bool], Callable[[tuple, Any], Any]]] 
     aten.mse_loss_backward.default: (lambda args: True, _contiguous),
     aten.smooth_l1_loss_backward.default: (lambda args: True, _contiguous),
     aten.huber_loss_backward.default: (lambda args: True, _contiguous),
+    aten._log_softmax_backward_data.default: (lambda args: True, _contiguous),
+    aten.native_layer_norm_backward.default: (lambda args: True, _contiguous),
     aten.binary_cross_entropy.default: (lambda args: True, _like_arg(0)),
     aten.binary_cross_entropy_backward.default: (lambda args: True, _like_arg(1)),
     aten.reflection_pad2d_backward.default: (lambda args: True, _like_format_of(1)),

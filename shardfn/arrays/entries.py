@@ -396,7 +396,7 @@ def _relaid_lean(lean: Callable, relayout: Callable) -> Callable:
     """``lean`` with its output laid out by ``relayout`` (``_Entry.relayout``)."""
     def run(args: tuple, kwargs: dict) -> Any:
         out = lean(args, kwargs)
-        return out if out is None else relayout([out])[0]
+        return out if out is None or type(out) is torch.Tensor else relayout([out])[0]  # (eager: as it is)
     return run
 
 
