@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -47,13 +48,22 @@ def _masks(kind: str, batch: int = B, seq: int = S) -> dict:
     pad[:, -1] = True
     pad[::2, -2] = True
     causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)
+    per_head = torch.rand(batch * H, seq, seq, generator=_gen(11)) > 0.6
+    per_head[..., 0] = False
     return {"none": {}, "pad": {"key_padding_mask": pad}, "attn": {"attn_mask": causal},
-            "both": {"key_padding_mask": pad, "attn_mask": causal}}[kind]
+            "both": {"key_padding_mask": pad, "attn_mask": causal}, "per_head": {"attn_mask": per_head},
+            "per_head_pad": {"attn_mask": per_head, "key_padding_mask": pad}}[kind]
 
 
 def _merged(mod: torch.nn.MultiheadAttention, x: torch.Tensor, masks: dict) -> tuple:
-    """The mask and mask type the fast path hands the kernel (the module's own merge)."""
-    return mod.merge_masks(masks.get("attn_mask"), masks.get("key_padding_mask"), x)
+    """The mask and mask type the fast path hands the kernel: the module's own canonical
+    (float) masks, merged by its ``merge_masks``."""
+    am, kpm = masks.get("attn_mask"), masks.get("key_padding_mask")
+    kpm = F._canonical_mask(mask=kpm, mask_name="key_padding_mask", other_type=F._none_or_dtype(am),
+                            other_name="attn_mask", target_type=x.dtype)
+    am = F._canonical_mask(mask=am, mask_name="attn_mask", other_type=None, other_name="", target_type=x.dtype,
+                           check_other=False)
+    return mod.merge_masks(am, kpm, x)
 
 
 def _mask_spec(mask_type: int | None, batch_spec: P) -> P:
@@ -73,7 +83,7 @@ def _sharded_mha(mod: torch.nn.MultiheadAttention, mesh: sf.Mesh, x: torch.Tenso
                                              mask_type)
 
 
-@pytest.mark.parametrize("kind", ["none", "pad", "attn", "both"])
+@pytest.mark.parametrize("kind", ["none", "pad", "attn", "both", "per_head", "per_head_pad"])
 @pytest.mark.parametrize("weights", [dict(need_weights=False), dict(need_weights=True),
                                      dict(need_weights=True, average_attn_weights=False)], ids=str)
 @pytest.mark.parametrize("x_spec", [P("dp"), P(("dp", "tp")), P("tp")], ids=str)
@@ -131,27 +141,27 @@ def test_mha_split_sequence_or_embedding_is_gathered(mesh: sf.Mesh) -> None:
             torch.testing.assert_close(w.full_tensor(), ref_w)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(batch=st.integers(0, 5), heads=st.sampled_from([2, 4]), seq=st.integers(1, 5),
-       need=st.booleans(), average=st.booleans(), padded=st.booleans())
-def test_mha_shapes_property(batch: int, heads: int, seq: int, need: bool, average: bool, padded: bool) -> None:
-    """Any batch (uneven, fewer rows than devices, empty), head count and length: the batch
-    split gives the module's values with no collective (a device with no rows returns empty
-    results: torch's kernel returns no weights for an empty query)."""
+       need=st.booleans(), average=st.booleans(), mask_type=st.sampled_from([None, 0, 1, 2]))
+def test_mha_shapes_property(batch: int, heads: int, seq: int, need: bool, average: bool, mask_type: Any) -> None:
+    """Any batch (uneven, fewer rows than devices, empty), head count and length, each mask type
+    (bool; type 0, an (L, S) mask, as a direct caller gives it): the batch split gives
+    torch's values with no collective (a device with no rows returns empty results: torch's
+    kernel returns no weights for an empty query)."""
     mesh = sf.Mesh((4,), ("dp",), backend="local")
     mod = _mha(8, heads)
     x = torch.randn(batch, seq, 8, generator=_gen(batch * 31 + seq))
-    masks = {}
-    if padded:
-        pad = torch.zeros(batch, seq, dtype=torch.bool)
-        pad[:, seq - 1] = seq > 1
-        masks = {"key_padding_mask": pad}
+    mask = {None: None, 0: torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1),
+            1: torch.arange(seq).expand(batch, seq) == seq - 1,
+            2: torch.rand(batch, heads, seq, seq, generator=_gen(seq)) > 0.7}[mask_type]
+    if mask is not None:
+        mask[..., 0] = False  # every row keeps a key
     with torch.inference_mode():
-        mask, mask_type = _merged(mod, x, masks)
         ref_out, ref_w = aten._native_multi_head_attention(x, x, x, 8, heads, *(t.detach() for t in _params(mod)),
                                                            mask, need, average, mask_type)
         xs = sf.distribute(x, P("dp"), mesh=mesh)
-        ms = None if mask is None else sf.distribute(mask, P("dp"), mesh=mesh)
+        ms = None if mask is None else sf.distribute(mask, _mask_spec(mask_type, P("dp")), mesh=mesh)
         ps = [sf.distribute(t.detach(), P(), mesh=mesh) for t in _params(mod)]
         with NoFallback(), sf.debug.CommCounter() as cc:
             out, w = aten._native_multi_head_attention(xs, xs, xs, 8, heads, *ps, ms, need, average, mask_type)
@@ -182,7 +192,7 @@ def _encoder_args(enc: torch.nn.TransformerEncoderLayer, arr: Any) -> list:
 
 
 @pytest.mark.parametrize("norm_first, activation", [(False, "relu"), (True, "gelu")])
-@pytest.mark.parametrize("kind", ["none", "pad", "attn"])
+@pytest.mark.parametrize("kind", ["none", "pad", "attn", "both"])
 def test_encoder_layer_batch_split_moves_nothing(mesh: sf.Mesh, norm_first: bool, activation: str,
                                                  kind: str) -> None:
     enc = _encoder(norm_first, activation)
