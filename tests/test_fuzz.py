@@ -91,6 +91,7 @@ FOUND = [
     (5829536839, 3),  # median(dim) of an expand: torch's CPU kernel misreads stride 0 (oracle: contiguous), so did shardfn's
     (5827461094, 3),  # compile_dynamic amax of a psum_scatter: a global size of a constant shard pinned in the joint pass only
     (5827462382, 3),  # compile_dynamic diagonal's backward run per device: its sizes pinned in the joint pass only
+    (5836667825, 3),  # vjp of instance_norm with a plain cotangent: the sync batch norm backward's plain sums
 ]
 
 

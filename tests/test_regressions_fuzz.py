@@ -2797,3 +2797,18 @@ def test_median_along_an_expanded_dim_is_torchs_on_a_contiguous_copy(op, how, sp
     getattr(expand(xr).contiguous(), op)(d)[0].square().sum().backward()
     getattr(expand(Xg), op)(d)[0].square().sum().backward()
     _close(Xg.grad, xr.grad)
+
+
+@pytest.mark.parametrize("norm", ["instance", "batch"])
+@pytest.mark.parametrize("spec", [P("y", None, "x"), P("x"), P(None, None, "x")])
+def test_sync_batch_norm_backward_of_a_plain_cotangent(norm: str, spec: P) -> None:
+    # fuzzer seed 5836667825: vjp of instance_norm of a split input, its cotangent a plain tensor,
+    # raised AttributeError in the synchronised backward (a plain tensor's per-channel sums)
+    mesh = sf.Mesh((4, 2), ("y", "x"), backend="local")
+    g0 = torch.Generator().manual_seed(0)
+    x, g = torch.randn(8, 4, 9, dtype=torch.float64, generator=g0), torch.randn(8, 4, 9, dtype=torch.float64, generator=g0)
+    fn = (lambda a: F.instance_norm(a)) if norm == "instance" else (lambda a: F.batch_norm(a, None, None, training=True))
+    want, vjp = torch.func.vjp(fn, x)
+    got, vjps = torch.func.vjp(fn, sf.distribute(x, spec, mesh=mesh))
+    torch.testing.assert_close(got.full_tensor(), want)
+    torch.testing.assert_close(vjps(g)[0].full_tensor(), vjp(g)[0])

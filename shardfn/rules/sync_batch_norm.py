@@ -48,9 +48,11 @@ def _summed(v: Any) -> Any:
     """Per-channel sums with their pending partial sums reduced now, keeping the channel split
     (C values all-reduced): combined with the split input while pending, the planner would
     carry the pending sum into a full-size pending activation and all-reduce that instead."""
-    from ..arrays.array import wrap
+    from ..arrays.array import ShardedArray, wrap
     from ..arrays.redistribute import raw_reshard
 
+    if not isinstance(v, ShardedArray):  # a plain tensor's sums (a plain gradient of a split input)
+        return v
     lay = v._layout
     if not lay.partial:
         return v
