@@ -92,6 +92,7 @@ FOUND = [
     (5827461094, 3),  # compile_dynamic amax of a psum_scatter: a global size of a constant shard pinned in the joint pass only
     (5827462382, 3),  # compile_dynamic diagonal's backward run per device: its sizes pinned in the joint pass only
     (5836667825, 3),  # vjp of instance_norm with a plain cotangent: the sync batch norm backward's plain sums
+    (5836686776, 3),  # float16 kl_div summed over 5 devices: closer to float64 than torch's own (oracle: _as_accurate)
 ]
 
 
@@ -157,6 +158,21 @@ def _cancelling_sum_case(wrong: float = 1.0):
 
     steps = [fuzz.Step("mul", lambda v, A: v * 1.0, "mul"), fuzz.Step("sum", reordered_sum, "sum")]
     return fuzz.Case(None, (2,), x, fuzz.P(None, "x"), steps, "value", loosest=torch.float32)
+
+
+def test_half_precision_cancelling_sum_is_judged_by_its_float64_error() -> None:
+    """The same for 16-bit floats (seed 5836686776: a float16 kl_div summed over 5 devices, parts
+    629.5 and -526, 13.875 against torch's 14.242, float64 13.305): each device's partial sum of
+    the rounded products, added, passes; one 40 off does not."""
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(2, 64, generator=g, dtype=torch.float64) * 300
+    v[:, -1] = 3.7 - v[:, :-1].sum(-1)  # terms of hundreds summing to a few units
+    v = v.to(torch.float16)
+    op = lambda u: (u * 1.1).sum(-1)  # noqa: E731
+    ref, other = op(v), (v * 1.1).view(2, 8, 8).sum(-1).sum(-1)
+    assert not torch.allclose(other.double(), ref.double(), rtol=0.05, atol=0.05)  # past the float16 tolerance
+    assert fuzz._as_accurate(other, ref, op, v)
+    assert not fuzz._as_accurate(other + 40, ref, op, v)
 
 
 def test_float32_cancelling_sum_is_judged_by_its_float64_error():
