@@ -305,3 +305,37 @@ def test_fallback_census_mha_rows_are_empty(device: str) -> None:
 
     rows = fallback_census.run_census(device, [torch.float32], ["auto"], ["mha"], ["dptp"])
     assert rows and all(r[3] == [] for r in rows), fallback_census.report(rows)
+
+
+def _no_meta_kernel(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("aten::_transformer_encoder_layer_fwd: no Meta kernel (as in torch 2.11)")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_encoder_layer_without_a_meta_kernel_keeps_the_batch_split(device: str) -> None:
+    # torch 2.11 (an H100's torch) has no meta kernel for _transformer_encoder_layer_fwd: the call
+    # fell back to replication on CUDA; the rule's metadata now stands in (shape, dtype, strides
+    # as torch 2.13's meta kernel gives them)
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local", device_type=device)
+    enc = _encoder(False, "relu")
+    x = torch.randn(B, S, E, generator=_gen(5))
+    plain = _encoder_args(enc, lambda t: t.detach().to("meta"))
+    want = aten._transformer_encoder_layer_fwd(x.to("meta"), *plain, None, None)  # the real meta kernel
+    with torch.inference_mode():
+        ref = aten._transformer_encoder_layer_fwd(x, *_encoder_args(enc, lambda t: t.detach()), None, None)
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_transformer_encoder_layer_fwd", _no_meta_kernel, "Meta")
+    try:
+        with pytest.raises(NotImplementedError):
+            aten._transformer_encoder_layer_fwd(x.to("meta"), *plain, None, None)
+        from shardfn.rules.native_mha import encoder_layer_meta
+        got = encoder_layer_meta(aten._transformer_encoder_layer_fwd.default, (x.to("meta"), *plain, None, None), {})
+        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+        args = _encoder_args(enc, lambda t: sf.distribute(t.detach().to(device), P(), mesh=mesh))
+        with torch.inference_mode(), NoFallback(), sf.debug.CommCounter() as cc:
+            out = aten._transformer_encoder_layer_fwd(sf.distribute(x.to(device), P("dp"), mesh=mesh), *args, None, None)
+    finally:
+        lib._destroy()
+    assert cc.total == 0 and out.spec == P("dp") and out.shape == (B, S, E)
+    if device == "cpu":
+        torch.testing.assert_close(out.full_tensor(), ref)

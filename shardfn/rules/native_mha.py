@@ -85,11 +85,25 @@ class BatchSplit:
     def out_meta(func: Any, args: tuple, kwargs: dict) -> Any:
         """The meta kernel's outputs, with no weights (None) where the CPU and CUDA kernels return
         an undefined tensor: ``need_weights=False``, and an empty query (they stop before
-        the attention; the meta kernel gives an empty tensor)."""
-        out = func(*args, **kwargs)
+        the attention; the meta kernel gives an empty tensor). Torch before 2.13 has no meta
+        kernel for ``_transformer_encoder_layer_fwd``: :func:`encoder_layer_meta` stands in."""
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError:
+            if func is not aten._transformer_encoder_layer_fwd.default:
+                raise
+            return encoder_layer_meta(func, args, kwargs)
         if func is aten._native_multi_head_attention.default and not _weights_wanted(func, args, kwargs):
             return out[0], None
         return out
+
+
+def encoder_layer_meta(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``_transformer_encoder_layer_fwd``'s output on meta as its kernels make it (torch 2.11 on
+    an H100 has no meta kernel for it, so the call fell back to replication there): ``src``'s
+    shape and dtype, contiguous."""
+    src = bind(func, args, kwargs)["src"]
+    return torch.empty(src.shape, dtype=src.dtype, device="meta")
 
 
 def _weights_wanted(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -109,6 +123,10 @@ class _Local:
     weights: torch.dtype | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.op is aten._transformer_encoder_layer_fwd.default:
+            src = bind(self.op, args, kwargs)["src"]
+            if src.device.type == "meta":  # (a meta mesh: torch before 2.13 has no meta kernel)
+                return encoder_layer_meta(self.op, args, kwargs)
         if self.op is not aten._native_multi_head_attention.default:
             return self.op(*args, **kwargs)
         b = bind(self.op, args, kwargs)
