@@ -12,11 +12,14 @@ backend holding pending sums of split contractions as equal shares (``set_pendin
 1. values and gradients of the bench_sim transformer block in its three configurations
    (TP and DP on simulated meshes of the device), float32 and bfloat16, against the same
    block unsharded on the same device; HF Llama/Qwen2/Mistral/Gemma TP likewise; SDPA on each
-   backend the device takes (flash, efficient, cuDNN, math) with heads split, and its collectives;
+   backend the device takes (flash, efficient, cuDNN, math) with heads split, and its collectives
+   (plain, causal, grouped-query, masked, an uneven batch); ``sf.optim`` through torch's foreach
+   and fused kernels against ``torch.optim``;
 2. the fallback census (``tools/fallback_census.py``) on the device (target: no op);
 3. ``bench_sim``'s three configurations at the GPU size (dim 1024, seq 256, batch 32) and the
    small size (dim 256, seq 64, batch 16), eager and under ``torch.compile``, with each step's
-   peak memory (targets: <= 1.10x unsharded at GPU size, <= 2x small, compiled <= 1.10x);
+   peak memory (targets: <= 1.10x unsharded at GPU size, <= 2x small, compiled <= 1.10x); eager
+   also on a bare wrapper subclass (no sharding: the floor of a per-op dispatch);
 4. per-op overhead (``bench_dispatch``) on the device against the bare wrapper and DTensor on
    a 1-rank NCCL group (gloo on CPU);
 5. the dist backend on that 1-rank world: a block's loss and gradients against unsharded.
