@@ -93,6 +93,8 @@ FOUND = [
     (5827462382, 3),  # compile_dynamic diagonal's backward run per device: its sizes pinned in the joint pass only
     (5836667825, 3),  # vjp of instance_norm with a plain cotangent: the sync batch norm backward's plain sums
     (5836686776, 3),  # float16 kl_div summed over 5 devices: closer to float64 than torch's own (oracle: _as_accurate)
+    (5838865705, 3),  # one_hot of an unfold, then view(-1): torch's eq branch for any subclass (oracle: _Bare)
+    (5839462206, 3, None, "compile,compile_dynamic,compile_marked"),  # compiled backward: a ZeroTensor shard (sgn)
 ]
 
 
@@ -274,6 +276,26 @@ def test_an_unwritten_torch_output_is_no_oracle():
     wrong = fuzz.Step("wrong", lambda v, A: v.sum() + (1 if isinstance(v, fuzz.sf.ShardedArray) else 0), "wrong")
     case = fuzz.Case(None, (2,), torch.zeros(0, 9), fuzz.P(), [wrong], "value", loosest=torch.float32)
     assert not fuzz._oracle_unsettled(case)
+    assert fuzz.run_case(case) is not None
+
+
+def test_an_error_torch_raises_on_every_subclass_is_no_mismatch():
+    """``one_hot(x.t(), 6).view(-1)`` raises on every tensor subclass (torch's eq branch keeps the
+    input's strides; fake tensors too) and passes on plain tensors: the oracle accepts shardfn's
+    raise (seed 5838865705). An error only shardfn raises still fails."""
+    import torch.nn.functional as F
+
+    x = torch.arange(12).reshape(3, 4) % 6
+    hot = fuzz.Step("one_hot_t", lambda v, A: F.one_hot(v.t(), 6).view(-1), "one_hot_t")
+    case = fuzz.Case(None, (2,), x, fuzz.P("x"), [hot], "value", loosest=torch.int64)
+    assert fuzz.run_case(case) is None
+
+    def only_ours(v, A):
+        if isinstance(v, fuzz.sf.ShardedArray):
+            raise RuntimeError("view size is not compatible with input tensor's size and stride")
+        return v.t().reshape(-1)
+
+    case = fuzz.Case(None, (2,), x, fuzz.P("x"), [fuzz.Step("ours", only_ours, "ours")], "value", loosest=torch.int64)
     assert fuzz.run_case(case) is not None
 
 

@@ -73,3 +73,23 @@ def test_exported_cast_runs_on_arrays(spec):
         (gw,) = torch.autograd.grad(want.sum(), xr)
         torch.testing.assert_close(got.full_tensor(), want)
         torch.testing.assert_close(g.full_tensor() if isinstance(g, sf.ShardedArray) else g, gw)
+
+
+@pytest.mark.parametrize("view", ["plain", "transposed"])
+@pytest.mark.parametrize("spec", [P(), P("x"), P("y", "x")])
+def test_metadata_ops_called_as_ops_report_the_global_metadata(spec, view):
+    """``aten.size`` / ``stride`` / ``numel`` / ``dim`` and their sym_ forms called as ops (a
+    compiled backward's trace asks ``aten.size.default``; it raised 'operator aten::size does
+    not exist' looking for a decomposition): the global answers, as the plain tensor's."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    base = torch.randn(5, 6)
+    X = sf.distribute(base, spec, mesh=mesh)
+    x = base
+    if view == "transposed":
+        X, x = X.t(), x.t()
+    for op in (aten.size.default, aten.stride.default, aten.sym_size.default, aten.sym_stride.default):
+        assert op(X) == op(x), op
+    for op in (aten.size.int, aten.stride.int, aten.sym_size.int, aten.sym_stride.int):
+        assert [op(X, d) for d in (0, 1, -1)] == [op(x, d) for d in (0, 1, -1)], op
+    assert aten.numel.default(X) == aten.sym_numel.default(X) == 30
+    assert aten.dim.default(X) == 2

@@ -2812,3 +2812,21 @@ def test_sync_batch_norm_backward_of_a_plain_cotangent(norm: str, spec: P) -> No
     got, vjps = torch.func.vjp(fn, sf.distribute(x, spec, mesh=mesh))
     torch.testing.assert_close(got.full_tensor(), want)
     torch.testing.assert_close(vjps(g)[0].full_tensor(), vjp(g)[0])
+
+
+@pytest.mark.parametrize("spec", [P("y", "x"), P(("y", "x")), P(None, "x")])
+def test_a_zerotensor_shard_from_a_compiled_graph_is_read_as_zeros(spec):
+    """A compiled backward can return a ZeroTensor as an array's shard (``sgn`` of a real input's
+    gradient: ``_efficientzerotensor``); its storage has no data, so the next regrid's view
+    replay raised 'invalid python storage' (fuzzer seed 5839462206, compile(dynamic=True)). The
+    array rebuilt around it holds real zeros."""
+    mesh = sf.Mesh((2, 2), ("x", "y"))
+    X = sf.distribute(torch.randn(8, 6, dtype=torch.float64), spec, mesh=mesh)
+    names, ctx = X.__tensor_flatten__()
+    inner = {n: torch._efficientzerotensor(tuple(getattr(X, n).shape), dtype=X.dtype) for n in names}
+    Z = type(X).__tensor_unflatten__(inner, ctx, X.shape, X.stride())
+    shards = Z._local if isinstance(Z._local, tuple) else (Z._local,)
+    assert not any(t._is_zerotensor() for t in shards)
+    full = sf.reshard(Z, P()).full_tensor()
+    torch.testing.assert_close(full, torch.zeros(8, 6, dtype=torch.float64))
+

@@ -2031,6 +2031,8 @@ def _run_case(case: Case, mesh: sf.Mesh | None = None) -> str | None:
             alt_err = _subclass_branch(case.steps, x)[1]
             if not stage and alt_err is not None and type(alt_err) is type(e):
                 return None  # torch raises too on the branch ShardedArrays take (``_SubclassLike``)
+            if not stage and _bare_branch_raises(case.steps, x, e):
+                return None  # torch raises too on any tensor subclass (``_Bare``)
             return f"shardfn raised {stage}where torch did not: {type(e).__name__}: {str(e)[:300]}\n{_where(e)}"
         if ref_err is not None and run.startswith("compile"):
             # torch.compile on plain tensors skips some eager kernels' checks too (its decompositions:
@@ -2335,6 +2337,42 @@ def _subclass_branch(steps: list[Step], x: torch.Tensor) -> tuple[Any, Exception
             return _chain(steps, x, lambda a: a.plain), None
     except Exception as e:  # noqa: BLE001
         return None, e
+
+
+class _Bare(torch.Tensor):
+    """A wrapper subclass with no behaviour of its own. Some composites branch on the tensor's
+    own dispatch keys, which a mode cannot set: ``F.one_hot`` of a tensor with the Python key
+    takes ``eq(x.unsqueeze(-1), arange(n))``, whose result's strides follow the input's where
+    the eager kernel's are contiguous (so ``one_hot(x.t(), 6).view(-1)`` raises on every
+    subclass, fake tensors included, but not on plain tensors: seed 5838865705)."""
+
+    @staticmethod
+    def __new__(cls, t: torch.Tensor) -> "_Bare":
+        return torch.Tensor._make_wrapper_subclass(cls, t.shape, strides=t.stride(), storage_offset=t.storage_offset(),
+                                                   dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.inner = t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        import optree
+
+        unwrap = lambda a: a.inner if isinstance(a, _Bare) else a  # noqa: E731
+        out = func(*optree.tree_map(unwrap, args), **optree.tree_map(unwrap, kwargs or {}))
+        return optree.tree_map(lambda o: _Bare(o) if type(o) is torch.Tensor else o, out)
+
+
+def _bare_branch_raises(steps: list[Step], x: torch.Tensor, e: Exception) -> bool:
+    """Whether the plain program on a ``_Bare`` input raises a type ``e`` is an instance of, with its message
+    inside ``e``'s (shardfn quotes torch's message where torch's check fails on its shapes)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _chain(steps, _Bare(x), lambda a: a.plain)
+    except Exception as alt:  # noqa: BLE001
+        return isinstance(e, type(alt)) and str(alt).split("\n")[0][:60] in str(e)
+    return False
 
 
 def _where(e: BaseException) -> str:

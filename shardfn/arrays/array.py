@@ -209,7 +209,7 @@ class ShardedArray(torch.Tensor):
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> ShardedArray:
         layout, is_parts, *rest = ctx  # (a context of two: an older shardfn's, in a compile cache)
         offset = rest[0] if rest else 0
-        local = tuple(inner[f"_part_{i}"] for i in range(len(inner))) if is_parts else inner["_local"]
+        local = tuple(map(_dense, (inner[f"_part_{i}"] for i in range(len(inner))))) if is_parts else _dense(inner["_local"])
         like = local[0] if is_parts else local
         if None in outer_size or outer_stride is not None and None in outer_stride:
             raise _unrecorded_size_error(layout, outer_size, outer_stride)
@@ -516,6 +516,13 @@ class _MirroredDims(set):
             from torch._dynamo import mark_dynamic
 
             mark_dynamic(local, d + self._offset)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or real zeros where it is a ZeroTensor: a compiled backward can return one as a
+    shard (``sgn`` of a real input's gradient, ``_efficientzerotensor``), and its storage has no
+    data for the shard's kernels or views to read (fuzzer seed 5839462206)."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if type(t) is torch.Tensor and t._is_zerotensor() else t
 
 
 def _unrecorded_size_error(layout: Layout, outer_size: Any, outer_stride: Any) -> ShardingError:

@@ -141,6 +141,20 @@ def _storage_numel(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() // t.element_size()
 
 
+def _metadata(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten.size`` / ``stride`` / ``numel`` / ``dim`` called as ops (a compiled backward's trace
+    asks ``aten.size.default`` of an array while making a ZeroTensor gradient, fuzzer seed
+    5839462206): the array's global metadata, as the Tensor methods report it."""
+    x = args[0]
+    if not isinstance(x, ShardedArray):
+        return NotImplemented
+    name = func.overloadpacket.__name__.removeprefix("sym_")
+    if name in ("numel", "dim"):
+        return getattr(x, name)()
+    dims = getattr(x, name)()
+    return list(dims) if len(args) < 2 else dims[args[1]]
+
+
 def _assert_metadata(func: Any, args: tuple, kwargs: dict) -> None:
     """``_assert_tensor_metadata`` (export and torch.compile graphs check a cast's input with it):
     the array's global sizes, strides, dtype, device and layout against the expected ones, as
@@ -279,6 +293,17 @@ HANDLERS: dict[Any, Callable] = {
     aten._has_same_storage_numel.default: _same_storage_numel,
     aten.equal.default: _equal,
     aten._assert_tensor_metadata.default: _assert_metadata,
+    aten.size.default: _metadata,
+    aten.size.int: _metadata,
+    aten.stride.default: _metadata,
+    aten.stride.int: _metadata,
+    aten.sym_size.default: _metadata,
+    aten.sym_size.int: _metadata,
+    aten.sym_stride.default: _metadata,
+    aten.sym_stride.int: _metadata,
+    aten.numel.default: _metadata,
+    aten.sym_numel.default: _metadata,
+    aten.dim.default: _metadata,
     aten.allclose.default: _allclose,
     aten._local_scalar_dense.default: _scalar,
     aten._conj.default: _flag_view,
