@@ -209,7 +209,8 @@ class ShardedArray(torch.Tensor):
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> ShardedArray:
         layout, is_parts, *rest = ctx  # (a context of two: an older shardfn's, in a compile cache)
         offset = rest[0] if rest else 0
-        local = tuple(map(_dense, (inner[f"_part_{i}"] for i in range(len(inner))))) if is_parts else _dense(inner["_local"])
+        parts = (inner[f"_part_{i}"] for i in range(len(inner)))
+        local = tuple(map(_dense, parts)) if is_parts else _dense(inner["_local"])
         like = local[0] if is_parts else local
         if None in outer_size or outer_stride is not None and None in outer_stride:
             raise _unrecorded_size_error(layout, outer_size, outer_stride)

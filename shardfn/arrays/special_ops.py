@@ -142,9 +142,10 @@ def _storage_numel(t: torch.Tensor) -> int:
 
 
 def _metadata(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``aten.size`` / ``stride`` / ``numel`` / ``dim`` called as ops (a compiled backward's trace
-    asks ``aten.size.default`` of an array while making a ZeroTensor gradient, fuzzer seed
-    5839462206): the array's global metadata, as the Tensor methods report it."""
+    """``aten.size`` / ``stride`` / ``numel`` / ``dim`` called as ops: the array's global metadata,
+    as the Tensor methods report it. C++ reaches them through the Python sizes policy: ``sgn``'s
+    backward reads ``result.sizes()``, which under a dynamic-shape trace asks ``aten.size.default``
+    (dispatch raised 'operator aten::size does not exist' looking for a decomposition)."""
     x = args[0]
     if not isinstance(x, ShardedArray):
         return NotImplemented
