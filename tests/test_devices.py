@@ -215,6 +215,24 @@ def test_plain_tensors_with_a_meta_mesh_array_follow_torch(meta_mesh: sf.Mesh) -
         x + torch.randn(4, 6)
 
 
+@pytest.mark.parametrize("op", ["add", "matmul", "linear", "where"])
+def test_a_plain_operand_on_another_device_raises_naming_it(meta_mesh: sf.Mesh, op: str) -> None:
+    """Meta kernels do not check devices (``meta @ cpu`` returns), so ``x @ cpu_tensor`` on a meta
+    mesh made an array living on the CPU, off its mesh; a CUDA mesh's kernels raise torch's
+    error. Either way: a ShardingError naming the argument, before any kernel runs."""
+    x = sf.distribute(torch.randn(4, 6), P("dp", "tp"), mesh=meta_mesh)
+    calls = {"add": lambda: x + torch.randn(4, 6), "matmul": lambda: x @ torch.randn(6, 2),
+             "linear": lambda: torch.nn.functional.linear(x, torch.randn(3, 6)),
+             "where": lambda: torch.where(x > 0, x, torch.randn(4, 6))}
+    with pytest.raises(sf.ShardingError, match=r"argument '\w+' \(position \d\) is a plain tensor on cpu.*'meta'"):
+        calls[op]()
+    cpu_mesh = sf.Mesh((2,), ("x",), backend="local")
+    y = sf.distribute(torch.randn(4, 6), P("x"), mesh=cpu_mesh)
+    with pytest.raises(sf.ShardingError, match=r"plain tensor on meta.*'cpu'"):
+        y @ torch.randn(6, 2, device="meta")
+    torch.testing.assert_close((y * torch.tensor(2.0)).full_tensor(), y.full_tensor() * 2)
+
+
 def test_a_meta_tensor_cannot_be_distributed_onto_a_data_mesh() -> None:
     mesh = sf.Mesh((2,), ("x",), backend="local")
     with pytest.raises(sf.ShardingError, match=r"meta tensor.*no data.*'cpu'"):

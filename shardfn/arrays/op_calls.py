@@ -9,6 +9,7 @@ import torch
 
 from ..backends.registry import backend_for
 from ..values import replica_checks as _replicas
+from ..values.errors import ShardingRuntimeError
 from ..values.layout import Layout, describe
 from ..values.schema import op_name as _op_name
 from .array import ShardedArray, wrap
@@ -45,11 +46,30 @@ def _lift_plain(func: Any, args: tuple, kwargs: dict, leaves: list) -> tuple[tup
             if checked:
                 what = f"{_op_name(func)}: {_arg_name(func, path)}, a plain tensor,"
                 backend_for(mesh).check_replicas(mesh, v, mesh.axis_names, what)
+            if v.device.type != mesh.device_type:
+                v = _onto_mesh_device(func, path, v, mesh.device_type)
             layout = Layout(mesh, ((),) * v.dim())
             return wrap(raw_distribute(_materialized(v), layout), layout, v.shape, v.dtype)
         return v
 
     return _replace(args, kwargs, lift)
+
+
+def _onto_mesh_device(func: Any, path: Any, v: torch.Tensor, device_type: str) -> torch.Tensor:
+    """A plain operand on another device than the mesh's, as torch treats one beside a tensor on
+    that device: a 0-d CPU tensor (torch's CPU scalar) moves; a tensor in a list (``index``'s
+    indices, which torch takes from the CPU) stays, for the kernels to judge; any other raises
+    (torch's "Expected all tensors to be on the same device"). A meta mesh's kernels would
+    not check it, and the result would live on the operand's device, off its mesh."""
+    if v.dim() == 0 and v.device.type == "cpu":
+        return v.to(device_type)
+    if isinstance(path, tuple):
+        return v
+    raise ShardingRuntimeError(
+        f"{_op_name(func)}: {_arg_name(func, path)} is a plain tensor on {v.device.type}, and the arrays "
+        f"beside it live on their mesh's device type {device_type!r}; tensors of one op must be on one "
+        f"device (CPU scalars aside), as torch requires: move it with .to({device_type!r}) or "
+        f"sf.distribute it")
 
 
 def _materialized(v: torch.Tensor) -> torch.Tensor:
