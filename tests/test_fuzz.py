@@ -95,6 +95,7 @@ FOUND = [
     (5836686776, 3),  # float16 kl_div summed over 5 devices: closer to float64 than torch's own (oracle: _as_accurate)
     (5838865705, 3),  # one_hot of an unfold, then view(-1): torch's eq branch for any subclass (oracle: _Bare)
     (5839462206, 3, None, "compile,compile_dynamic,compile_marked"),  # compiled backward: a ZeroTensor shard (sgn)
+    (5845067868, 3),  # compile_dynamic unfold of an empty dim: unfold_backward fell back, pinning a size in the joint pass
 ]
 
 

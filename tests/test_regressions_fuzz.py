@@ -2830,3 +2830,43 @@ def test_a_zerotensor_shard_from_a_compiled_graph_is_read_as_zeros(spec):
     full = sf.reshard(Z, P()).full_tensor()
     torch.testing.assert_close(full, torch.zeros(8, 6, dtype=torch.float64))
 
+
+
+@pytest.mark.parametrize("shape,spec,dim,size,step,grad_spec", [
+    ((6, 2, 0), P(None, None, "x"), 0, 2, 1, P(None, None, "x")),
+    ((6, 4, 3), P(None, "y", "x"), 0, 2, 1, P(None, "y", "x")),
+    ((8, 6), P("x", "y"), 1, 3, 2, P("x")),
+    ((8, 6), P("x", "y"), 0, 3, 2, P(None, "y")),
+    ((7, 5), P(("x", "y")), 1, 2, 1, P(("x", "y"))),
+    ((5,), P("x"), 0, 2, 2, P()),
+])
+def test_unfold_backward_keeps_the_other_dims_sharded(shape, spec, dim, size, step, grad_spec):
+    """``unfold_backward`` had no rule: it replicated the gradient (a FallbackWarning) and, on a
+    symbolic size under compile(dynamic=True), specialised it in the joint pass only, so the
+    forward's output lost a size (fuzzer seed 5845067868). Now the window dims are whole and
+    the others keep their sharding; values and gradients as torch's."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    X = sf.distribute(x, spec, mesh=mesh).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sf.FallbackWarning)
+        (g,) = torch.autograd.grad((X.unfold(dim, size, step) ** 3).sum(), X)
+    xl = x.clone().requires_grad_()
+    (rg,) = torch.autograd.grad((xl.unfold(dim, size, step) ** 3).sum(), xl)
+    assert g.spec == grad_spec
+    torch.testing.assert_close(g.full_tensor(), rg)
+
+
+@pytest.mark.parametrize("shape", [(6, 2, 0), (6, 2, 3)])
+def test_compiled_dynamic_grad_through_unfold(shape):
+    """The seed's shape (an empty dim) and a full one, under compile(dynamic=True)."""
+    mesh = sf.Mesh((2, 3), ("x", "y"))
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    X = sf.distribute(x, P(None, None, "x"), mesh=mesh).requires_grad_()
+    out = torch.compile(lambda v: v.unfold(0, 2, 1) * 2, backend="aot_eager", dynamic=True)(X)
+    (g,) = torch.autograd.grad(out.sum(), X)
+    torch.testing.assert_close(out.full_tensor(), x.unfold(0, 2, 1) * 2)
+    xl = x.clone().requires_grad_()
+    (rg,) = torch.autograd.grad((xl.unfold(0, 2, 1) * 2).sum(), xl)
+    torch.testing.assert_close(g.full_tensor(), rg)

@@ -327,6 +327,24 @@ class SizedBackward:
 
 
 @attrs.frozen
+class UnfoldBackward:
+    """unfold_backward(grad, input_sizes, dim, size, step): the windows (grad's ``dim``, one per
+    step) summed back into the input's ``dim``, each window's elements the grad's last dim: those
+    two whole, the grad's other dims sharded as the output's. Linear in the grad: a pending
+    reduction stays pending. (It fell back, replicating the grad, and on a symbolic size under
+    torch.compile(dynamic=True) specialised it in the joint pass only: fuzzer seed 5845067868.)"""
+
+    def candidates(self, call: OpCall) -> list[Candidate]:
+        (_, g), = call.arrays
+        n = len(call.out_metas[0].shape)
+        d = bind(call.func, call.args, call.kwargs)["dim"] % max(n, 1)
+        out_dims = tuple(() if i == d else g._layout.dims[i] for i in range(n))
+        src = Layout(call.mesh, (*out_dims, ()) if n else ((),) * g.dim(), g._layout.partial)
+        dst = Layout(call.mesh, out_dims, g._layout.partial)
+        return [Candidate((src,), (dst,), local_sizes=(("input_sizes", 0),))]
+
+
+@attrs.frozen
 class DiagonalBackward:
     """diagonal_backward(grad, input_sizes, offset, dim1, dim2): zeros of ``input_sizes`` with
     ``grad`` (the diagonal, its last dim) written on the diagonal of dims ``dim1``/``dim2``:
@@ -451,6 +469,7 @@ TABLE = {
     aten.slice_backward: SizedBackward(),
     aten.select_backward: SizedBackward(insert=True),
     aten.diagonal_backward: DiagonalBackward(),
+    aten.unfold_backward: UnfoldBackward(),
     aten.diag_embed: DiagEmbed(),
     aten.constant_pad_nd: PadLast(),
     aten.select_scatter: ViewScatter(_select_map),
