@@ -96,6 +96,7 @@ FOUND = [
     (5838865705, 3),  # one_hot of an unfold, then view(-1): torch's eq branch for any subclass (oracle: _Bare)
     (5839462206, 3, None, "compile,compile_dynamic,compile_marked"),  # compiled backward: a ZeroTensor shard (sgn)
     (5845067868, 3),  # compile_dynamic unfold of an empty dim: unfold_backward fell back, pinning a size in the joint pass
+    (5845060164, 3, None, "compile,compile_dynamic,compile_marked"),  # a gradient over 1e17..1e-3 (oracle: normwise)
 ]
 
 
@@ -298,6 +299,19 @@ def test_an_error_torch_raises_on_every_subclass_is_no_mismatch():
 
     case = fuzz.Case(None, (2,), x, fuzz.P("x"), [fuzz.Step("ours", only_ours, "ours")], "value", loosest=torch.int64)
     assert fuzz.run_case(case) is not None
+
+
+def test_double_gradients_are_judged_against_their_largest_element():
+    """A float64 gradient spanning 1e17 to 1e-3 (seed 5845060164) holds small elements made by
+    cancelling huge terms: errors of a few rounding units of the largest element pass; an error
+    past that, a non-finite entry torch does not have, or a single-precision value do not."""
+    ref = torch.tensor([1.37e17, -2.8e15, 0.111, 9.4e-5], dtype=torch.float64)
+    assert fuzz._close_to_the_largest(ref + torch.tensor([1.5, 0.0, 0.0487, 0.0668], dtype=torch.float64), ref)
+    assert not fuzz._close_to_the_largest(ref + torch.tensor([0.0, 0.0, 1e4, 0.0], dtype=torch.float64), ref)
+    assert not fuzz._close_to_the_largest(ref.clone().index_fill_(0, torch.tensor([2]), float("nan")), ref)
+    small = torch.tensor([1.0, 0.5, 1e-3], dtype=torch.float64)
+    assert not fuzz._close_to_the_largest(small + torch.tensor([0.0, 0.0, 1e-6], dtype=torch.float64), small)
+    assert not fuzz._close_to_the_largest(ref.float(), ref.float())
 
 
 TORCH_2_13 = _compat._release(torch.__version__) >= (2, 13)

@@ -1774,7 +1774,28 @@ def _compare_grad(g: torch.Tensor, ref: torch.Tensor, case: Case, prec: torch.dt
             alt = torch.func.grad(lambda v: _scalar_loss(_chain(case.steps, v, lambda a: a.plain)))(case.x)
             _compare(g, alt, what, prec)
         except Exception:  # noqa: BLE001 - neither answer (or torch.func cannot run the program)
-            raise plain_branch from None
+            if not _close_to_the_largest(g, ref):
+                raise plain_branch from None
+
+
+def _close_to_the_largest(got: torch.Tensor, ref: torch.Tensor, units: int = 64) -> bool:
+    """Double-precision values whose every error is a few rounding units of the largest element
+    (the normwise bound of a matrix computation), with the same non-finite entries. A gradient
+    spanning 1e17 to 1e-3 (QR of a wide complex matrix, then std and pow: seed 5845060164
+    --modes compile,...) holds small elements made by cancelling terms of 1e15: another
+    (equally exact) order of the sums moves them by 0.05, far past an elementwise tolerance."""
+    if isinstance(got, sf.ShardedArray):
+        got = got.full_tensor()
+    if ref.dtype not in (torch.float64, torch.complex128) or got.dtype != ref.dtype or got.shape != ref.shape:
+        return False
+    got, ref = got.detach(), ref.detach()
+    fin = torch.isfinite(ref)
+    if not torch.equal(fin, torch.isfinite(got)) or not torch.equal(ref[~fin].nan_to_num(), got[~fin].nan_to_num()):
+        return False
+    if not bool(fin.any()):
+        return True
+    scale = ref[fin].abs().max()
+    return bool((got[fin] - ref[fin]).abs().max() <= units * torch.finfo(torch.float64).eps * scale)
 
 
 def _compare_either(got: Any, ref: Any, alt: Callable[[], Any], what: str, prec: torch.dtype) -> None:
