@@ -347,6 +347,28 @@ def test_dist_found_seeds_replay_clean_on_the_simulated_mesh(entry):
     assert fuzz.run_case(case) is None, f"seed {seed}: {case.describe()}"
 
 
+def test_the_dist_oracle_compares_a_byte_view_as_its_float_source():
+    """A ring's psum adds in another order than torch's sum: a float's last bit differs, and a
+    ``view(int8)`` of it differs by whole integers (dist seeds 5846871460, 5846873704: 64 apart).
+    The dist verdict compares such a value as its float source, as the single-process oracle
+    does; a wrong float still fails, and gradients are compared as they are."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    sys.modules.setdefault("fuzz", fuzz)
+    import fuzz_dist
+
+    x = torch.linspace(0.1, 1.0, 8, dtype=torch.float64).reshape(2, 4)
+    step = fuzz.Step("bytes", lambda v, A: v.view(torch.int8), "bytes", undo=lambda t: t.view(torch.float64))
+    case = fuzz.Case(None, (2, 2), x, fuzz.P("x"), [step], "value", loosest=torch.float64)
+    want = x.view(torch.int8)
+    last_bit = torch.nextafter(x, torch.full_like(x, 2.0)).view(torch.int8)  # one rounding unit up
+    assert not torch.equal(last_bit, want)
+    fuzz._compare(*fuzz_dist._undone(case, "value", last_bit, want, "dist vs torch"), "value", torch.float64)
+    with pytest.raises(fuzz.Mismatch):
+        fuzz._compare(*fuzz_dist._undone(case, "value", (x + 1e-3).view(torch.int8), want, "dist vs torch"), "value",
+                      torch.float64)
+    assert fuzz_dist._undone(case, "grad", last_bit, want, "dist vs torch") == (last_bit, want)
+
+
 @pytest.mark.parametrize("name", sorted(fuzz._MISREAD_STRIDE_0))
 def test_the_oracle_runs_stride_0_misreading_steps_on_a_contiguous_input(name):
     """torch's CPU median / nanmedian along an expanded dim (stride 0) give values from other
