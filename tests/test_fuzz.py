@@ -97,6 +97,7 @@ FOUND = [
     (5839462206, 3, None, "compile,compile_dynamic,compile_marked"),  # compiled backward: a ZeroTensor shard (sgn)
     (5845067868, 3),  # compile_dynamic unfold of an empty dim: unfold_backward fell back, pinning a size in the joint pass
     (5845060164, 3, None, "compile,compile_dynamic,compile_marked"),  # a gradient over 1e17..1e-3 (oracle: normwise)
+    (5847902119, 3),  # jacfwd of matrix_exp of a rot90: torch's CPU kernel raises on permuted batch dims (oracle)
 ]
 
 
@@ -367,6 +368,23 @@ def test_the_dist_oracle_compares_a_byte_view_as_its_float_source():
         fuzz._compare(*fuzz_dist._undone(case, "value", (x + 1e-3).view(torch.int8), want, "dist vs torch"), "value",
                       torch.float64)
     assert fuzz_dist._undone(case, "grad", last_bit, want, "dist vs torch") == (last_bit, want)
+
+
+def test_the_oracle_runs_matrix_exp_on_a_contiguous_input():
+    """torch's CPU matrix_exp raises "view size is not compatible" on batch dims in another order
+    (seed 5847902119: a rot90 over a batch and a matrix dim); the plain program hands it its input
+    contiguous, the sharded one its input as it is."""
+    x = torch.randn(7, 2, 8, 8, dtype=torch.complex128)
+    r = torch.rot90(x, 3, (0, 1))
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        torch.linalg.matrix_exp(r * 0.25)
+    seen = []
+    step = fuzz.Step("matrix_exp", lambda v, A: seen.append(v.is_contiguous()) or torch.linalg.matrix_exp(v * 0.25),
+                     "matrix_exp")
+    torch.testing.assert_close(fuzz._chain([step], r, lambda a: a.plain), torch.linalg.matrix_exp(r.contiguous() * 0.25))
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        fuzz._chain([step], r, lambda a: a.sharded)
+    assert seen == [True, False]
 
 
 @pytest.mark.parametrize("name", sorted(fuzz._MISREAD_STRIDE_0))

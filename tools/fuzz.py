@@ -1828,12 +1828,17 @@ def _grad_rows(case: Case, cts: torch.Tensor) -> torch.Tensor:
 # is not ``x``; torch 2.13; kthvalue, mode, sort and the all-dims overloads read it right). The
 # plain program takes their input contiguous, torch's own value for it (seed 5829536839)
 _MISREAD_STRIDE_0 = frozenset({"median_dim", "nanmedian"})
+# torch's CPU matrix_exp views its input as a batch of matrices (``view(-1, n, n)``) and raises
+# "view size is not compatible" for batch dims in another order (a rot90 over a batch dim and
+# a matrix dim, then a product: seed 5847902119); shardfn's per-device kernels compute it
+_RAISES_ON_BATCH_STRIDES = frozenset({"matrix_exp"})
+_CONTIGUOUS_FOR_TORCH = _MISREAD_STRIDE_0 | _RAISES_ON_BATCH_STRIDES
 _PLAIN_PROBE = Aux(plain=True, sharded=False)
 
 
 def _run_step(s: Step, v: Any, lift: Callable[[Aux], Any]) -> Any:
     # (the plain program is the one that lifts auxiliaries to their plain tensors)
-    if s.name in _MISREAD_STRIDE_0 and lift(_PLAIN_PROBE) is True:
+    if s.name in _CONTIGUOUS_FOR_TORCH and lift(_PLAIN_PROBE) is True:
         v = v.contiguous()
     return s.fn(v, lift)
 
