@@ -98,6 +98,7 @@ FOUND = [
     (5845067868, 3),  # compile_dynamic unfold of an empty dim: unfold_backward fell back, pinning a size in the joint pass
     (5845060164, 3, None, "compile,compile_dynamic,compile_marked"),  # a gradient over 1e17..1e-3 (oracle: normwise)
     (5847902119, 3),  # jacfwd of matrix_exp of a rot90: torch's CPU kernel raises on permuted batch dims (oracle)
+    (5849704170, 3),  # compiled batch_norm, a device with no channel: the traced meta kernel took the empty piece
 ]
 
 

@@ -2870,3 +2870,25 @@ def test_compiled_dynamic_grad_through_unfold(shape):
     xl = x.clone().requires_grad_()
     (rg,) = torch.autograd.grad((xl.unfold(0, 2, 1) * 2).sum(), xl)
     torch.testing.assert_close(g.full_tensor(), rg)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_compiled_batch_norm_with_a_device_holding_no_channel(training):
+    """5 channels over 8 devices: three shards hold none. Eagerly, a kernel that rejects the
+    empty piece is forgiven there; traced, the meta kernel accepted it and the compiled graph ran
+    the real one on it ("input tensor must have at least one element", fuzzer seed 5849704170).
+    Traced calls now skip a device whose outputs are all empty."""
+    mesh = sf.Mesh((4, 2), ("x", "y"))
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, dtype=torch.float64, generator=g) for s in ((7, 5, 9), (5,), (5,)))
+    mean, var = torch.randn(5, dtype=torch.float64, generator=g), torch.rand(5, dtype=torch.float64, generator=g) + 0.5
+    X = sf.distribute(x, P(None, ("y", "x")), mesh=mesh)
+    W, B = (sf.distribute(t, P(("y", "x")), mesh=mesh) for t in (w, b))
+
+    def f(v, w_, b_):
+        return F.batch_norm(v, None if training else mean, None if training else var, w_, b_, training=training)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="aot_eager")(X, W, B)
+    torch.testing.assert_close(got.full_tensor(), f(x, w, b))
+    assert got.spec == P(None, ("y", "x"))

@@ -14,6 +14,7 @@ from ..values.layout import is_even
 from ..values.mesh import Mesh
 from .device_call import DeviceCall, _reshape, call_is_complex, empty_outputs, raw_op, substitute
 from .local_values import SHARES, batch_consistent, device_view, from_parts, full, settle
+from .view_replay import plain
 
 
 # -- running an op's local call -------------------------------------------------------------
@@ -280,7 +281,11 @@ class PerDeviceCall:
         per_dev: list = []
         failed = None
         symbolic = symbolic and self.keeps_symbolic
+        traced = bool(self.empty) and _traced(values)
         for dev in range(mesh.size):
+            if traced and dev in self.empty:
+                per_dev.append(None)  # (filled below, as a forgiven kernel's are)
+                continue
             a, k = substitute(args, kwargs, values, self.positional, lambda v, dev=dev: device_view(v, mesh, dev))
             try:
                 per_dev.append(self.device_call(a, k, dev, symbolic))
@@ -289,9 +294,9 @@ class PerDeviceCall:
                     raise
                 per_dev.append(None)  # filled below with empty outputs of another device's dtypes
                 failed = e
-        if failed is not None:
+        if failed is not None or traced:
             like = next((o for o in per_dev if o is not None), None)
-            if like is None:
+            if like is None and failed is not None:
                 raise failed
             per_dev = [o if o is not None else [torch.empty(sh, dtype=t.dtype, device=t.device)
                                                 for sh, t in zip(self.empty[dev], like)]
@@ -302,3 +307,15 @@ class PerDeviceCall:
             # an undefined output (a CUDA kernel's gradient nobody asked for) is None on every device
             out.append(col[0] if layout is None or col[0] is None else from_parts(col, layout, shape))
         return out
+
+
+def _traced(values: dict) -> bool:
+    """Whether the shards are a trace's (fake, functional or functorch-wrapped tensors). Their
+    kernels are meta kernels, which accept an empty piece that the real kernel rejects, so a
+    device whose outputs are all empty is not called at all: the compiled graph would run the
+    real kernel on it (batch_norm of a shard with no channel, fuzzer seed 5849704170)."""
+    for v in values.values():
+        t = v[0] if isinstance(v, tuple) else v
+        if isinstance(t, torch.Tensor):
+            return not plain(t)
+    return False
