@@ -1745,6 +1745,11 @@ def _half(*dtypes: torch.dtype) -> bool:
     return any(d in (torch.float16, torch.bfloat16, torch.complex32) for d in dtypes)
 
 
+def _same_non_finite(got: torch.Tensor, ref: torch.Tensor, fin: torch.Tensor) -> bool:
+    """``got`` is non-finite where ``ref`` is (``fin``: ``ref``'s finite mask), with the same inf / nan."""
+    return torch.equal(fin, torch.isfinite(got)) and torch.equal(ref[~fin].nan_to_num(), got[~fin].nan_to_num())
+
+
 def _normwise_close(got: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
     """16-bit floats: a split contraction rounds each partial sum to 16 bits before adding them
     (torch's one kernel accumulates in float32), so an element that cancels (small against its
@@ -1753,7 +1758,7 @@ def _normwise_close(got: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
     g, r = got.to(torch.complex128 if got.is_complex() else torch.float64), ref.to(
         torch.complex128 if ref.is_complex() else torch.float64)
     fin = torch.isfinite(r)
-    if not torch.equal(fin, torch.isfinite(g)) or not torch.equal(r[~fin].nan_to_num(), g[~fin].nan_to_num()):
+    if not _same_non_finite(g, r, fin):
         return False
     return bool(torch.linalg.vector_norm(g[fin] - r[fin]) <= rtol * torch.linalg.vector_norm(r[fin]))
 
@@ -1790,7 +1795,7 @@ def _close_to_the_largest(got: torch.Tensor, ref: torch.Tensor, units: int = 64)
         return False
     got, ref = got.detach(), ref.detach()
     fin = torch.isfinite(ref)
-    if not torch.equal(fin, torch.isfinite(got)) or not torch.equal(ref[~fin].nan_to_num(), got[~fin].nan_to_num()):
+    if not _same_non_finite(got, ref, fin):
         return False
     if not bool(fin.any()):
         return True

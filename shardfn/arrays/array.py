@@ -210,7 +210,7 @@ class ShardedArray(torch.Tensor):
         layout, is_parts, *rest = ctx  # (a context of two: an older shardfn's, in a compile cache)
         offset = rest[0] if rest else 0
         parts = (inner[f"_part_{i}"] for i in range(len(inner)))
-        local = tuple(map(_dense, parts)) if is_parts else _dense(inner["_local"])
+        local = tuple(map(_plain_dense, parts)) if is_parts else _plain_dense(inner["_local"])
         like = local[0] if is_parts else local
         if None in outer_size or outer_stride is not None and None in outer_stride:
             raise _unrecorded_size_error(layout, outer_size, outer_stride)
@@ -519,11 +519,16 @@ class _MirroredDims(set):
             mark_dynamic(local, d + self._offset)
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or real zeros where it is a ZeroTensor: a compiled backward can return one as a
-    shard (``sgn`` of a real input's gradient, ``_efficientzerotensor``), and its storage has no
-    data for the shard's kernels or views to read (fuzzer seed 5839462206)."""
-    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if type(t) is torch.Tensor and t._is_zerotensor() else t
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or real zeros where it is a ZeroTensor: its storage has no data for a shard's kernels
+    or views to read. A compiled backward can return one as a shard (``sgn`` of a real input's
+    gradient, ``_efficientzerotensor``; fuzzer seed 5839462206), forward AD as a zero tangent."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device) if t._is_zerotensor() else t
+
+
+def _plain_dense(t: torch.Tensor) -> torch.Tensor:
+    """``dense`` for a plain shard; a traced one (fake, functional) is left as torch made it."""
+    return dense(t) if type(t) is torch.Tensor else t
 
 
 def _unrecorded_size_error(layout: Layout, outer_size: Any, outer_stride: Any) -> ShardingError:

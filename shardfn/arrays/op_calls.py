@@ -12,7 +12,7 @@ from ..values import replica_checks as _replicas
 from ..values.errors import ShardingRuntimeError
 from ..values.layout import Layout, describe
 from ..values.schema import op_name as _op_name
-from .array import ShardedArray, wrap
+from .array import ShardedArray, dense, wrap
 from .redistribute import raw_distribute
 
 
@@ -77,7 +77,7 @@ def _materialized(v: torch.Tensor) -> torch.Tensor:
     views resolved. Inside ``__torch_dispatch__`` those dispatch keys are skipped, so the local
     kernels would read a ZeroTensor's missing storage or ignore the flag."""
     if v._is_zerotensor():
-        return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        return dense(v)
     return v.resolve_conj().resolve_neg() if v.is_conj() or v.is_neg() else v
 
 
