@@ -532,7 +532,8 @@ def bernoulli(
     w = uniform_bits(key, global_shape, box, stream, device=device)
     if isinstance(p, torch.Tensor):
         pt = p.to(device=w.device, dtype=torch.float64)
-        if pt.numel() and not bool(((pt >= 0) & (pt <= 1)).all()):
+        # a meta p (a meta mesh's shard) holds no values to check; torch's meta kernels skip it too
+        if pt.numel() and not pt.is_meta and not bool(((pt >= 0) & (pt <= 1)).all()):
             raise ValueError("tensor p must have all values in [0, 1]")
         try:
             torch.broadcast_shapes(pt.shape, w.shape)

@@ -177,13 +177,22 @@ def bernoulli(key: KeyLike, p: float | torch.Tensor = 0.5, shape: ShapeLike | No
             p = p.expand(shape)
         except RuntimeError:
             raise ShardingError(f"bernoulli: p of shape {tuple(p.shape)} does not broadcast to shape {shape}") from None
+    # unsharded, the draws are made where a tensor p lives (as torch.bernoulli(p) does: a meta p
+    # has no values to move to the CPU); sharded, on the mesh's device
+    home = p.device if isinstance(p, torch.Tensor) else None
     return _sample(shape, sharding, mesh, dtype, lambda s, box, dev: _rng.bernoulli(
-        k, s, box, p=_p_box(p, box, dev), dtype=dtype, device=dev))
+        k, s, box, p=_p_box(p, box, dev), dtype=dtype, device=home if dev is None else dev))
 
 
 def _p_box(p: float | torch.Tensor, box: Box | None, device: torch.device | None) -> float | torch.Tensor:
+    """Device ``device``'s box of a plain tensor ``p``, moved there (the mesh owns the device)."""
     if not isinstance(p, torch.Tensor) or box is None:
         return p
+    if p.is_meta and device.type != "meta":
+        raise ShardingError(
+            f"bernoulli: p is a meta tensor of shape {tuple(p.shape)}, which holds no values, but the shards go "
+            f"to the mesh's device type {device.type!r}; give p with values (any device), or a mesh with "
+            f"device_type='meta'")
     return p[tuple(slice(lo, hi) for lo, hi in box)].to(device)
 
 
