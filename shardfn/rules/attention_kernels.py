@@ -139,9 +139,9 @@ class HeadsAttention:
                          if kv_heads % math.prod(mesh.axis_size(a) for a in c.in_layouts[qi].dims[-2]) == 0]
         fill = {i: replicated(call.mesh, call.out_metas[i].dim()) for i in loose}
         meta_fn = _META_FNS.get(call.func) if call.mesh.device_type == "meta" else None
-        fn = _EmptyHeads(call.func, meta_fn)
+        fn = _EmptyProblems(call.func, meta_fn)
         return [attrs.evolve(c, dense="last",
-                             local_fn=fn if meta_fn is not None or _no_heads_somewhere(call, c, names) else None,
+                             local_fn=fn if meta_fn is not None or _empty_somewhere(call, c, names, packed) else None,
                              out_layouts=tuple(fill.get(i, o) for i, o in enumerate(c.out_layouts)))
                 for c in cands]
 
@@ -152,10 +152,11 @@ def _partial_besides(c: Candidate, keep: set[int]) -> bool:
     return any(o is not None and o.partial for i, o in enumerate(c.out_layouts) if i not in keep)
 
 
-def _no_heads_somewhere(call: OpCall, c: Candidate, names: list) -> bool:
-    """Whether some device's query/key/value shard has no heads (more pieces than heads)."""
+def _empty_somewhere(call: OpCall, c: Candidate, names: list, packed: bool) -> bool:
+    """Whether some device's query/key/value shard holds no heads, or (unpacked) no batch rows,
+    of a call that has some (more pieces than heads or rows)."""
     return any(
-        s[-2] == 0
+        (s[-2] == 0 < v.shape[-2]) or (not packed and s[0] == 0 < v.shape[0])
         for (p, v), lay in zip(call.arrays, c.in_layouts)
         if (names[p] if isinstance(p, int) else p) in ("query", "key", "value") and v.ndim >= 3
         for s in local_shapes(lay, tuple(v.shape))
@@ -163,9 +164,11 @@ def _no_heads_somewhere(call: OpCall, c: Candidate, names: list) -> bool:
 
 
 @attrs.frozen
-class _EmptyHeads:
-    """``op`` on one device's shards, or empty results where that device holds no heads.
-    ``meta``: computes the outputs' metadata in place of a broken meta kernel."""
+class _EmptyProblems:
+    """``op`` on one device's shards, or zero results shaped as its meta kernel's where that
+    device holds no heads or no batch rows (flash checks "batch size must be positive"; the
+    device's share is empty, a bias gradient's pending share zeros). ``meta``: computes the
+    outputs' metadata in place of a broken meta kernel."""
 
     op: Any
     meta: Any = None
@@ -175,7 +178,7 @@ class _EmptyHeads:
         q, k = b["query"], b["key"]
         if self.meta is not None and q.device.type == "meta":
             return self.meta(self.op, args, kwargs)
-        if k.shape[-2] and q.shape[-2]:
+        if k.shape[-2] and q.shape[-2] and (q.dim() != 4 or (q.shape[0] and k.shape[0])):
             return self.op(*args, **kwargs)
         meta = self.op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
                        **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})

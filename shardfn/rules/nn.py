@@ -151,7 +151,7 @@ class Attention:
     def candidates(self, call: OpCall) -> list[Candidate]:
         b = bind(call.func, call.args, call.kwargs)
         q, k = b["query"], b["key"]
-        fn = _EmptyHeads(call.func)
+        fn = _EmptyProblems(call.func)
         base = Leading(_ATTN, _heads_reduce if self.reduce else _heads_lead, loose_outs=self.loose_outs,
                        broadcast_outs=(3,) if self.reduce else ())
         if q.dim() != 4 or k.dim() != 4 or q.shape[1] == k.shape[1]:
@@ -179,15 +179,16 @@ class Attention:
         # produce): those calls need dense inputs; others a last dim of stride 1 (torch's front-end
         # checks it before picking the kernel; a gathered shard may lack it)
         grouped = self.dense_gqa and q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
-        return [attrs.evolve(c, dense=True if grouped else "last", local_fn=fn if _no_heads_somewhere(call, c) else None)
+        return [attrs.evolve(c, dense=True if grouped else "last", local_fn=fn if _empty_somewhere(call, c) else None)
                 for c in cands]
 
 
-def _no_heads_somewhere(call: OpCall, c: Candidate) -> bool:
-    """Whether some device's query/key/value shard has no heads (more pieces than heads)."""
+def _empty_somewhere(call: OpCall, c: Candidate) -> bool:
+    """Whether some device's query/key/value shard holds no batch rows or no heads (more pieces
+    than rows or heads) of a call that has some."""
     names = _schema_info(call.func)[0]
     return any(
-        s[1] == 0
+        (s[0] == 0 < v.shape[0]) or (s[1] == 0 < v.shape[1])
         for (p, v), lay in zip(call.arrays, c.in_layouts)
         if (names[p] if isinstance(p, int) else p) in ("query", "key", "value") and v.ndim == 4
         for s in local_shapes(lay, tuple(v.shape))
@@ -195,16 +196,19 @@ def _no_heads_somewhere(call: OpCall, c: Candidate) -> bool:
 
 
 @attrs.frozen
-class _EmptyHeads:
-    """``op`` on one device's shards, giving empty results on a device holding no heads
-    (more pieces than heads; the kernel divides by the head count)."""
+class _EmptyProblems:
+    """``op`` on one device's shards, giving zero results shaped as its meta kernel's on a
+    device holding no (batch, head) problems -- more pieces than batch rows or heads. The kernels
+    reject such a piece (flash checks "batch size must be positive", others divide by the head
+    count), or return a gradient of another shape for an empty bias; its share is empty anyway
+    (a bias gradient's, a pending sum, is zeros)."""
 
     op: Any
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         b = bind(self.op, args, kwargs)
         q, k = b["query"], b["key"]
-        if k.shape[1] and q.shape[1]:
+        if q.shape[0] and q.shape[1] and k.shape[0] and k.shape[1]:
             return self.op(*args, **kwargs)
         meta = self.op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
                        **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
