@@ -10,8 +10,7 @@ from typing import Any
 import optree
 import torch
 
-from ..arrays.array import ShardedArray
-from ..arrays.functorch import static_int
+from ..arrays.functorch import layout_of, static_int
 from ..arrays.redistribute import distribute, reshard
 from ..backends.registry import backend_for
 from ..values.errors import ShardingError, ShardingTypeError
@@ -66,11 +65,14 @@ def _local_map(f: Callable, out_specs: Any, in_specs: Any, in_grad_specs: Any, m
     paths, leaves, specs, treespec = _match(specs, args, "local_map in_specs", "args")
     gspecs = (None,) * len(args) if in_grad_specs is None else _arg_specs(in_grad_specs, args, "local_map in_grad_specs")
     _, _, gspecs, _ = _match(gspecs, args, "local_map in_grad_specs", "args")
-    if not any(isinstance(v, ShardedArray) for v in leaves) and all(s is None for s in specs):
+    # (an array under torch.func wrappers, a vmap / grad of the local_map, is read at its level)
+    layouts = [layout_of(v) if isinstance(v, torch.Tensor) else None for v in leaves]
+    if all(l is None for l in layouts) and all(s is None for s in specs):
         return f(*args, **kwargs)
     mesh = _mesh_for(mesh, leaves, "local_map", paths)
     columns = [
-        _local_inputs(p, v, s, g, mesh, redistribute) for p, v, s, g in zip(paths, leaves, specs, gspecs)
+        _local_inputs(p, v, l, s, g, mesh, redistribute)
+        for p, v, l, s, g in zip(paths, leaves, layouts, specs, gspecs)
     ]
     devices = B.my_devices(mesh)
     outs = []
@@ -78,29 +80,31 @@ def _local_map(f: Callable, out_specs: Any, in_specs: Any, in_grad_specs: Any, m
         for i in range(len(devices)):
             outs.append(f(*optree.tree_unflatten(treespec, [col[i] for col in columns]), **kwargs))
     # (a dynamic size is specialised: shard shapes decide the body's layout, as in shard_map)
-    uneven = any(isinstance(v, ShardedArray) and not is_even(v._layout, tuple(static_int(n) for n in v.shape))
-                 for v in leaves)
+    uneven = any(l is not None and not is_even(l, tuple(static_int(n) for n in v.shape))
+                 for v, l in zip(leaves, layouts))
     return _local_outputs(outs, out_specs, mesh, first_only=in_grad_specs is None, exchange=uneven)
 
 
-def _local_inputs(path: str, v: Any, spec: Any, gspec: Any, mesh: Mesh, redistribute: bool) -> list:
+def _local_inputs(path: str, v: Any, layout: Any, spec: Any, gspec: Any, mesh: Mesh, redistribute: bool) -> list:
+    """Argument ``v``'s value on each device (``layout``: its own, None for a plain tensor)."""
     n = len(B.my_devices(mesh))
-    if not isinstance(v, torch.Tensor) or (spec is None and not isinstance(v, ShardedArray)):
+    if not isinstance(v, torch.Tensor) or (spec is None and layout is None):
         return [v] * n
     where = f"local_map in_specs for {path}"
-    if not isinstance(v, ShardedArray):
-        v = distribute(v, _layout(spec, v.dim(), mesh, where))
+    if layout is None:
+        layout = _layout(spec, v.dim(), mesh, where)
+        v = distribute(v, layout)
     elif spec is not None:
         want = _layout(spec, v.ndim, mesh, where)
-        if want != v._layout:
+        if want != layout:
             if not redistribute:
                 raise ShardingError(
-                    f"{where}: the argument is laid out as {v.spec!r} but in_specs asks for "
+                    f"{where}: the argument is laid out as {layout_to_spec(layout)!r} but in_specs asks for "
                     f"{layout_to_spec(want)!r}; pass redistribute_inputs=True or reshard it first"
                 )
-            v = reshard(v, want)
+            v, layout = reshard(v, want), want
     grad = (
-        B.summed_grad_layout(v._layout) if gspec is None
+        B.summed_grad_layout(layout) if gspec is None
         else _layout(gspec, v.ndim, mesh, f"local_map in_grad_specs for {path}")
     )
     return list(B.EnterParts.apply(v, grad, False))
