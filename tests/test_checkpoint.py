@@ -185,6 +185,30 @@ def test_bad_input_errors(tmp_path, mesh22) -> None:
     assert not (tmp_path / "bad").exists()
 
 
+def test_unsavable_values_and_paths(tmp_path, mesh22) -> None:
+    meta = sf.Mesh((2, 2), ("x", "y"), backend="local", device_type="meta")
+    with pytest.raises(sf.ShardingError, match=r"'m' is an array on a meta mesh"):
+        sf.checkpoint.save(tmp_path / "bad", {"m": sf.distribute(torch.randn(4), P("x"), mesh=meta)})
+    assert not (tmp_path / "bad").exists()
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(sf.ShardingError, match=r"path '.*file' is a file; a checkpoint is a folder"):
+        sf.checkpoint.save(tmp_path / "file", {"n": 1})
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_io_errors_raise_as_themselves_in_one_process(tmp_path, mesh22) -> None:
+    # DCP wraps every failure in a CheckpointException, a BaseException that ``except
+    # Exception`` misses; with one process its one error is raised as itself
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    sf.checkpoint.save(tmp_path, {"w": sf.distribute(torch.randn(4, 6), P("x"), mesh=mesh22)})
+    for f in tmp_path.glob("*.distcp"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError) as info:
+        sf.checkpoint.load(tmp_path, {"w": sf.NamedSharding(mesh22, P())})
+    assert isinstance(info.value.__cause__, CheckpointException)
+
+
 # -- DCP interoperability ----------------------------------------------------------------------
 
 

@@ -83,6 +83,9 @@ def save(path: str | os.PathLike | None, tree: Any, *, storage_writer: Any = Non
     meshes = []
     for key, leaf in zip(keys, leaves):
         if type(leaf) in ARRAY_TYPES:
+            if leaf.mesh.device_type == "meta":
+                raise ShardingError(f"sf.checkpoint.save: {key!r} is an array on a meta mesh (no values to save); "
+                                    f"save arrays of a mesh whose device holds data (cpu, cuda)")
             meshes.append(leaf.mesh)
         elif isinstance(leaf, (P, NamedSharding)):
             raise ShardingError(f"sf.checkpoint.save: {key!r} is a sharding ({leaf!r}), not a value; "
@@ -95,10 +98,32 @@ def save(path: str | os.PathLike | None, tree: Any, *, storage_writer: Any = Non
                                 f"a checkpoint holds ShardedArrays, tensors and Python scalars")
     if path is None and storage_writer is None:
         raise ShardingError("sf.checkpoint.save: give a path (a folder) or storage_writer=")
+    if storage_writer is None and os.path.exists(_path_id(path)) and not os.path.isdir(_path_id(path)):
+        raise ShardingError(f"sf.checkpoint.save: path {os.fspath(path)!r} is a file; a checkpoint is a folder "
+                            f"(give a new path or an existing folder)")
     flat = dict(zip(keys, (leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)))
     no_dist = not _multi_process(meshes)
-    with _quiet(no_dist):
+    with _quiet(no_dist), _own_error(no_dist):
         dcp.save(flat, checkpoint_id=_path_id(path), storage_writer=storage_writer, no_dist=no_dist)
+
+
+@contextlib.contextmanager
+def _own_error(one_process: bool) -> Iterator[None]:
+    """In one process, what DCP's I/O raised (an ``OSError``, a storage's own error) as itself: DCP
+    reports every failure as a ``CheckpointException``, a ``BaseException`` that ``except
+    Exception`` does not catch, holding each rank's error. Over several processes it stays DCP's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = list(e.failures.values())
+        if not one_process or len(failures) != 1:
+            raise
+        cause = failures[0][0] if isinstance(failures[0], tuple) else failures[0]
+        if not isinstance(cause, BaseException):
+            raise
+        raise cause from e
 
 
 def _metadata(path: Any, storage_reader: Any) -> tuple[Any, Any]:
@@ -188,7 +213,7 @@ def load(path: str | os.PathLike | None, like: Any, *, storage_reader: Any = Non
     # arrays on a meta mesh (the CPU stand-in for an accelerator) hold no data: nothing to read
     reads = {k: v for k, v in targets.items() if not (type(v) in ARRAY_TYPES and v.mesh.device_type == "meta")}
     if reads:
-        with _quiet(no_dist):
+        with _quiet(no_dist), _own_error(no_dist):
             dcp.load(reads, checkpoint_id=_path_id(path), storage_reader=reader, no_dist=no_dist)
         targets.update(reads)  # DCP puts loaded Python values into the dict it was given
     out = [targets[key] if f is None else f(targets[key]) for key, f in zip(keys, finish)]
