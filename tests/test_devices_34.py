@@ -58,3 +58,64 @@ def test_bernoulli_of_a_meta_p_onto_a_data_mesh_is_a_sharding_error(cpu_mesh: sf
     """Was torch's NotImplementedError ('Cannot copy out of meta tensor') from a shard's copy."""
     with pytest.raises(sf.ShardingError, match=r"bernoulli: p is a meta tensor.*no values.*'cpu'"):
         sf.random.bernoulli(sf.random.key(0), torch.full((4, 6), 0.3, device="meta"), None, P("dp"), mesh=cpu_mesh)
+
+
+# -- moves to a device the mesh does not own: a ShardingError, rank, spelling and compile alike ---
+
+
+_OTHER = {"cpu": "meta", "meta": "cpu"}
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("device_type", ["cpu", "meta"])
+def test_new_factories_naming_another_device_are_sharding_errors_at_any_rank(device_type: str, ndim: int) -> None:
+    """Arrays of 2 dims or fewer have no torch-function hook: ``x.new_tensor(data, device=...)``
+    made a plain tensor on another device (3-d arrays raised), and ``x.new_zeros(device='cuda')``
+    raised torch's 'Torch not compiled with CUDA enabled' before shardfn could check it."""
+    mesh = sf.Mesh((2,), ("x",), backend="local", device_type=device_type)
+    x = sf.distribute(torch.randn((4, 3, 2)[:ndim]), P("x"), mesh=mesh)
+    other = _OTHER[device_type]
+    for device in (other, "cuda", torch.device("cuda", 1)):
+        for call in (lambda: x.new_tensor([1.0], device=device), lambda: x.new_zeros((2,), device=device),
+                     lambda: x.new_ones(2, device=device), lambda: x.new_empty((2,), device=device),
+                     lambda: x.new_full((2,), 1.0, device=device),
+                     lambda: x.new_empty_strided((2,), (1,), device=device)):
+            with pytest.raises(sf.ShardingError, match=rf"new_\w+\(device='{torch.device(device).type}.*'{device_type}'"):
+                call()
+    y = x.new_zeros((2,), dtype=torch.int64, device=device_type)  # the mesh's own device is fine
+    assert _shards(y) == {(device_type, torch.int64)} and y.spec == P()
+    t = x.new_tensor([1.0, 2.0])
+    assert type(t) is torch.Tensor and t.device.type == device_type  # torch's: a plain copy on x's device
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "meta"])
+def test_an_int_device_on_a_cpu_or_meta_mesh_is_a_sharding_error(device_type: str) -> None:
+    """An int device is torch's index of the current accelerator; it was passed on unchecked and
+    raised torch's 'Cannot access accelerator device when none is available'."""
+    mesh = sf.Mesh((2,), ("x",), backend="local", device_type=device_type)
+    for shape in ((4, 3), (4, 3, 2)):
+        x = sf.distribute(torch.randn(shape), P("x"), mesh=mesh)
+        for call in (lambda: x.to(0), lambda: x.to(0, torch.float64), lambda: x.to(device=1),
+                     lambda: x.new_zeros((2,), device=0), lambda: x.new_tensor([1.0], device=0)):
+            with pytest.raises(sf.ShardingError, match=rf"\(device=\d\): an int device means .*'{device_type}'"):
+                call()
+        assert _shards(x) == {(device_type, torch.float32)}  # nothing changed
+
+
+@pytest.mark.parametrize("ndim", [2, 3])
+@pytest.mark.parametrize("device_type", ["cpu", "meta"])
+def test_a_compiled_move_to_another_device_raises_the_sharding_error(device_type: str, ndim: int) -> None:
+    """Raised from a Python method (``x.to``, ``x.new_zeros``; a 3-d array's torch-function hook)
+    in Dynamo's fake run, the ShardingError became a TorchRuntimeError: ``except ShardingError``
+    missed it under torch.compile, while the same check at the aten level surfaced."""
+    mesh = sf.Mesh((2,), ("x",), backend="local", device_type=device_type)
+    x = sf.distribute(torch.randn((4, 6, 2)[:ndim]), P("x"), mesh=mesh)
+    other = _OTHER[device_type]
+    for f in (lambda a: a.to(other) + 1, lambda a: a.to("cuda"), lambda a: torch.zeros_like(a, device=other),
+              lambda a: a.new_zeros((2,), device=other)):
+        torch._dynamo.reset()
+        with pytest.raises(sf.ShardingError, match=rf"device='({other}|cuda)'.*'{device_type}'"):
+            torch.compile(f, backend="eager")(x)
+    torch._dynamo.reset()
+    y = torch.compile(lambda a: a.to(device_type, torch.float64) * 2, backend="eager")(x)  # its own device: compiles
+    assert _shards(y) == {(device_type, torch.float64)} and y.spec == x.spec

@@ -49,6 +49,30 @@ _WRITING_METHODS = _writing_methods()
 _TF_SPECIAL = _WRITING_METHODS | _contract.FUNCS | DEVICE_FUNCS
 
 
+def _check_device(func: Any, args: tuple, kwargs: dict, mesh: Mesh) -> None:
+    """:func:`check_call_device`, its ShardingError raised as itself under torch.compile too
+    (raised from a Python method in Dynamo's fake run, it became a TorchRuntimeError)."""
+    try:
+        check_call_device(func, args, kwargs, mesh)
+    except ShardingError as e:
+        surface_in_compile(e)
+        raise
+
+
+def _device_checked(method: Callable) -> Callable:
+    """``torch.Tensor``'s ``method`` with its device checked first (the mesh owns the device): a
+    2-d or lower array has no torch-function hook to check it before torch starts the named
+    device's runtime, or makes ``new_tensor``'s copy there."""
+
+    def run(self: ShardedArray, *args: Any, **kwargs: Any) -> Any:
+        _check_device(method, (self, *args), kwargs, self._layout.mesh)
+        return method(self, *args, **kwargs)
+
+    run.__name__ = run.__qualname__ = method.__name__
+    run.__doc__ = method.__doc__
+    return run
+
+
 def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
     """Batched matmul / einsum / rms_norm run as one op (``backends/custom_ops.py``: torch's composite
     would fold the batch dims into one); an in-place method's ``self`` is packed into a
@@ -56,7 +80,7 @@ def _special_torch_function(func: Any, types: Any, args: tuple, kwargs: dict | N
     in-place policy discounts (``observed.is_observed``; an id, which holds no reference)."""
     if func in DEVICE_FUNCS:  # the mesh owns the device: another one is refused before torch starts its runtime
         if args and isinstance(args[0], ShardedArray):
-            check_call_device(func, args, kwargs or {}, args[0]._layout.mesh)
+            _check_device(func, args, kwargs or {}, args[0]._layout.mesh)
         return _no_torch_function(func, types, args, kwargs or {})
     if func in _contract.FUNCS:
         out = _contract.batched_call(func, args, kwargs)
@@ -360,21 +384,28 @@ class ShardedArray(torch.Tensor):
     # 2-d and lower arrays have no torch-function hook to do it
     def to(self, *args: Any, **kwargs: Any) -> Any:
         if not (len(args) == 1 and not kwargs and isinstance(args[0], torch.dtype)):  # a cast: nothing to check
-            check_call_device(torch.Tensor.to, (self, *args), kwargs, self._layout.mesh)
+            _check_device(torch.Tensor.to, (self, *args), kwargs, self._layout.mesh)
         return torch.Tensor.to(self, *args, **kwargs)
 
     def cuda(self, *args: Any, **kwargs: Any) -> Any:
-        check_call_device(torch.Tensor.cuda, (self, *args), kwargs, self._layout.mesh)
+        _check_device(torch.Tensor.cuda, (self, *args), kwargs, self._layout.mesh)
         return torch.Tensor.cuda(self, *args, **kwargs)
 
     def xpu(self, *args: Any, **kwargs: Any) -> Any:
-        check_call_device(torch.Tensor.xpu, (self, *args), kwargs, self._layout.mesh)
+        _check_device(torch.Tensor.xpu, (self, *args), kwargs, self._layout.mesh)
         return torch.Tensor.xpu(self, *args, **kwargs)
 
     def type(self, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:
-            check_call_device(torch.Tensor.type, (self, *args), kwargs, self._layout.mesh)
+            _check_device(torch.Tensor.type, (self, *args), kwargs, self._layout.mesh)
         return torch.Tensor.type(self, *args, **kwargs)
+
+    new_zeros = _device_checked(torch.Tensor.new_zeros)
+    new_ones = _device_checked(torch.Tensor.new_ones)
+    new_empty = _device_checked(torch.Tensor.new_empty)
+    new_full = _device_checked(torch.Tensor.new_full)
+    new_empty_strided = _device_checked(torch.Tensor.new_empty_strided)
+    new_tensor = _device_checked(torch.Tensor.new_tensor)
 
     def pin_memory(self, *args: Any, **kwargs: Any) -> ShardedArray:
         raise TypeError("pin_memory is not supported on a ShardedArray; pin its local_shards() instead")

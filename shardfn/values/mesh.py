@@ -329,6 +329,9 @@ def check_mesh_device(what: str, device: Any, mesh: Mesh) -> None:
     mesh owns the device): a ShardingError naming both and the ways to get elsewhere."""
     if device is None:
         return
+    if isinstance(device, int) and not isinstance(device, bool):
+        _check_device_index(what, device, mesh)
+        return
     kind = torch.device(device).type
     if kind != mesh.device_type:
         raise ShardingError(
@@ -336,6 +339,21 @@ def check_mesh_device(what: str, device: Any, mesh: Mesh) -> None:
             f"{mesh.device_type!r} (the mesh owns the device); for a plain tensor there use "
             f"x.full_tensor().to({kind!r}), or distribute onto a Mesh(..., device_type={kind!r})"
         )
+
+
+def _check_device_index(what: str, index: int, mesh: Mesh) -> None:
+    """A bare int device is torch's spelling of the current accelerator's device ``index``: on a
+    mesh of that accelerator it is the mesh's device type; elsewhere (a CPU or meta mesh, or no
+    accelerator at all, where torch fails starting one) a ShardingError naming both."""
+    acc = torch.accelerator.current_accelerator()
+    if acc is not None and acc.type == mesh.device_type:
+        return
+    means = f"{acc.type}:{index}" if acc is not None else "an accelerator's device, and none is available here"
+    raise ShardingError(
+        f"{what}(device={index}): an int device means {means}, but the ShardedArray lives on its mesh's "
+        f"device type {mesh.device_type!r} (the mesh owns the device); name {mesh.device_type!r} or leave "
+        f"the device out, or for a plain tensor elsewhere use x.full_tensor().to(...)"
+    )
 
 
 _ACCELERATOR_METHODS = {torch.Tensor.cuda: "cuda", torch.Tensor.xpu: "xpu", torch.Tensor.ipu: "ipu"}
@@ -363,7 +381,8 @@ def _to_device(args: tuple, kwargs: dict) -> Any:
     first = args[0] if args else kwargs.get("other", kwargs.get("tensor"))
     if isinstance(first, torch.Tensor):
         return first.device
-    return first if isinstance(first, (str, torch.device)) else None
+    # an int is a device index (``x.to(0)``: the current accelerator's device 0), never a dtype
+    return first if isinstance(first, (str, torch.device, int)) and not isinstance(first, bool) else None
 
 
 def check_call_device(func: Any, args: tuple, kwargs: dict, mesh: Mesh) -> None:
@@ -380,8 +399,7 @@ def check_call_device(func: Any, args: tuple, kwargs: dict, mesh: Mesh) -> None:
         device, what = _type_device(args[1] if len(args) > 1 else kwargs.get("dtype")), "_to_copy"
     else:
         device, what = kwargs.get("device"), func.__name__
-    if device is not None and not isinstance(device, int):
-        check_mesh_device(what, device, mesh)
+    check_mesh_device(what, device, mesh)
 
 
 def to_mesh_device(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
