@@ -122,3 +122,74 @@ def test_devices_holding_no_batch_rows_get_empty_results(call: str, mesh_shape: 
     for i, (a, w) in enumerate(zip(grads, wgrads)):
         assert a.shape == w.shape
         torch.testing.assert_close(a.full_tensor(), w, msg=f"grad {i}")
+
+
+# -- mem-efficient attention's bias alignment ----------------------------------------------------------
+
+
+def _checks_alignment(fn, bias_at: int):  # noqa: ANN001, ANN202
+    """``fn`` rejecting a bias as CUDA's mem-efficient kernel does (xformers' ``check_supported``)."""
+    def kernel(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        b = args[bias_at]
+        if b is not None and (b.stride(-1) != 1 or any(st % 8 for n, st in zip(b.shape[:-1], b.stride()[:-1]) if n > 1)):
+            raise RuntimeError(f"attn_bias is not correctly aligned: strides {b.stride()}")
+        return fn(*args, **kwargs)
+    return kernel
+
+
+@pytest.fixture(scope="module")
+def aligned_kernels() -> Iterator[None]:
+    lib = torch.library.Library("aten", "IMPL")
+    for name, fn, at in [("_scaled_dot_product_efficient_attention", bhsd._efficient, 3),
+                         ("_scaled_dot_product_efficient_attention_backward", bhsd._efficient_bwd, 4),
+                         ("_efficient_attention_forward", bshd._eff_fwd, 3),
+                         ("_efficient_attention_backward", bshd._eff_bwd, 4)]:
+        lib.impl(name, _checks_alignment(fn, at), "CPU")
+    yield
+    lib._destroy()
+
+
+def _padded(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as torch's SDPA hands it to the kernel (``preprocess_mask``): rows padded to a
+    multiple of 8, sliced back, expanded to (batch, heads, queries, keys)."""
+    n = mask.shape[-1]
+    return torch.nn.functional.pad(mask, (0, 8 - n % 8))[..., :n].expand(B, H, SQ, SK)
+
+
+@pytest.mark.parametrize("seq_first", [False, True], ids=["sdpa", "bshd"])
+@pytest.mark.parametrize("mesh_shape, q_spec, mask_shape, mask_spec", [
+    ((2, 2), P("x", "y"), (B, 1, SQ, SK), P(None, None, "x")),  # the mask's queries split: gathered
+    ((4,), P(None, "x"), (SQ, SK), P("x")),
+    ((2,), P("x"), (H, SQ, SK), P(None, "x")),
+    ((3,), P(), (B, 1, 1, SK), P(None, None, None, "x")),  # its keys split
+    ((2, 2), P("x", "y"), (1, H, SQ, SK), P()),  # nothing moves: the slices keep the padded rows
+], ids=str)
+def test_efficient_attention_gets_an_aligned_bias(seq_first: bool, mesh_shape: tuple, q_spec: P, mask_shape: tuple,
+                                                  mask_spec: P, aligned_kernels: None) -> None:
+    """A mask padded as torch's SDPA pads it, laid out so that it is gathered or restacked: each
+    device's kernel still gets strides in multiples of 8 elements (a dense gathered (.., 5, 7)
+    bias was rejected by CUDA's kernel); values and gradients equal torch's."""
+    mesh = sf.Mesh(mesh_shape, ("x", "y")[:len(mesh_shape)])
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, s, D, generator=g, dtype=torch.float64) for s in (SQ, SK, SK))
+    if seq_first:
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        q_spec = P(q_spec[0] if len(q_spec) else None, None, q_spec[1] if len(q_spec) > 1 else None)
+    mask = torch.randn(mask_shape, generator=g, dtype=torch.float64)
+
+    def attend(q, k, v, m):  # noqa: ANN001, ANN202
+        if seq_first:
+            return aten._efficient_attention_forward(q, k, v, _padded(m), None, None, SQ, SK, 0.0, 0, True)[0]
+        return aten._scaled_dot_product_efficient_attention(q, k, v, _padded(m), True)[0]
+
+    plain = [t.clone().requires_grad_() for t in (q, k, v, mask)]
+    want = attend(*plain)
+    wgrads = torch.autograd.grad((want ** 2).sum(), plain)
+    sharded = [sf.distribute(t, q_spec, mesh=mesh).requires_grad_() for t in (q, k, v)]
+    sharded.append(sf.distribute(mask, mask_spec, mesh=mesh).requires_grad_())
+    for _ in range(2):  # a warm call too
+        got = attend(*sharded)
+        grads = torch.autograd.grad((got ** 2).sum(), sharded)
+        torch.testing.assert_close(got.full_tensor(), want)
+        for i, (a, w) in enumerate(zip(grads, wgrads)):
+            torch.testing.assert_close(a.full_tensor(), w, msg=f"grad {i}")
