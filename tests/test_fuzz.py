@@ -99,6 +99,7 @@ FOUND = [
     (5845060164, 3, None, "compile,compile_dynamic,compile_marked"),  # a gradient over 1e17..1e-3 (oracle: normwise)
     (5847902119, 3),  # jacfwd of matrix_exp of a rot90: torch's CPU kernel raises on permuted batch dims (oracle)
     (5849704170, 3),  # compiled batch_norm, a device with no channel: the traced meta kernel took the empty piece
+    (5854495492, 3),  # gelu of +inf: torch's CPU kernel gives nan or inf by the element's place (oracle)
 ]
 
 
@@ -386,6 +387,18 @@ def test_the_oracle_runs_matrix_exp_on_a_contiguous_input():
     with pytest.raises(RuntimeError, match="view size is not compatible"):
         fuzz._chain([step], r, lambda a: a.sharded)
     assert seen == [True, False]
+
+
+def test_the_oracle_settles_gelu_of_inf():
+    """torch's CPU gelu of +inf is nan in its vectorized loop and inf for a lone or strided
+    element (seed 5854495492), so no single answer is torch's; the oracle's step gives inf
+    there, and gelu's value everywhere else."""
+    inf = torch.full((16, 2), float("inf"))
+    assert torch.nn.functional.gelu(inf).isnan().all() and torch.nn.functional.gelu(inf[:, 0]).isinf().all()
+    v = torch.tensor([float("inf"), -float("inf"), float("nan"), 1.0, -2.0] * 4)
+    got = fuzz._gelu_settled(v)
+    assert got[0::5].isposinf().all() and got[2::5].isnan().all()
+    torch.testing.assert_close(got[v.isfinite()], torch.nn.functional.gelu(v[v.isfinite()]))
 
 
 @pytest.mark.parametrize("name", sorted(fuzz._MISREAD_STRIDE_0))

@@ -295,6 +295,14 @@ def _pw(name: str, f: Callable, ok: Callable[[torch.dtype], bool] = lambda d: Tr
     op("pointwise")(make)
 
 
+def _gelu_settled(v: Any) -> Any:
+    """``F.gelu(v)`` with +inf where ``v`` is +inf: torch's CPU kernel gives nan there in its
+    vectorized loop and inf in its scalar one (a length-1 or strided input, a contiguous run's
+    tail), so its answer depends on where the element sits in the tensor. Each device's shard
+    sits elsewhere than in the whole (bool / bool gave inf, then gelu: seed 5854495492)."""
+    return F.gelu(v).where(v != float("inf"), float("inf"))
+
+
 for _n, _f, _ok in [
     ("neg", torch.neg, _num),
     ("abs", torch.abs, lambda d: True),
@@ -315,7 +323,7 @@ for _n, _f, _ok in [
     ("isnan", torch.isnan, lambda d: True),
     ("logical_not", torch.logical_not, lambda d: True),
     ("bitwise_not", torch.bitwise_not, lambda d: not d.is_floating_point and not d.is_complex),
-    ("gelu", F.gelu, _real),
+    ("gelu", lambda v: _gelu_settled(v), _real),
     ("silu", F.silu, _real),
     ("softplus", F.softplus, _real),
     ("x*2", lambda v: v * 2, _num),
