@@ -116,8 +116,18 @@ def test_bad_rules(mesh24, rules, match):
 
 
 def test_unmatched_mode_is_checked(mesh24):
-    with pytest.raises(ValueError, match="unmatched"):
+    with pytest.raises(sf.ShardingError, match="unmatched"):
         sf.nn.shard_params(Block(), [], mesh=mesh24, unmatched="loud")
+
+
+def test_rules_as_a_dict_are_its_items_in_order(mesh24):
+    model = Block()
+    as_dict = sf.nn.shard_params(model, {r"fc1\.weight": P("y"), r"fc1": P("x"), r".*": P()}, mesh=mesh24)
+    as_list = sf.nn.shard_params(model, [(r"fc1\.weight", P("y")), (r"fc1", P("x")), (r".*", P())], mesh=mesh24)
+    assert as_dict["fc1.weight"].spec == P("y") and as_dict["fc1.bias"].spec == P("x")
+    assert {k: v.spec for k, v in as_dict.items()} == {k: v.spec for k, v in as_list.items()}
+    for name, p in model.named_parameters():
+        assert torch.equal(sf.gather(as_dict[name]), p.detach()), name
 
 
 # -- meta materialisation ------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ class _Entry:
 # -- shard_params --------------------------------------------------------------------------------
 
 
-def shard_params(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], rules: Sequence[RuleLike], *,
+def shard_params(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+                 rules: Sequence[RuleLike] | Mapping[Any, Any], *,
                  mesh: Mesh | None = None, key: _random.KeyLike | None = None, dtype: torch.dtype | None = None,
                  unmatched: str = "warn") -> dict[str, ShardedArray]:
     """Shard every parameter and buffer by the first rule whose regex matches its name.
@@ -61,7 +62,8 @@ def shard_params(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], r
     Args:
         module_or_state_dict: a module (its parameters and buffers) or a state dict.
         rules: ``(regex, spec)`` or ``(regex, spec, init)``; ``re.search`` on the dotted
-            name, first match wins. ``spec`` is a P, placements or NamedSharding.
+            name, first match wins. ``spec`` is a P, placements or NamedSharding. A dict
+            ``{regex: spec}`` is the list of its items, in order.
         mesh: the mesh for bare specs (else the current mesh).
         key: the key for initialisers (default: drawn from torch's default generator,
             or the ``sf.random.set_seed`` key). Each tensor uses ``fold_in(key, hash(name))``,
@@ -80,7 +82,7 @@ def shard_params(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], r
     a tensor is a ShardingError naming the tensor, its shape and the spec.
     """
     if unmatched not in ("warn", "ignore", "error"):
-        raise ValueError(f"unmatched={unmatched!r} must be 'warn', 'ignore' or 'error'")
+        raise ShardingError(f"unmatched={unmatched!r} must be 'warn', 'ignore' or 'error'")
     compiled = _compile_rules(rules)
     entries = _entries(module_or_state_dict)
     base_key = _random._key_or_draw(key) if any(e.tensor.is_meta for e in entries) else None
@@ -96,9 +98,12 @@ def shard_params(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], r
     return out
 
 
-def _compile_rules(rules: Sequence[RuleLike]) -> list[_Rule]:
+def _compile_rules(rules: Sequence[RuleLike] | Mapping[Any, Any]) -> list[_Rule]:
+    if isinstance(rules, Mapping):  # {regex: spec}, first match wins in its order (torchtitan's plans are dicts)
+        rules = list(rules.items())
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
-        raise ShardingError(f"rules must be a list of (regex, spec) pairs, got {type(rules).__name__}")
+        raise ShardingError(f"rules must be a list of (regex, spec) pairs or a dict {{regex: spec}}, "
+                            f"got {type(rules).__name__}")
     out = []
     for i, r in enumerate(rules):
         if not isinstance(r, (tuple, list)) or len(r) not in (2, 3):
