@@ -119,3 +119,34 @@ def test_a_compiled_move_to_another_device_raises_the_sharding_error(device_type
     torch._dynamo.reset()
     y = torch.compile(lambda a: a.to(device_type, torch.float64) * 2, backend="eager")(x)  # its own device: compiles
     assert _shards(y) == {(device_type, torch.float64)} and y.spec == x.spec
+
+
+# -- local_map / shard_map outputs ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [4, 5])
+def test_local_map_outputs_move_onto_the_mesh_device(n: int) -> None:
+    """A body's new (CPU) tensors on a meta mesh stayed on the CPU: the output array lived on
+    its meta mesh with every shard on the CPU (shard_map moved them, local_map did not)."""
+    mesh = sf.Mesh((2,), ("x",), backend="local", device_type="meta")
+    x = sf.distribute(torch.randn(n, 3), P("x"), mesh=mesh)
+    y, z = sf.local_map(lambda a: (torch.zeros(a.shape[0], 2), torch.tensor(3)), out_specs=(P("x"), P()),
+                        in_specs=(P("x"),), mesh=mesh)(x)
+    assert _shards(y) == {("meta", torch.float32)} and y.shape == (n, 2) and y.device.type == "meta"
+    assert _shards(z) == {("meta", torch.int64)} and z.shape == ()
+
+
+@pytest.mark.parametrize("transform", ["local_map", "shard_map"])
+def test_devices_returning_different_dtypes_is_a_sharding_error(transform: str) -> None:
+    """Was an array reporting the first device's dtype with a shard of another (float32 over a
+    float64 shard): one array has one dtype."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    x = sf.distribute(torch.randn(5, 3), P("x"), mesh=mesh)
+
+    def body(a: torch.Tensor) -> torch.Tensor:  # the device with 2 rows makes float64
+        return torch.zeros(a.shape[0], 2, dtype=torch.float64 if a.shape[0] == 2 else torch.float32)
+
+    f = (sf.local_map(body, out_specs=P("x"), in_specs=(P("x"),), mesh=mesh) if transform == "local_map"
+         else sf.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    with pytest.raises(sf.ShardingError, match=r"different dtypes \(device 0: torch.float32, device 1: torch.float64\)"):
+        f(x)

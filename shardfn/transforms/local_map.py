@@ -16,7 +16,7 @@ from ..backends.registry import backend_for
 from ..values.errors import ShardingError, ShardingTypeError
 from ..values.graph_calls import graph_call
 from ..values.layout import is_even
-from ..values.mesh import Mesh
+from ..values.mesh import Mesh, to_mesh_device
 from ..values.spec import layout_to_spec
 from . import boundary as B
 from .shard_map.io import _global_shape
@@ -118,5 +118,6 @@ def _local_outputs(outs: list, out_specs: Any, mesh: Mesh, first_only: bool, exc
             results.append(backend_for(mesh).pack_local(column, mesh) if isinstance(column[0], torch.Tensor) else column[0])
             continue
         layout = _layout(s, column[0].dim(), mesh, f"local_map out_specs for {p}")
+        column = [to_mesh_device(o, mesh) for o in column]  # the mesh owns the device: a body's new tensors move there
         results.append(B.ExitParts.apply(layout, _global_shape(p, column, layout, exchange), first_only, *column))
     return optree.tree_unflatten(treespec, results)

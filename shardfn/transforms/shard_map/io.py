@@ -193,6 +193,12 @@ def _global_shape(path: str, outs: list, layout: Layout, exchange: bool = False)
     swap their sizes, for uneven inputs; else the layout is taken to be even)."""
     if any(o.dim() != outs[0].dim() for o in outs):
         raise ShardingError(f"shard_map {path}: devices returned tensors of different ranks")
+    dtypes = {o.dtype for o in outs}
+    if len(dtypes) > 1:  # one array has one dtype: its shards' differing was an array that misreports it
+        named = ", ".join(f"device {i}: {o.dtype}" for i, o in enumerate(outs) if o.dtype != outs[0].dtype)
+        raise ShardingError(
+            f"{path}: devices returned tensors of different dtypes (device 0: {outs[0].dtype}, {named}); every "
+            f"device's output must have one dtype: cast them alike (e.g. .to({outs[0].dtype}))")
     try:
         return backend_for(layout.mesh).output_shape(B.first_replicas(outs, layout), layout, exchange)
     except ShardingError as e:
