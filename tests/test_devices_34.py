@@ -150,3 +150,24 @@ def test_devices_returning_different_dtypes_is_a_sharding_error(transform: str) 
          else sf.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     with pytest.raises(sf.ShardingError, match=r"different dtypes \(device 0: torch.float32, device 1: torch.float64\)"):
         f(x)
+
+
+# -- found by the op sweep on CPU and meta meshes ------------------------------------------------
+
+
+@pytest.mark.parametrize(("shapes", "spec"), [
+    (((1, 3), (5, 3)), P("x")), (((5, 3), (1, 3)), P("x")), (((5, 1, 3), (5, 4, 3)), P("x")),
+    (((5, 1, 3), (5, 4, 3)), P(None, "x")), (((1, 4, 3), (5, 1, 3)), P("x")), (((1, 4, 3), (5, 1, 3)), P(None, "x")),
+], ids=str)
+def test_cross_of_a_broadcast_dim_sharded_equals_torch(shapes: tuple, spec: P) -> None:
+    """linalg_cross broadcasts a size-1 dim; its rule (the along-a-dim family) split that dim like
+    the output's, so the input's piece on device 1 was empty beside the other's rows: 'The size of
+    tensor a (0) must match the size of tensor b (2)'."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    a, b = (torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes)
+    x, y = (sf.distribute(t.detach(), spec, mesh=mesh).requires_grad_() for t in (a, b))
+    out, want = torch.linalg.cross(x, y), torch.linalg.cross(a, b)
+    torch.testing.assert_close(out.full_tensor(), want)
+    got = torch.autograd.grad((out * out).sum(), (x, y))
+    for g, w in zip(got, torch.autograd.grad((want * want).sum(), (a, b))):
+        torch.testing.assert_close(g.full_tensor(), w)

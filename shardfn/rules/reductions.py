@@ -158,7 +158,14 @@ class AlongDim:
             (ls if m.dim() == ndim else (None,) * m.dim()) if isinstance(m, torch.Tensor) else None
             for m in call.out_metas
         )
-        spec = Dims((ls,) * len(call.arrays), outs)
+        # an input's dim of size 1 that the op broadcasts (``linalg_cross(a[1, 3], b[5, 3])``) is
+        # whole: split like the output's, its pieces were empty beside the other input's rows
+        out = next((tuple(m.shape) for m in call.out_metas if isinstance(m, torch.Tensor) and m.dim() == ndim), None)
+        ins = tuple(
+            tuple(None if out is not None and n == 1 != out[i] else L for i, (n, L) in enumerate(zip(shape, ls)))
+            for shape in call.shapes
+        )
+        spec = Dims(ins, outs)
         return compile_dims(call, spec)
 
 
