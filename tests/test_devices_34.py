@@ -171,3 +171,33 @@ def test_cross_of_a_broadcast_dim_sharded_equals_torch(shapes: tuple, spec: P) -
     got = torch.autograd.grad((out * out).sum(), (x, y))
     for g, w in zip(got, torch.autograd.grad((want * want).sum(), (a, b))):
         torch.testing.assert_close(g.full_tensor(), w)
+
+
+@pytest.mark.parametrize(("dtype", "wdtype"), [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float32)], ids=str)
+def test_layer_norm_statistics_on_a_cpu_mesh_have_the_cpu_kernels_dtype(dtype: torch.dtype, wdtype: torch.dtype) -> None:
+    """The CPU kernel returns a bfloat16 input's mean and rstd in bfloat16, its meta kernel (CUDA's
+    rule) in float32: on a CPU mesh the arrays reported float32 over bfloat16 shards."""
+    mesh = sf.Mesh((2,), ("x",), backend="local")
+    x, w = torch.randn(4, 2, 3, dtype=dtype), torch.randn(3, dtype=wdtype)
+    want = torch.native_layer_norm(x, (3,), w, None, 1e-5)
+    for spec in (P("x"), P(None, "x"), P()):
+        out = torch.native_layer_norm(sf.distribute(x, spec, mesh=mesh), (3,), sf.distribute(w, P(), mesh=mesh), None, 1e-5)
+        for o, t in zip(out, want):
+            assert o.dtype == t.dtype and _shards(o) == {("cpu", t.dtype)}
+            torch.testing.assert_close(o.full_tensor(), t)
+    # through autograd: values and gradients against torch's
+    xs = sf.distribute(x, P("x"), mesh=mesh).requires_grad_()
+    xt = x.clone().requires_grad_()
+    y, yt = torch.nn.functional.layer_norm(xs, (3,)), torch.nn.functional.layer_norm(xt, (3,))
+    torch.testing.assert_close(y.full_tensor(), yt)
+    (g,), (gt,) = torch.autograd.grad(y.float().pow(2).sum(), (xs,)), torch.autograd.grad(yt.float().pow(2).sum(), (xt,))
+    assert g.dtype == gt.dtype and _shards(g) == {("cpu", dtype)}
+    torch.testing.assert_close(g.full_tensor(), gt, rtol=2e-2, atol=2e-2)
+    # under torch.compile the traced statistics are typed as the run's
+    torch._dynamo.reset()
+    stats = torch.compile(lambda a: torch.native_layer_norm(a, (3,), None, None, 1e-5)[1] * 2, backend="aot_eager")(
+        sf.distribute(x, P("x"), mesh=mesh))
+    plain = torch.native_layer_norm(x, (3,), None, None, 1e-5)[1] * 2
+    assert stats.dtype == plain.dtype and _shards(stats) == {("cpu", plain.dtype)}
+    torch.testing.assert_close(stats.full_tensor(), plain)

@@ -109,20 +109,34 @@ _ON_CPU: dict[Any, tuple[Callable[[tuple], bool], Callable[[tuple, Any], Any]]] 
 
 # ops whose CPU kernels type their outputs otherwise than their meta kernels (CUDA's rules):
 # batch norm saves the statistics of a float16 input with float16 parameters in float16
-# (meta: float32), and its functional form returns the running statistics in their own dtype
+# (meta: float32), and its functional form returns the running statistics in their own dtype;
+# layer norm's CPU kernel returns the mean and rstd of a bfloat16 / float16 input in its dtype
 _TYPED_BY_KERNEL = frozenset({
     aten.native_batch_norm.default, aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
     aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
+    aten.native_layer_norm.default,
 })
+
+
+def _channel_stand_in(v: Any) -> Any:
+    """One channel of a batch norm argument: (2, 1) for 2 dims or more (two values to normalise), (1,) else."""
+    return torch.ones((2, 1) if v.dim() >= 2 else (1,), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
+
+
+def _unit_stand_in(v: Any) -> Any:
+    """An argument with every size 1: a tensor of its rank, a list of sizes (``normalized_shape``) of ones."""
+    if isinstance(v, torch.Tensor):
+        return torch.ones((1,) * v.dim(), dtype=v.dtype)
+    if isinstance(v, (list, tuple)) and v and all(isinstance(n, (int, torch.SymInt)) for n in v):
+        return [1] * len(v)
+    return v
 
 
 def kernel_dtypes(func: Any, args: tuple, kwargs: dict) -> list[torch.dtype] | None:
     """The dtypes torch's CPU kernel gives ``func``'s outputs for these arguments' dtypes: the
-    kernel on one-channel stand-ins ((2, 1) for an input of 2 dims or more, (1,) otherwise);
-    None where the stand-ins are refused (the real arguments' own error comes from the kernel)."""
-    def stand_in(v: Any) -> Any:
-        return torch.ones((2, 1) if v.dim() >= 2 else (1,), dtype=v.dtype) if isinstance(v, torch.Tensor) else v
-
+    kernel on small stand-ins (batch norm: one channel; layer norm: every size 1); None where
+    the stand-ins are refused (the real arguments' own error comes from the kernel)."""
+    stand_in = _unit_stand_in if func is aten.native_layer_norm.default else _channel_stand_in
     out = _kernel_on_stand_ins(func, args, kwargs, stand_in)
     return None if out is None else [o.dtype for o in out]
 
