@@ -102,8 +102,7 @@ def test_an_int_device_on_a_cpu_or_meta_mesh_is_a_sharding_error(device_type: st
         assert _shards(x) == {(device_type, torch.float32)}  # nothing changed
 
 
-@pytest.mark.parametrize("ndim", [2, 3])
-@pytest.mark.parametrize("device_type", ["cpu", "meta"])
+@pytest.mark.parametrize(("device_type", "ndim"), [("cpu", 2), ("meta", 3)])  # a method's check, the hook's
 def test_a_compiled_move_to_another_device_raises_the_sharding_error(device_type: str, ndim: int) -> None:
     """Raised from a Python method (``x.to``, ``x.new_zeros``; a 3-d array's torch-function hook)
     in Dynamo's fake run, the ShardingError became a TorchRuntimeError: ``except ShardingError``
