@@ -200,3 +200,51 @@ def test_layer_norm_statistics_on_a_cpu_mesh_have_the_cpu_kernels_dtype(dtype: t
     plain = torch.native_layer_norm(x, (3,), None, None, 1e-5)[1] * 2
     assert stats.dtype == plain.dtype and _shards(stats) == {("cpu", plain.dtype)}
     torch.testing.assert_close(stats.full_tensor(), plain)
+
+
+# -- the cast matrix: every spelling, dtypes of every kind, uneven shards, 0-d -------------------
+
+_CASTS = {
+    "to(dtype)": lambda a, dt, dev: a.to(dt),
+    "to(device, dtype)": lambda a, dt, dev: a.to(dev, dt, non_blocking=True),
+    "to(tensor)": lambda a, dt, dev: a.to(torch.empty(0, dtype=dt, device=dev)),
+    "type_as": lambda a, dt, dev: a.type_as(torch.empty(0, dtype=dt, device=dev)),
+    "_to_copy": lambda a, dt, dev: torch.ops.aten._to_copy(a, dtype=dt, device=torch.device(dev), layout=torch.strided),
+}
+
+
+def _values(dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 3
+    return t > 0 if dtype == torch.bool else torch.complex(t, -t).to(dtype) if dtype.is_complex else t.to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore:Casting complex values to real")  # torch's, sharded and plain alike
+@pytest.mark.parametrize("device_type", ["cpu", "meta"])
+@pytest.mark.parametrize("src", [torch.float32, torch.int64, torch.bool, torch.complex64], ids=str)
+def test_casts_keep_every_shard_on_the_mesh_device_and_match_torch(device_type: str, src: torch.dtype) -> None:
+    """A mesh larger than the dim (8 devices, 5 rows: empty shards) and a 0-d array; each shard's
+    device and dtype, the layout, and (CPU) the values against torch's cast of the whole."""
+    mesh = sf.Mesh((8,), ("x",), backend="local", device_type=device_type)
+    for shape, spec in (((5, 3), P("x")), ((), P())):
+        t = _values(src, shape)
+        x = sf.distribute(t, spec, mesh=mesh)
+        for dst in (torch.float64, torch.bfloat16, torch.int32, torch.bool, torch.complex128):
+            for name, cast in _CASTS.items():
+                y, want = cast(x, dst, device_type), cast(t, dst, "cpu")
+                assert y.dtype == want.dtype and y.spec == spec and y.device.type == device_type, name
+                assert _shards(y) == {(device_type, want.dtype)}, name
+                if device_type == "cpu":
+                    torch.testing.assert_close(y.full_tensor(), want, msg=name)
+
+
+@pytest.mark.parametrize(("src", "dst"), [(torch.bfloat16, torch.float64), (torch.float64, torch.float16),
+                                          (torch.float32, torch.complex64)], ids=str)
+def test_gradients_through_a_cast_reach_a_plain_source_with_its_dtype(src: torch.dtype, dst: torch.dtype) -> None:
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    t = torch.randn(5, 3, dtype=src, requires_grad=True)
+    w = torch.randn(5, 3).to(dst)
+    y = sf.distribute(t, P("dp", "tp"), mesh=mesh).to(dst)
+    (g,) = torch.autograd.grad((y * sf.distribute(w, P("tp"), mesh=mesh)).abs().sum().full_tensor(), (t,))
+    (want,) = torch.autograd.grad((t.to(dst) * w).abs().sum(), (t,))
+    assert type(g) is torch.Tensor and g.dtype == src and g.device.type == "cpu"
+    torch.testing.assert_close(g, want, rtol=1e-2, atol=1e-2)
