@@ -18,6 +18,7 @@ started again from the next seed.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import hashlib
 import json
 import multiprocessing as mp
@@ -292,6 +293,7 @@ def _worker(rank: int, port: int, first: int, limit: int | None, deadline: float
     log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    faulthandler.enable()  # a rank killed by a signal (SIGFPE, SIGSEGV) logs its Python stack
     torch.set_num_threads(1)
     sf_dist.configure(timeout=COLLECTIVE_TIMEOUT)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,

@@ -225,17 +225,33 @@ def with_locals(args: tuple, positional: tuple, index: Any = None) -> list:
     return a
 
 
-def empty_outputs(cand: Any, out_shapes: Sequence[Any]) -> dict[int, list]:
+def empty_outputs(cand: Any, out_shapes: Sequence[Any], metas: Sequence[Any] | None = None) -> dict[int, list]:
     """Per device: its local output shapes where every output is an array with no elements
     there while the global outputs have some (an empty shard of a valid call: nothing to
     compute, and kernels may reject the empty piece; an empty global output keeps torch's
-    checks, e.g. of indices). Devices not listed compute their outputs."""
+    checks, e.g. of indices). An output the op leaves undefined (``metas``: None there, a
+    backward's gradient nobody asked for) is None. Devices not listed compute their outputs."""
     layouts = cand.out_layouts
-    if not (layouts and all(layout is not None for layout in layouts)
-            and all(0 not in tuple(shape) for shape in out_shapes)):
+    if not layouts:
         return {}
-    local = [local_shapes(layout, tuple(shape)) for layout, shape in zip(layouts, out_shapes)]
-    return {dev: list(shapes) for dev, shapes in enumerate(zip(*local)) if all(0 in sh for sh in shapes)}
+    arrays = [i for i, layout in enumerate(layouts) if layout is not None]
+    undefined = [i for i, layout in enumerate(layouts)
+                 if layout is None and metas is not None and len(metas) == len(layouts) and metas[i] is None]
+    if not arrays or len(arrays) + len(undefined) != len(layouts) \
+            or any(out_shapes[i] is None or 0 in tuple(out_shapes[i]) for i in arrays):
+        return {}
+    local = {i: local_shapes(layouts[i], tuple(out_shapes[i])) for i in arrays}
+    devices = range(len(local[arrays[0]]))
+    return {dev: [local[i][dev] if i in local else None for i in range(len(layouts))]
+            for dev in devices if all(0 in local[i][dev] for i in arrays)}
+
+
+def skips_empty(func: Any) -> bool:
+    """Whether a device whose outputs are all empty (``empty_outputs``) skips ``func``'s kernel: a
+    functional op whose outputs alias no input. A kernel handed the empty piece may reject it, or
+    crash the process: CPU ``native_batch_norm_backward`` of no channel divides by zero (SIGFPE)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
 def raw_op(fn: Any) -> Any:

@@ -38,7 +38,7 @@ from ..plans.planner import Step
 from ..values.errors import ShardingError
 from ..values.layout import Layout, describe, local_shapes
 from ..values.mesh import Mesh
-from .device_call import DeviceCall, call_is_complex, empty_outputs, raw_op, substitute, with_locals
+from .device_call import DeviceCall, call_is_complex, empty_outputs, raw_op, skips_empty, substitute, with_locals
 from .dist_collectives import CollectiveError as CollectiveError  # documented here (docs/dist.md)
 from .dist_collectives import _all_gather_single, dense, pin_in_real_trace, run_collective
 from .dist_groups import Group as Group
@@ -237,9 +237,11 @@ class RankCall:
         # outputs are not (as the local backend: nothing to compute, and a kernel may reject
         # the empty piece), with their dtypes
         metas = getattr(call, "out_metas", None) or ()
-        typed = len(metas) == len(cand.out_layouts or ()) and all(isinstance(m, torch.Tensor) for m in metas)
-        empty = empty_outputs(cand, out_shapes) if typed else {}
-        self.empty = [(sh, m.dtype) for sh, m in zip(empty[self.rank], metas)] if self.rank in empty else None
+        typed = len(metas) == len(cand.out_layouts or ()) and all(m is None or isinstance(m, torch.Tensor) for m in metas)
+        empty = empty_outputs(cand, out_shapes, metas) if typed else {}
+        self.empty = [None if sh is None else (sh, m.dtype) for sh, m in zip(empty[self.rank], metas)] \
+            if self.rank in empty else None
+        self.skip_empty = self.empty is not None and skips_empty(func)  # not called: see ``empty_outputs``
         # the same decision on every rank: whether any rank's outputs are all empty
         raises = _raises_on_values(func, call) or _empty_on_some(cand, call) or bool(empty)
         self.mesh = call.mesh if call.mesh.size > 1 and raises else None
@@ -260,10 +262,16 @@ class RankCall:
         return self._run(a, k)
 
     def _run(self, a: tuple, k: dict) -> list:
+        if self.skip_empty:
+            return self._empties()
         if self.direct is not None:
             out = self.direct(*a, **k)
             return list(out) if isinstance(out, (tuple, list)) else [out]
         return self.device_call(a, k, self.rank)
+
+    def _empties(self) -> list:
+        """This rank's outputs where they are all empty (``self.empty``; None where undefined)."""
+        return [None if e is None else torch.empty(e[0], dtype=e[1], device=self.mesh.device_type) for e in self.empty]
 
     def _together(self, run: Callable[[], Any], lone: bool = False) -> Any:
         """``run()`` for an op whose kernel raises on some values (an index out of range, an
@@ -279,7 +287,7 @@ class RankCall:
             out, err = None, e
             if self.empty is not None and isinstance(e, (RuntimeError, IndexError, ValueError)) \
                     and not isinstance(e, ShardingError):
-                out, err = [torch.empty(sh, dtype=dt, device=self.mesh.device_type) for sh, dt in self.empty], None
+                out, err = self._empties(), None
                 out = out[0] if lone else out
         n = len(_ERRORS) + 1
         mine = self.rank * n + _error_kind(err) if err is not None else self.mesh.size * n

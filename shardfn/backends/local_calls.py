@@ -12,7 +12,7 @@ import torch
 from ..values.errors import ShardingError
 from ..values.layout import is_even
 from ..values.mesh import Mesh
-from .device_call import DeviceCall, _reshape, call_is_complex, empty_outputs, raw_op, substitute
+from .device_call import DeviceCall, _reshape, call_is_complex, empty_outputs, raw_op, skips_empty, substitute
 from .local_values import SHARES, batch_consistent, device_view, from_parts, full, settle
 from .view_replay import plain
 
@@ -274,16 +274,19 @@ class PerDeviceCall:
                                       range(call.mesh.size), call_is_complex(call))
         self.keeps_symbolic = even and cand.local_fn is None and not cand.facts
         self.layouts, self.out_shapes, self.positional = cand.out_layouts, list(out_shapes), positional
-        self.empty = empty_outputs(cand, out_shapes)  # where a kernel rejecting the empty piece is forgiven
+        # devices whose outputs are all empty: not called (a functional op), else a kernel rejecting
+        # the empty piece is forgiven there
+        self.empty = empty_outputs(cand, out_shapes, getattr(call, "out_metas", None))
+        self.skip_empty = bool(self.empty) and skips_empty(func)
 
     def __call__(self, args: tuple, kwargs: dict, values: dict, symbolic: bool = False) -> list:
         mesh = self.mesh
         per_dev: list = []
         failed = None
         symbolic = symbolic and self.keeps_symbolic
-        traced = bool(self.empty) and _traced(values)
+        skip = bool(self.empty) and (self.skip_empty or _traced(values))
         for dev in range(mesh.size):
-            if traced and dev in self.empty:
+            if skip and dev in self.empty:
                 per_dev.append(None)  # (filled below, as a forgiven kernel's are)
                 continue
             a, k = substitute(args, kwargs, values, self.positional, lambda v, dev=dev: device_view(v, mesh, dev))
@@ -294,11 +297,11 @@ class PerDeviceCall:
                     raise
                 per_dev.append(None)  # filled below with empty outputs of another device's dtypes
                 failed = e
-        if failed is not None or traced:
+        if failed is not None or skip:
             like = next((o for o in per_dev if o is not None), None)
             if like is None and failed is not None:
                 raise failed
-            per_dev = [o if o is not None else [torch.empty(sh, dtype=t.dtype, device=t.device)
+            per_dev = [o if o is not None else [None if sh is None else torch.empty(sh, dtype=t.dtype, device=t.device)
                                                 for sh, t in zip(self.empty[dev], like)]
                        for dev, o in enumerate(per_dev)]
         out = []
