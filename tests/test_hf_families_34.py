@@ -21,7 +21,18 @@ adds one scalar all_reduce):
   only): Megatron's counts under autograd, (2, 4) per layer, and for MiniMax's two layers
   forward 1 + (1 + 1 small), forward + backward 2 + (2 + 2 small);
   under torch.func the same values and gradients, no fallback (torch's 4-d ``matmul`` composite
-  folds batch and heads: gathered, as eager attention in test_hf_families).
+  folds batch and heads: gathered, as eager attention in test_hf_families);
+- Doge (dynamic mask attention: ``dt_proj`` reads the split value heads, so its output is a
+  pending sum, reduced at its ``softplus``: one small all_reduce per layer forward, as a
+  row-parallel ``dt_proj`` in Megatron; the mask's gradient arrives split by heads and is
+  gathered (small) for the replicated ``dt_proj``, as Megatron's row-parallel backward): under
+  autograd forward (2 + 1) per layer, backward Megatron's 2 + 1 small all_gather, and one
+  all_reduce beyond it: the value gradient through ``dt_proj`` is computed before that gather,
+  as a pending sum (the cost model weighs a pending output at half its reduction), and reduced
+  at the value projection. Under torch.func values and gradients only (SDPA with a float mask:
+  torch's math composite folds batch and heads). Its softplus backward read the forward's
+  pending ``dt_proj`` output split, which reduce-scattered it again (now sliced from the
+  forward's reduction, ``arrays/redistribute._from_reduced``).
 """
 
 from __future__ import annotations
@@ -60,7 +71,10 @@ SEQ = (2, 4)
 MEGATRON = {"internlm3": SEQ, "exaone_moe": SEQ, "afmoe": SEQ, "esm": SEQ, "eurobert": SEQ, "flex_olmo": (3, 6)}
 POST_NORM = {"flex_olmo"}
 # Megatron's counts (whole model) under autograd; under torch.func values and gradients only (module doc)
-AUTOGRAD = {"granite_swa": (2 * LAYERS, 4 * LAYERS + 1), "minimax": (1 + 2, 2 + 4 + 1)}
+AUTOGRAD = {"granite_swa": (2 * LAYERS, 4 * LAYERS + 1), "minimax": (1 + 2, 2 + 4 + 1),
+            "doge": (3 * LAYERS, (3 + 2 + 1) * LAYERS + 1)}
+# all_gather under autograd (forward + backward): Doge's mask gradient for dt_proj (module doc)
+AUTOGRAD_GATHERS = {"doge": LAYERS}
 ENCODERS = ("esm", "eurobert")
 EAGER = ("granite_swa",)  # (attention sinks: no SDPA path)
 
@@ -89,9 +103,11 @@ def test_megatron_counts_values_and_gradients(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(AUTOGRAD))
 def test_megatron_counts_under_autograd(name: str) -> None:
-    """GraniteSWA and MiniMax: Megatron's counts by ``loss.backward()``; under torch.func the
-    same values and gradients, no fallback (module doc)."""
+    """GraniteSWA, MiniMax and Doge: Megatron's counts by ``loss.backward()`` (Doge: one
+    all_reduce more per layer); under torch.func the same values and gradients, no fallback
+    (module doc)."""
     fwd, both = _check(name, "autograd")
     assert dict(fwd.counts) == {"all_reduce": AUTOGRAD[name][0]}, fwd
-    assert dict(both.counts) == {"all_reduce": AUTOGRAD[name][1]}, both
+    gathers = AUTOGRAD_GATHERS.get(name, 0)
+    assert dict(both.counts) == {"all_reduce": AUTOGRAD[name][1], **({"all_gather": gathers} if gathers else {})}, both
     _check(name, "func")

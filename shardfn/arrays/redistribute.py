@@ -178,12 +178,37 @@ def raw_reshard(x: ShardedArray, dst: Layout) -> Any:
         return hit[2]
     value = _via_base(x, dst)
     if value is None:
+        value = _from_reduced(x, dst, cache)
+    if value is None:
         value = _execute_reshard(x, dst)
     cache[dst] = (x._local, x._layout, value)
     x._kf = None  # its dispatch key fragment names the reduced forms it has (dispatch._fragment)
     if "_same" in x.__dict__:
         keep_reduction(x, dst, value)
     return value
+
+
+def _from_reduced(x: ShardedArray, dst: Layout, cache: dict) -> Any:
+    """``x`` as ``dst`` moved from a reduction of ``x`` already at hand, where that moves less
+    than reducing ``x`` again (None otherwise): a pending value reduced to a replicated layout
+    by one op and read split by another (a forward's ``softplus`` of a row-parallel output
+    reads it whole, its backward split like the heads' gradient) is sliced locally, as
+    dispatch's costs assume (``entries._cost``: a reduction at hand is a free source), rather
+    than reduce-scattered again."""
+    shape = tuple(x.shape)
+    try:
+        hash(shape)
+    except TypeError:  # symbolic sizes: the direct move
+        return None
+    direct = _plan(x._layout, dst, shape, x.dtype)
+    best, best_cost = None, (direct.collectives, direct.bytes_per_device)
+    for form, (local, layout, value) in list(cache.items()):
+        if local is not x._local or layout != x._layout or form.partial:
+            continue
+        plan = _plan(form, dst, shape, x.dtype)
+        if (plan.collectives, plan.bytes_per_device) < best_cost:
+            best, best_cost = (plan, value), (plan.collectives, plan.bytes_per_device)
+    return None if best is None else execute(best[0], best[1], shape)
 
 
 def note_derived(func: Any, base: ShardedArray, rest: tuple, kwargs: dict, out: Any) -> None:
