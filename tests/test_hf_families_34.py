@@ -32,10 +32,18 @@ adds one scalar all_reduce):
   at the value projection. Under torch.func values and gradients only (SDPA with a float mask:
   torch's math composite folds batch and heads). Its softplus backward read the forward's
   pending ``dt_proj`` output split, which reduce-scattered it again (now sliced from the
-  forward's reduction, ``arrays/redistribute._from_reduced``).
+  forward's reduction, ``arrays/redistribute._from_reduced``);
+- RecurrentGemma (recurrent blocks replicated, MLPs split): (1, 2) under autograd against the
+  unsharded model under autograd (its own autograd.Function cannot run under torch.func).
+
+Not here (values and gradients equal unsharded under torch.func when checked, but each takes
+20-140 s on CPU, their reference recurrences in Python): Qwen3-Next, Jamba, Falcon-H1,
+OLMo-hybrid.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -43,7 +51,7 @@ import torch
 import shardfn as sf
 from shardfn import P
 
-from _hf_common import check_family
+from _hf_common import check_family, close, logits, make_loss, sharded_loss_and_grads
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,3 +119,35 @@ def test_megatron_counts_under_autograd(name: str) -> None:
     gathers = AUTOGRAD_GATHERS.get(name, 0)
     assert dict(both.counts) == {"all_reduce": AUTOGRAD[name][1], **({"all_gather": gathers} if gathers else {})}, both
     _check(name, "func")
+
+
+def test_recurrent_gemma_mlp_parallel_under_autograd() -> None:
+    """RecurrentGemma (two recurrent RG-LRU blocks, replicated; their MLPs column/row-parallel):
+    Megatron's MLP-only counts (1, 2) per layer by ``loss.backward()``, values and gradients
+    equal the unsharded model's by ``loss.backward()``, no fallback. (Neither plain torch nor
+    shardfn runs it under torch.func: its ``SqrtBoundDerivative`` autograd.Function has no
+    setup_context, so ``check_family``'s torch.func reference cannot be used.)"""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_tiny("recurrent_gemma"), attn_implementation="sdpa").eval()
+    mesh = sf.Mesh((2, 2), ("dp", "tp"), backend="local")
+    params = sf.nn.shard_params(model, RULES, mesh=mesh, unmatched="ignore")
+    plain = {n: t.detach().clone().requires_grad_() for n, t in model.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(5, VOCAB, (4, 8), generator=g), torch.randint(0, VOCAB, (4, 8), generator=g)
+    loss_fn = make_loss(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sf.debug.CommCounter() as fwd:
+            out = logits(model, params, sf.distribute(ids, P("dp"), mesh=mesh))
+        with sf.debug.CommCounter() as both:
+            loss, grads = sharded_loss_and_grads(loss_fn, params, sf.distribute(ids, P("dp"), mesh=mesh),
+                                                 sf.distribute(labels, P("dp"), mesh=mesh), "autograd")
+    assert dict(fwd.counts) == {"all_reduce": LAYERS}, fwd
+    assert dict(both.counts) == {"all_reduce": 2 * LAYERS + 1}, both
+    close(out, logits(model, plain, ids))
+    want, want_grads = sharded_loss_and_grads(loss_fn, plain, ids, labels, "autograd")
+    close(loss, want)
+    assert {n for n, v in grads.items() if v is not None} == {n for n, v in want_grads.items() if v is not None}
+    for n, v in want_grads.items():
+        if v is not None:
+            close(grads[n], v)
