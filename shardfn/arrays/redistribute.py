@@ -195,6 +195,10 @@ def _from_reduced(x: ShardedArray, dst: Layout, cache: dict) -> Any:
     reads it whole, its backward split like the heads' gradient) is sliced locally, as
     dispatch's costs assume (``entries._cost``: a reduction at hand is a free source), rather
     than reduce-scattered again."""
+    at_hand = [(form, value) for form, (local, layout, value) in list(cache.items())
+               if local is x._local and layout == x._layout and not form.partial]
+    if not at_hand:  # (no reduction at hand: the usual case, nothing to plan)
+        return None
     shape = tuple(x.shape)
     try:
         hash(shape)
@@ -202,9 +206,7 @@ def _from_reduced(x: ShardedArray, dst: Layout, cache: dict) -> Any:
         return None
     direct = _plan(x._layout, dst, shape, x.dtype)
     best, best_cost = None, (direct.collectives, direct.bytes_per_device)
-    for form, (local, layout, value) in list(cache.items()):
-        if local is not x._local or layout != x._layout or form.partial:
-            continue
+    for form, value in at_hand:
         plan = _plan(form, dst, shape, x.dtype)
         if (plan.collectives, plan.bytes_per_device) < best_cost:
             best, best_cost = (plan, value), (plan.collectives, plan.bytes_per_device)
