@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -289,15 +290,21 @@ def _meta(t: object) -> object:
     return tuple(t.shape), tuple(s if n > 1 else None for s, n in zip(t.stride(), t.shape)), t.dtype, t.device.type
 
 
+def _distributed(c: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Any) -> tuple:
+    """q, k, v and the bias laid out as the draw ``c`` says."""
+    mesh = c["mesh"]
+    kv = (sf.distribute(t, c["kv_spec"], mesh=mesh) for t in (k, v))
+    return (sf.distribute(q, c["q_spec"], mesh=mesh), *kv,
+            None if bias is None else sf.distribute(bias, c["bias_spec"], mesh=mesh))
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_sdpa_kernels_on_meta_meshes_match_torchs_meta_kernels(seed: int) -> None:
     c = _draw(seed, values=False)
     q, k, v, bias, grad = _tensors(c, "meta")
     want, wgrads = _run(c, q, k, v, bias, grad)
     mesh = c["mesh"]
-    qs = sf.distribute(q, c["q_spec"], mesh=mesh)
-    ks, vs = (sf.distribute(t, c["kv_spec"], mesh=mesh) for t in (k, v))
-    bs = None if bias is None else sf.distribute(bias, c["bias_spec"], mesh=mesh)
+    qs, ks, vs, bs = _distributed(c, q, k, v, bias)
     with NoFallback(), sf.debug.CommCounter() as cc:
         got, grads = _run(c, qs, ks, vs, bs, sf.distribute(grad, c["q_spec"], mesh=mesh))
     assert [_meta(t) for t in got] == [_meta(t) for t in want]
@@ -317,9 +324,7 @@ def test_sdpa_kernels_values_equal_unsharded_in_any_layout(seed: int, cpu_kernel
     q, k, v, bias, grad = _tensors(c, "cpu")
     want, wgrads = _run(c, q, k, v, bias, grad)
     mesh = c["mesh"]
-    qs = sf.distribute(q, c["q_spec"], mesh=mesh)
-    ks, vs = (sf.distribute(t, c["kv_spec"], mesh=mesh) for t in (k, v))
-    bs = None if bias is None else sf.distribute(bias, c["bias_spec"], mesh=mesh)
+    qs, ks, vs, bs = _distributed(c, q, k, v, bias)
     with NoFallback():
         got, grads = _run(c, qs, ks, vs, bs, sf.distribute(grad, c["g_spec"], mesh=mesh))
     for i in (0, 1):  # output, logsumexp

@@ -262,7 +262,10 @@ class RankCall:
         return self._run(a, k)
 
     def _run(self, a: tuple, k: dict) -> list:
-        if self.skip_empty:
+        # (traced, every rank records the call: a rank whose graph lacks it may have its collectives
+        # placed otherwise by the partitioner, a backward one moved into the forward, and the ranks'
+        # collectives then disagree; the real kernel later runs on the empty piece, as before)
+        if self.skip_empty and not (_tracing() or _proxy_tracing()):
             return self._empties()
         if self.direct is not None:
             out = self.direct(*a, **k)
