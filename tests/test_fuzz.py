@@ -399,6 +399,12 @@ def test_the_oracle_settles_gelu_of_inf():
     got = fuzz._gelu_settled(v)
     assert got[0::5].isposinf().all() and got[2::5].isnan().all()
     torch.testing.assert_close(got[v.isfinite()], torch.nn.functional.gelu(v[v.isfinite()]))
+    # finite values: torch's two loops are up to 0.2% apart near the zero crossing (dist seed
+    # 5863046631); the settled step gives one answer wherever the element sits
+    t = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    whole = fuzz._gelu_settled(t)
+    alone = torch.cat([fuzz._gelu_settled(t[i:i + 1]) for i in range(t.numel())])
+    assert torch.equal(whole, alone) and whole.dtype == torch.float32
 
 
 @pytest.mark.parametrize("name", sorted(fuzz._MISREAD_STRIDE_0))

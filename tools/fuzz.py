@@ -296,11 +296,14 @@ def _pw(name: str, f: Callable, ok: Callable[[torch.dtype], bool] = lambda d: Tr
 
 
 def _gelu_settled(v: Any) -> Any:
-    """``F.gelu(v)`` with +inf where ``v`` is +inf: torch's CPU kernel gives nan there in its
-    vectorized loop and inf in its scalar one (a length-1 or strided input, a contiguous run's
-    tail), so its answer depends on where the element sits in the tensor. Each device's shard
-    sits elsewhere than in the whole (bool / bool gave inf, then gelu: seed 5854495492)."""
-    return F.gelu(v).where(v != float("inf"), float("inf"))
+    """``F.gelu(v)`` computed in float64 and rounded back, with +inf where ``v`` is +inf. torch's CPU
+    kernel answers by where the element sits in the tensor (its vectorized loop, or its scalar one
+    for a lone or strided element or a run's tail): nan or inf for +inf (bool / bool gave inf, then
+    gelu: seed 5854495492), and up to 0.2% apart near its zero crossing, which a reciprocal then
+    makes large (dist seed 5863046631: each rank's shard sits elsewhere than in the whole). In
+    float64 the two loops agree to far below a float32's rounding."""
+    wide = v.to(torch.float64) if v.dtype in (torch.float32, torch.float16, torch.bfloat16) else v
+    return F.gelu(wide).to(v.dtype).where(v != float("inf"), float("inf"))
 
 
 for _n, _f, _ok in [
